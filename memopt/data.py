@@ -1,0 +1,100 @@
+"""Token streams and the world-size-independent batch sampler.
+
+Corpora are byte-level: a token is one UTF-8 byte (vocabulary 256), so no tokenizer has to be
+downloaded. ``pydoc`` is the default corpus: the standard library's ``pydoc_data.topics`` (real
+English text that ships with every CPython, ~460 KB).
+
+Batches: the global batch of step s is drawn by a generator seeded with (seed, s) and depends on
+the global batch size alone. Rank r, micro-step m takes rows [(m * W + r) * b, (m * W + r + 1) * b)
+of it, so 2 ranks x micro-batch 4 see exactly the samples of 1 rank x micro-batch 8, and
+grad_accum=4 with micro-batch b sees exactly one batch of 4b.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` config group."""
+
+    name: str = "pydoc"  # pydoc | text_file | synthetic
+    path: str | None = None  # UTF-8 text file for name=text_file
+    val_fraction: float = 0.05  # tail of the corpus held out for evaluation
+    synthetic_tokens: int = 1_000_000  # corpus length for name=synthetic (uniform random bytes)
+
+
+class DataError(ValueError):
+    """A data config that cannot produce batches (missing or empty file, unknown corpus)."""
+
+
+def load_tokens(cfg: DataConfig, seed: int = 0) -> torch.Tensor:
+    """The whole corpus as a 1-D uint8 tensor of byte tokens."""
+    if cfg.name == "pydoc":
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        raw = text.encode("utf-8")
+    elif cfg.name == "text_file":
+        if not cfg.path:
+            raise DataError("data.path is required with data=text_file (e.g. data.path=/path/to/corpus.txt)")
+        path = os.path.expanduser(cfg.path)
+        if not os.path.isfile(path):
+            raise DataError(f"data.path={cfg.path!r}: no such file; give a UTF-8 text file")
+        with open(path, "rb") as f:
+            raw = f.read()
+        if not raw:
+            raise DataError(f"data.path={cfg.path!r}: the file is empty; give a non-empty UTF-8 text file")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"data.path={cfg.path!r}: not valid UTF-8 ({e})") from None
+    elif cfg.name == "synthetic":
+        g = torch.Generator().manual_seed(seed + 12345)
+        return torch.randint(0, 256, (cfg.synthetic_tokens,), generator=g, dtype=torch.uint8)
+    else:
+        raise DataError(f"data.name={cfg.name!r} is not one of: pydoc, text_file, synthetic")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+class TokenBatches:
+    """Random (input, target) windows from a train/validation split of one token stream."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, val_fraction: float, seed: int):
+        n_val = int(len(tokens) * val_fraction)
+        self.train = tokens[: len(tokens) - n_val]
+        self.val = tokens[len(tokens) - n_val :]
+        self.seq_len = seq_len
+        self.seed = seed
+        for split, t in (("train", self.train), ("validation", self.val)):
+            if len(t) < seq_len + 1 and (split == "train" or n_val > 0):
+                raise DataError(
+                    f"the {split} split has {len(t)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
+                    "use a larger corpus, a smaller model.seq_len or data.val_fraction"
+                )
+
+    def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]  # (N, T+1)
+        w = data[idx].long()
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (N, T) inputs, (N, T) next-token targets
+
+    def global_batch(self, step: int, size: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``size`` samples of global step ``step``: a function of (seed, step, size, split) only."""
+        data = self.train if split == "train" else self.val
+        salt = 0 if split == "train" else 0x5EED
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 7919 + salt) % (2**63))
+        starts = torch.randint(0, len(data) - self.seq_len, (size,), generator=g)
+        return self._windows(data, starts)
+
+    def micro_batch(self, step: int, micro: int, rank: int, world: int, micro_bs: int, grad_accum: int):
+        """Rank ``rank``'s share of micro-step ``micro`` of global step ``step``."""
+        x, y = self.global_batch(step, micro_bs * world * grad_accum)
+        lo = (micro * world + rank) * micro_bs
+        return x[lo : lo + micro_bs], y[lo : lo + micro_bs]
+
+    def eval_batches(self, n_batches: int, batch_size: int):
+        """A fixed list of held-out batches (the same at every evaluation)."""
+        return [self.global_batch(i, batch_size, split="val") for i in range(n_batches)]

@@ -1,0 +1,669 @@
+"""FlashAttention (Dao et al., 2022) forward and backward as Triton kernels.
+
+Why this exists (memory)
+------------------------
+Plain attention ``softmax(Q K^T * scale + mask) V`` materialises the
+(B, H, Nq, Nk) score and probability matrices and autograd keeps them for the
+backward pass, so the bytes saved per attention layer grow as O(N^2) with the
+sequence length N.  FlashAttention never materialises them: the forward pass
+streams key/value tiles through on-chip memory with an *online softmax*
+(running max ``m`` and running normaliser ``l`` per query row, fp32
+accumulation), and the backward pass *recomputes* the probabilities tile by
+tile from Q, K and the per-row log-sum-exp (LSE).  What is saved for backward
+is therefore only ``q, k, v, O`` (each O(N*D)) and ``LSE`` (fp32, O(N)):
+O(N) bytes instead of O(N^2).  Doubling N doubles the saved bytes instead of
+quadrupling them.
+
+Kernels
+-------
+* ``_flash_fwd_kernel``: one program per (query block, batch*head).  Loops
+  over key blocks (only up to the diagonal when causal), keeps ``m``, ``l`` and
+  the fp32 output accumulator in registers, writes ``O`` (input dtype) and
+  ``LSE`` (fp32, natural log).  Exponentials are computed with ``exp2`` on
+  scores pre-multiplied by ``scale * log2(e)``.
+* ``_flash_bwd_preprocess_kernel``: ``delta_i = sum_d dO_id * O_id`` (fp32),
+  which equals ``sum_j P_ij dP_ij`` and is needed by the softmax backward
+  ``dS = P * (dP - delta)``.
+* ``_flash_bwd_dkdv_kernel``: one program per (key block, batch*head); loops
+  over query blocks (for causal, only those at or below the diagonal) and
+  accumulates ``dV = P^T dO`` and ``dK = scale * dS^T Q`` in fp32.
+* ``_flash_bwd_dq_kernel``: one program per (query block, batch*head); loops
+  over key blocks and accumulates ``dQ = scale * dS K`` in fp32.
+
+The backward uses two kernels (dK/dV, then dQ) rather than one fused kernel
+with atomic adds on dQ: each output element is written by exactly one
+program, so results are deterministic, no zero-initialised fp32 scratch buffer
+is needed, and the price (P recomputed twice) is the same trade the Triton
+tutorial and FlashAttention-2 make.  Unlike the tutorial's backward (which
+bakes in the causal structure, and whose non-causal path is wrong), both
+kernels here derive their loop bounds and masks from ``CAUSAL``, ``N_Q`` and
+``N_K`` separately, so non-causal attention with ``Nq != Nk`` is correct.
+Causal attention uses the top-left aligned mask (query ``i`` sees keys
+``j <= i``) and requires ``Nq == Nk``.
+
+Every load/store goes through explicit pointer arithmetic with the strides of
+each tensor and boundary masks (``tl.make_block_ptr`` is not used), so any
+sequence length (1, 17, 200, ...) and any strided layout work.  Head dims are
+16, 32, 64 or 128 (a tile spans the whole head dim, so no head-dim masking).
+
+Devices
+-------
+On CUDA, block sizes are autotuned (``triton.autotune``) over a few configs
+pruned per head dim.  Under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before this module is imported; CPU tensors) or with
+``MEMOPT_FLASH_NO_AUTOTUNE=1`` fixed blocks are used.  Triton's interpreter
+cannot compute bf16 ``tl.dot`` (it multiplies the raw bit patterns), so bf16 is
+rejected under the interpreter and is GPU-only.  There is deliberately no
+silent fallback to PyTorch SDPA: if the kernel cannot run, a clear error is
+raised.
+
+Numerics: fp16/bf16/fp32 inputs, fp32 accumulation everywhere.  For fp32
+inputs the matmuls are asked for IEEE fp32 precision (``input_precision=
+"ieee"``) rather than TF32, so fp32 results match an fp64 reference to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "flash_attn",
+    "flash_attn_available",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_DTYPES",
+]
+
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+
+_LOG2E = 1.4426950408889634  # log2(e)
+
+_NEEDS_CUDA_MSG = (
+    "FlashAttention kernel needs CUDA, or TRITON_INTERPRET=1 to run Triton's "
+    "interpreter on CPU (set it in the environment before triton/memopt are "
+    "imported, or move the tensors to a CUDA device)"
+)
+_BF16_INTERPRETER_MSG = (
+    "bf16 inputs are not supported under Triton's interpreter (TRITON_INTERPRET=1): "
+    "the interpreter cannot compute bf16 tl.dot correctly (it multiplies the raw "
+    "bit patterns); the bf16 path runs on CUDA only. Use fp16/fp32 here or a CUDA device."
+)
+
+
+# --------------------------------------------------------------------------
+# Output allocation: every buffer a kernel writes (O, LSE, delta, dQ, dK, dV)
+# is allocated here, so tests can monkeypatch this to return NaN-poisoned
+# tensors and catch any element a kernel fails to write.
+# --------------------------------------------------------------------------
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ==========================================================================
+# Kernels
+# ==========================================================================
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    H, N_Q, N_K,
+    qk_scale_log2,  # softmax_scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    arange_n = tl.arange(0, BLOCK_N)
+    m_valid = offs_m < N_Q
+
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=m_valid[:, None], other=0.0,
+    )
+    # Online-softmax state, in the log2 domain, fp32.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        # Keys beyond the last query row of this block are all masked.
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, N_K)
+    else:
+        hi = N_K
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + arange_n
+        n_valid = offs_n < N_K
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+            mask=n_valid[:, None], other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        keep = n_valid[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        # Every row sees at least key 0 in the first block (Nk >= 1, causal
+        # row i >= 0), so m_new is finite and no (-inf) - (-inf) NaN arises.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_valid[:, None], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    # Natural-log LSE: log(sum_j exp(scale * q.k_j)).
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    o_base = O + b * stride_ob + h * stride_oh
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        acc.to(O.dtype.element_ty), mask=m_valid[:, None],
+    )
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_ln, lse, mask=m_valid)
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_deb, stride_deh, stride_den,
+    H, N_Q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < N_Q
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        mask=m_valid[:, None], other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+        mask=m_valid[:, None], other=0.0,
+    ).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + b * stride_deb + h * stride_deh + offs_m * stride_den, delta, mask=m_valid)
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lb, stride_lh, stride_ln,
+    stride_deb, stride_deh, stride_den,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, N_Q, N_K,
+    sm_scale,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows per inner step
+    BLOCK_N: tl.constexpr,  # key rows owned by this program
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    lse_base = LSE + b * stride_lb + h * stride_lh
+    delta_base = DELTA + b * stride_deb + h * stride_deh
+
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    arange_m = tl.arange(0, BLOCK_M)
+    n_valid = offs_n < N_K
+
+    k = tl.load(
+        K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=n_valid[:, None], other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=n_valid[:, None], other=0.0,
+    )
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        # Queries i < start_n cannot see any key of this block.
+        lo = (start_n // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    for start_m in range(lo, N_Q, BLOCK_M):
+        offs_m = start_m + arange_m
+        m_valid = offs_m < N_Q
+        q = tl.load(
+            q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+            mask=m_valid[:, None], other=0.0,
+        )
+        do = tl.load(
+            do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+            mask=m_valid[:, None], other=0.0,
+        )
+        lse = tl.load(lse_base + offs_m * stride_ln, mask=m_valid, other=0.0)
+        delta = tl.load(delta_base + offs_m * stride_den, mask=m_valid, other=0.0)
+
+        # Transposed probabilities P^T (BLOCK_N x BLOCK_M), recomputed from LSE.
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        keep = n_valid[:, None] & m_valid[None, :]
+        if CAUSAL:
+            keep = keep & (offs_m[None, :] >= offs_n[:, None])
+        p_t = tl.where(keep, p_t, 0.0)
+
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+
+    dk = dk * sm_scale
+    tl.store(
+        DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty), mask=n_valid[:, None],
+    )
+    tl.store(
+        DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty), mask=n_valid[:, None],
+    )
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lb, stride_lh, stride_ln,
+    stride_deb, stride_deh, stride_den,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    H, N_Q, N_K,
+    sm_scale,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows owned by this program
+    BLOCK_N: tl.constexpr,  # key rows per inner step
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    arange_n = tl.arange(0, BLOCK_N)
+    m_valid = offs_m < N_Q
+
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=m_valid[:, None], other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+        mask=m_valid[:, None], other=0.0,
+    )
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=m_valid, other=0.0)
+    delta = tl.load(DELTA + b * stride_deb + h * stride_deh + offs_m * stride_den, mask=m_valid, other=0.0)
+    lse_log2 = lse * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, N_K)
+    else:
+        hi = N_K
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + arange_n
+        n_valid = offs_n < N_K
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+            mask=n_valid[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_valid[:, None], other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        p = tl.exp2(s - lse_log2[:, None])
+        keep = m_valid[:, None] & n_valid[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(
+        DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty), mask=m_valid[:, None],
+    )
+
+
+# ==========================================================================
+# Block sizes: autotuned on CUDA, fixed under the interpreter / on request.
+# ==========================================================================
+def _prune_for_head_dim(configs, named_args, **kwargs):
+    """Drop tiles that would not fit shared memory/registers for large head dims."""
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 64))
+    max_tile = 128 * 128 if head_dim <= 64 else 128 * 64
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= max_tile]
+    return kept or configs[:1]
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list:
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in shapes
+    ]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+_FWD_TUNE = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3)]
+# For dK/dV: BLOCK_N = keys owned, BLOCK_M = query step.
+_DKDV_TUNE = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 64, 4, 3)]
+# For dQ: BLOCK_M = queries owned, BLOCK_N = key step.
+_DQ_TUNE = [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 3)]
+
+_TUNE_KEY = ["N_Q", "N_K", "HEAD_DIM", "CAUSAL"]
+_PRUNE = {"early_config_prune": _prune_for_head_dim}
+
+_flash_fwd_kernel_tuned = triton.autotune(configs=_configs(_FWD_TUNE), key=_TUNE_KEY, prune_configs_by=_PRUNE)(
+    _flash_fwd_kernel
+)
+_flash_bwd_dkdv_kernel_tuned = triton.autotune(
+    configs=_configs(_DKDV_TUNE), key=_TUNE_KEY, prune_configs_by=_PRUNE
+)(_flash_bwd_dkdv_kernel)
+_flash_bwd_dq_kernel_tuned = triton.autotune(configs=_configs(_DQ_TUNE), key=_TUNE_KEY, prune_configs_by=_PRUNE)(
+    _flash_bwd_dq_kernel
+)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    fwd: tuple[int, int]  # (BLOCK_M, BLOCK_N)
+    dkdv: tuple[int, int]  # (BLOCK_M query step, BLOCK_N keys owned)
+    dq: tuple[int, int]  # (BLOCK_M queries owned, BLOCK_N key step)
+    pre: int  # BLOCK_M of the delta pre-pass
+    num_warps: int
+    num_stages: int
+
+
+def _fixed_blocks(head_dim: int, interpreted: bool) -> _Blocks:
+    if interpreted:
+        # Small, deliberately unequal tiles: they exercise masked tails, several
+        # loop iterations and the causal loop bounds with BLOCK_M != BLOCK_N.
+        return _Blocks(fwd=(32, 16), dkdv=(16, 32), dq=(32, 16), pre=32, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return _Blocks(fwd=(64, 64), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
+    return _Blocks(fwd=(64, 32), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
+
+
+def _kernels_interpreted() -> bool:
+    # triton.jit decides at decoration (= import) time whether it builds an
+    # interpreted function, from TRITON_INTERPRET.
+    return type(_flash_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def _use_autotune() -> bool:
+    if _kernels_interpreted():
+        return False
+    return os.environ.get("MEMOPT_FLASH_NO_AUTOTUNE", "0").strip().lower() not in ("1", "true", "yes", "on", "y")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # Ask for true fp32 matmuls for fp32 inputs (TF32 would lose ~3 digits);
+    # the setting is irrelevant for fp16/bf16 operands.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ==========================================================================
+# Availability and validation
+# ==========================================================================
+def flash_attn_available(device: torch.device | str) -> tuple[bool, str]:
+    """Whether the FlashAttention kernel can run for tensors on ``device``.
+
+    Returns ``(ok, reason)``; ``reason`` is empty when ``ok`` and otherwise
+    explains what is missing.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "FlashAttention kernel: CUDA device requested but torch.cuda.is_available() is False"
+        return True, ""
+    if device.type == "cpu":
+        if not _interpret_env():
+            return False, _NEEDS_CUDA_MSG
+        if not _kernels_interpreted():
+            return False, (
+                "TRITON_INTERPRET=1 is set, but memopt.kernels.flash_attn was imported before it was, "
+                "so its kernels were compiled for the GPU; set TRITON_INTERPRET=1 in the environment "
+                "before importing triton/memopt"
+            )
+        return True, ""
+    return False, f"FlashAttention kernel does not support device type {device.type!r}. " + _NEEDS_CUDA_MSG
+
+
+def _validate(q, k, v, causal, softmax_scale) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attn: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise ValueError(
+                f"flash_attn: {name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}"
+            )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"flash_attn: unsupported dtype {q.dtype}; supported dtypes are "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"flash_attn: q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"flash_attn: q, k, v must be on the same device, got q={q.device}, k={k.device}, v={v.device}"
+        )
+    bq, hq, nq, dq = q.shape
+    bk, hk, nk, dk = k.shape
+    bv, hv, nv, dv = v.shape
+    if not (bq == bk == bv):
+        raise ValueError(f"flash_attn: batch sizes differ: q={bq}, k={bk}, v={bv}")
+    if not (hq == hk == hv):
+        raise ValueError(f"flash_attn: head counts differ: q={hq}, k={hk}, v={hv}")
+    if not (dq == dk == dv):
+        raise ValueError(f"flash_attn: head dims differ: q={dq}, k={dk}, v={dv}")
+    if nk != nv:
+        raise ValueError(f"flash_attn: k and v sequence lengths differ: k={nk}, v={nv}")
+    if dq not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"flash_attn: unsupported head dim {dq}; supported head dims are {list(SUPPORTED_HEAD_DIMS)}"
+        )
+    if nq == 0 or nk == 0:
+        raise ValueError(f"flash_attn: sequence lengths must be >= 1, got Nq={nq}, Nk={nk}")
+    if causal and nq != nk:
+        raise ValueError(
+            f"flash_attn: causal attention requires Nq == Nk (top-left aligned mask), got Nq={nq}, Nk={nk}"
+        )
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(dq)
+    else:
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"flash_attn: softmax_scale must be finite, got {softmax_scale}")
+    ok, why = flash_attn_available(q.device)
+    if not ok:
+        raise RuntimeError(why)
+    if q.dtype == torch.bfloat16 and _kernels_interpreted():
+        raise RuntimeError(_BF16_INTERPRETER_MSG)
+    return scale
+
+
+# ==========================================================================
+# Launchers
+# ==========================================================================
+def _s4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(t.stride())  # type: ignore[return-value]
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    o = _alloc((B, H, Nq, D), q.dtype, q.device)
+    lse = _alloc((B, H, Nq), torch.float32, q.device)
+    if B * H == 0:
+        return o, lse
+    args = (
+        q, k, v, o, lse,
+        *_s4(q), *_s4(k), *_s4(v), *_s4(o), *lse.stride(),
+        H, Nq, Nk, scale * _LOG2E,
+    )
+    meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    if _use_autotune():
+        grid = lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)  # noqa: E731
+        _flash_fwd_kernel_tuned[grid](*args, **meta)
+    else:
+        blk = _fixed_blocks(D, _kernels_interpreted())
+        bm, bn = blk.fwd
+        _flash_fwd_kernel[(triton.cdiv(Nq, bm), B * H)](
+            *args, **meta, BLOCK_M=bm, BLOCK_N=bn, **_launch_opts(blk)
+        )
+    return o, lse
+
+
+def _launch_opts(blk: _Blocks) -> dict:
+    if _kernels_interpreted():
+        return {}
+    return dict(num_warps=blk.num_warps, num_stages=blk.num_stages)
+
+
+def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dq = _alloc((B, H, Nq, D), q.dtype, q.device)
+    dk = _alloc((B, H, Nk, D), k.dtype, k.device)
+    dv = _alloc((B, H, Nk, D), v.dtype, v.device)
+    delta = _alloc((B, H, Nq), torch.float32, q.device)
+    if B * H == 0:
+        return dq, dk, dv
+    interpreted = _kernels_interpreted()
+    blk = _fixed_blocks(D, interpreted)
+    opts = _launch_opts(blk)
+
+    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, blk.pre), B * H)](
+        o, do, delta, *_s4(o), *_s4(do), *delta.stride(), H, Nq,
+        HEAD_DIM=D, BLOCK_M=blk.pre, **opts,
+    )
+
+    common = (*_s4(q), *_s4(k), *_s4(v), *_s4(do), *lse.stride(), *delta.stride())
+    meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *common, *_s4(dk), *_s4(dv), H, Nq, Nk, scale, scale * _LOG2E)
+    dq_args = (q, k, v, do, lse, delta, dq, *common, *_s4(dq), H, Nq, Nk, scale, scale * _LOG2E)
+    if _use_autotune():
+        _flash_bwd_dkdv_kernel_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*dkdv_args, **meta)
+        _flash_bwd_dq_kernel_tuned[lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)](*dq_args, **meta)
+    else:
+        bm, bn = blk.dkdv
+        _flash_bwd_dkdv_kernel[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+        bm, bn = blk.dq
+        _flash_bwd_dq_kernel[(triton.cdiv(Nq, bm), B * H)](*dq_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+    return dq, dk, dv
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """Saves only q, k, v, O and LSE (O(N) bytes) for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = _flash_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        dq, dk, dv = _flash_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention ``softmax(q k^T * scale + mask) v`` with O(N) saved memory.
+
+    Args:
+        q: (B, H, Nq, D) queries.
+        k, v: (B, H, Nk, D) keys and values (same dtype and device as ``q``).
+        causal: top-left aligned causal mask (query i sees keys j <= i);
+            requires ``Nq == Nk``.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+
+    Returns:
+        (B, H, Nq, D) tensor in ``q``'s dtype.  Differentiable w.r.t. q, k, v.
+
+    Supported: D in (16, 32, 64, 128); fp16, bf16 (CUDA only), fp32 with fp32
+    accumulation; any sequence lengths >= 1; arbitrary strides.  Runs on CUDA,
+    or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set
+    before import).  Raises ``TypeError``/``ValueError``/``RuntimeError`` on
+    invalid input or when the kernel cannot run; never falls back silently.
+
+    Memory: autograd saves q, k, v, the output and an fp32 log-sum-exp per
+    query row -- O(N * D) bytes -- instead of the O(N^2) probability matrix
+    kept by naive attention.
+    """
+    causal = bool(causal)
+    scale = _validate(q, k, v, causal, softmax_scale)
+    return _FlashAttnFunction.apply(q, k, v, causal, scale)

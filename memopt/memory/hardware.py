@@ -1,0 +1,74 @@
+"""Hardware profiles: memory and peak throughput used for MFU and for planning.
+
+A profile with unset fields describes the machine it runs on: ``resolve_hardware`` fills device
+memory from CUDA (or the host's RAM on a CPU-only machine) and, on a CPU, the peak FLOP/s from a
+short matmul measurement (an empirical peak, so CPU MFU reads "fraction of what this CPU's BLAS
+reaches", which is the honest number to compare strategies with).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class HardwareConfig:
+    """The ``hardware`` config group: one accelerator type and its host."""
+
+    name: str = "auto"
+    device_memory_gb: float | None = None  # memory per compute device (GiB); None: read it here
+    host_memory_gb: float | None = None  # host RAM per node (GiB); None: read it here
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # per dtype: fp32/tf32/fp16/bf16
+    host_device_gbps: float | None = None  # host<->device bandwidth (GB/s), for offload estimates
+    device_device_gbps: float | None = None  # intra-node collective bandwidth (GB/s)
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 0
+
+
+_MEASURED: dict[str, float] = {}
+
+
+def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.2) -> float:
+    """Best observed matmul throughput of this CPU in TFLOP/s (cached per dtype for the process)."""
+    key = str(dtype)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    a @ b  # warm-up
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    _MEASURED[key] = best / 1e12
+    return _MEASURED[key]
+
+
+def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig:
+    """Fill the unset fields from the machine at hand."""
+    dev_mem, peaks = hw.device_memory_gb, dict(hw.peak_tflops)
+    if dev_mem is None:
+        if device.type == "cuda":
+            dev_mem = torch.cuda.get_device_properties(device).total_memory / 2**30
+        else:
+            dev_mem = host_memory_bytes() / 2**30
+    if device.type == "cpu":
+        # CPUs without bf16/fp16 matrix units run low-precision matmuls no faster than fp32, so the
+        # measured fp32 peak is the reference for every dtype unless the profile says otherwise.
+        for name in ("fp32", "bf16", "fp16"):
+            peaks.setdefault(name, measure_cpu_tflops(torch.float32))
+    host = hw.host_memory_gb if hw.host_memory_gb is not None else host_memory_bytes() / 2**30
+    return replace(hw, device_memory_gb=dev_mem, host_memory_gb=host, peak_tflops=peaks)
+
+
+def peak_tflops_for(hw: HardwareConfig, dtype_name: str) -> float | None:
+    """Peak TFLOP/s for a compute dtype; fp32 falls back to tf32 on GPUs that list only it."""
+    return hw.peak_tflops.get(dtype_name) or (hw.peak_tflops.get("tf32") if dtype_name == "fp32" else None)

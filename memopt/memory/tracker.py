@@ -1,0 +1,192 @@
+"""Live tensor-storage bytes per device and category, with their peaks.
+
+A ``TorchDispatchMode`` sees every tensor an op returns. The first time a storage is seen it is
+counted under (device, category), and a weak-reference finalizer subtracts it when the storage is
+freed. Peaks are kept per (device, category) and for each device's total.
+
+Categories (what the run records report):
+  params       model parameters (the low-precision copy under mixed precision)
+  grads        parameter gradients (re-tagged by a post-accumulate-grad hook)
+  optim        optimizer states and fp32 master weights (ZeRO's "K" bytes per parameter)
+  activations  storages allocated while a forward (or a checkpoint's recomputation) runs
+  temp         storages allocated during backward and other short-lived work
+  chunks       chunk-engine buffers
+  other        everything else (batches, buffers, communication scratch)
+
+Devices: the compute device ("cuda:0" or "cpu") and "host". On a GPU machine CPU tensors are
+"host". On a CPU-only machine offload strategies place tensors on the host explicitly
+(``tracker.host_scope()`` or ``register(..., device="host")``) so the move stays visible even
+though the bytes live in the same RAM.
+
+Why a dispatch mode rather than allocator statistics: it works on every device (CPU included),
+splits by category, and counts what the program holds live, not what the caching allocator keeps.
+On CUDA the allocator's own peak is recorded beside it (``cuda_allocator_peak``).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter
+
+CATEGORIES = ("params", "grads", "optim", "activations", "temp", "chunks", "other")
+HOST = "host"
+
+
+@dataclass
+class _Info:
+    device: str
+    category: str
+    nbytes: int
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts live storage bytes; use as a context manager around the work to measure."""
+
+    def __init__(self, compute_device: torch.device | str = "cpu"):
+        super().__init__()
+        self.compute_device = torch.device(compute_device)
+        self._compute_key = str(self.compute_device) if self.compute_device.type != "cuda" else f"cuda:{self.compute_device.index or 0}"
+        self._info: dict[int, _Info] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.live: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.peak: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._category = ["other"]
+        self._host_depth = 0
+        self._lock = threading.RLock()
+
+    # ---- categories and placement -------------------------------------------------------
+    @contextlib.contextmanager
+    def category(self, name: str):
+        """New storages created inside the block are counted under ``name``."""
+        if name not in CATEGORIES:
+            raise ValueError(f"unknown memory category {name!r}; expected one of {CATEGORIES}")
+        self._category.append(name)
+        try:
+            yield
+        finally:
+            self._category.pop()
+
+    @contextlib.contextmanager
+    def host_scope(self):
+        """New storages created inside the block count as host memory (offload on CPU-only machines)."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def _device_key(self, t: torch.Tensor) -> str | None:
+        dev = t.device
+        if dev.type == "meta":
+            return None
+        if self._host_depth or (dev.type == "cpu" and self.compute_device.type != "cpu"):
+            return HOST
+        if dev.type == "cuda":
+            return f"cuda:{dev.index or 0}"
+        return str(dev)
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _track(self, t: torch.Tensor, category: str, device: str | None = None, retag: bool = False) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+            return
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            # tensor subclasses (fake tensors, DTensor) are accounted through their inner tensors
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        with self._lock:
+            info = self._info.get(key)
+            if info is not None and self._refs[key]() is st:
+                if not retag:
+                    return
+                self.live[info.device][info.category] -= info.nbytes
+                info.category = category
+                if device is not None:
+                    info.device = device
+                info.nbytes = st.nbytes()
+                self.live[info.device][info.category] += info.nbytes
+            else:
+                dev = device or self._device_key(t)
+                if dev is None:
+                    return
+                info = _Info(dev, category, st.nbytes())
+                self._info[key] = info
+                self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
+                self.live[dev][category] += info.nbytes
+            self._update_peak(info.device)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            info = self._info.pop(key, None)
+            self._refs.pop(key, None)
+            if info is not None:
+                self.live[info.device][info.category] -= info.nbytes
+
+    def _update_peak(self, device: str) -> None:
+        live, peak = self.live[device], self.peak[device]
+        total = 0
+        for cat, b in live.items():
+            total += b
+            if b > peak[cat]:
+                peak[cat] = b
+        if total > peak["total"]:
+            peak["total"] = total
+
+    def register(self, t: torch.Tensor, category: str, device: str | None = None) -> None:
+        """Count (or re-tag) a tensor that exists already, e.g. parameters or a grad."""
+        self._track(t, category, device=device, retag=True)
+
+    def register_module(self, module: torch.nn.Module) -> None:
+        """Parameters as ``params``, buffers as ``other``, and a hook that tags grads as ``grads``."""
+        for p in module.parameters():
+            self.register(p, "params")
+            if p.requires_grad and not getattr(p, "_memopt_grad_hooked", False):
+                p.register_post_accumulate_grad_hook(lambda q: self.register(q.grad, "grads"))
+                p._memopt_grad_hooked = True
+        for b in module.buffers():
+            self.register(b, "other")
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    self.register(v, "optim")
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        cat = self._category[-1]
+        for t in tree_iter(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, cat)
+        return out
+
+    # ---- results ------------------------------------------------------------------------
+    def reset_peaks(self) -> None:
+        """Start a new peak window at the current live bytes."""
+        with self._lock:
+            self.peak = defaultdict(lambda: defaultdict(int))
+            for dev in list(self.live):
+                self._update_peak(dev)
+
+    def live_bytes(self, device: str | None = None, category: str | None = None) -> int:
+        devs = [device] if device else list(self.live)
+        return sum(b for d in devs for c, b in self.live[d].items() if category in (None, c))
+
+    def peaks(self) -> dict[str, dict[str, int]]:
+        """{device: {category: peak bytes, ..., "total": peak of the sum}} (all categories listed)."""
+        out = {}
+        for dev, cats in self.peak.items():
+            out[dev] = {c: int(cats.get(c, 0)) for c in CATEGORIES}
+            out[dev]["total"] = int(cats.get("total", 0))
+        return out
+
+    @property
+    def compute_key(self) -> str:
+        return self._compute_key

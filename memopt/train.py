@@ -1,0 +1,95 @@
+"""``python -m memopt.train``: compose the config, validate it, run the loop.
+
+Thin on purpose: everything that decides what happens lives in config.py (rules), compose.py
+(strategy order) and trainer.py (the loop). A run that fails writes ``summary.json`` with its status;
+in a multirun the failure is recorded and the sweep goes on.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from memopt.config import ConfigError, register_configs, to_dataclass, validate
+from memopt.logging import write_json
+
+register_configs()
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(summary: dict) -> str:
+    """A short human-readable table of a run's summary.json."""
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    rows = [
+        ("status", summary.get("status")),
+        ("strategy", "+".join(summary.get("strategy") or ["plain"]) + f" ({summary.get('engine')})"),
+        ("model / params", f"{summary.get('model')} / {summary.get('params', 0) / 1e6:.2f}M"),
+        ("final loss / val loss", f"{num(summary.get('final_loss'), '.4f')} / {num(summary.get('val_loss'), '.4f')}"),
+        ("tokens/s (median)", num(summary.get("tokens_per_s"), ",.0f")),
+        ("TFLOP/s / MFU", f"{num(summary.get('tflops'), '.4f')} / {num(summary.get('mfu'), '.1%')}"),
+    ]
+    for rank, devs in (summary.get("peak_bytes") or {}).items():
+        for dev, cats in devs.items():
+            parts = ", ".join(f"{c} {_fmt_bytes(b)}" for c, b in cats.items() if c != "total" and b)
+            rows.append((f"peak rank {rank} {dev}", f"{_fmt_bytes(cats.get('total'))} ({parts})"))
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Validate and run one job in this process; returns its summary."""
+    from memopt.trainer import Trainer
+
+    run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    group = cfg.logger.group or cfg.experiment
+    if group is None and multirun:
+        group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
+    try:
+        typed = to_dataclass(cfg)
+        validate(typed)
+    except ConfigError as e:
+        os.makedirs(run_dir, exist_ok=True)
+        write_json(os.path.join(run_dir, "summary.json"), {"status": "refused", "error": str(e)})
+        print(f"memopt: configuration refused: {e}", file=sys.stderr)
+        if multirun:
+            return {"status": "refused", "error": str(e)}
+        raise SystemExit(2)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        summary = Trainer(typed, run_dir, resolved, group=group).run()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        print(f"memopt: run failed ({type(e).__name__}: {e}); summary in {run_dir}/summary.json", file=sys.stderr)
+        if multirun:
+            return {"status": "failed", "error": str(e)}
+        raise
+    print(f"\nmemopt run finished in {run_dir}\n{summary_table(summary)}", file=sys.stderr)
+    return summary
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The one training loop: data -> forward -> backward -> step -> metrics, records and checkpoint.
+
+Strategies never appear here by name: they act through what ``compose.build`` returns (the model's
+own forward, the precision's autocast and loss scale, the optimizer's step). The same clock and the
+same memory tracker wrap every engine, so numbers are comparable by construction.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+
+import torch
+
+from memopt.config import TrainConfig
+from memopt.data import TokenBatches, load_tokens
+from memopt.logging import RunLogger, atomic_write_bytes
+from memopt.memory.hardware import peak_tflops_for, resolve_hardware
+from memopt.memory.tracker import MemoryTracker
+from memopt.models.gpt import count_params, flops_per_token
+from memopt.optim import lr_at
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def classify_failure(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "oom"
+    return "failed"
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, rank: int = 0, world_size: int = 1,
+                 group: str | None = None):
+        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world_size
+        self.resolved_config = resolved_config or {}
+        self.group = group or cfg.logger.group or cfg.experiment
+        self.summary: dict = {}
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        strategies = cfg.strategy.selected()
+        tags = sorted(set(strategies) | {cfg.engine.name} | set(cfg.logger.tags))
+        run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
+        self.summary = {
+            "status": "failed", "engine": cfg.engine.name, "strategy": strategies, "model": cfg.model.name,
+            "params": count_params(cfg.model), "world_size": self.world, "seed": cfg.seed,
+        }
+        self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0)
+        tracker = None
+        try:
+            if cfg.trainer.num_threads > 0:
+                torch.set_num_threads(cfg.trainer.num_threads)
+            self.device = resolve_device(cfg.trainer.device)
+            tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else None
+            with tracker if tracker is not None else nullcontext():
+                self._train(tracker)
+            self.summary["status"] = "ok"
+        except BaseException as exc:  # recorded, then re-raised for the caller to decide
+            self.summary["status"] = classify_failure(exc)
+            self.summary["error"] = f"{type(exc).__name__}: {exc}"
+            self.summary["traceback"] = traceback.format_exc(limit=20)
+            raise
+        finally:
+            if tracker is not None:
+                self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
+            self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
+            if torch.cuda.is_available() and getattr(self, "device", torch.device("cpu")).type == "cuda":
+                self.summary["cuda_allocator_peak"] = {str(self.rank): torch.cuda.max_memory_allocated(self.device)}
+            self.logger.finish(self.summary)
+        return self.summary
+
+    # ------------------------------------------------------------------------------------------
+    def _train(self, tracker: MemoryTracker | None) -> None:
+        from memopt.compose import build
+
+        cfg, t = self.cfg, self.cfg.trainer
+        data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
+        hw = resolve_hardware(cfg.hardware, self.device)
+        torch.manual_seed(cfg.seed)  # dropout streams; weights are seeded per parameter
+        built = build(cfg, self.device, tracker)
+        model, opt, precision = built.model, built.optimizer, built.precision
+        model.train()
+
+        tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * cfg.model.seq_len
+        fpt = flops_per_token(cfg.model)
+        peak = peak_tflops_for(hw, precision.name)
+        self.summary.update(flops_per_token=fpt, tokens_per_step=tokens_per_step, hardware=hw.name,
+                            peak_tflops_per_device=peak)
+        eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if t.eval_every and len(data.val) > cfg.model.seq_len else []
+        cat = (lambda name: tracker.category(name)) if tracker is not None else (lambda name: nullcontext())
+
+        bar = None
+        if t.progress_bar and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+        step_times, losses, val_loss = [], [], None
+        for step in range(t.max_steps):
+            self._sync()
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg.optim, t.max_steps)
+            loss_sum = torch.zeros((), device=self.device)
+            for micro in range(t.grad_accum):
+                x, y = data.micro_batch(step, micro, self.rank, self.world, t.micro_batch_size, t.grad_accum)
+                with cat("other"):
+                    x, y = x.to(self.device), y.to(self.device)
+                with cat("activations"), precision.autocast(self.device):
+                    _, loss = model(x, y)
+                with cat("temp"):
+                    ((loss / t.grad_accum) * precision.loss_scale).backward()
+                loss_sum += loss.detach().float()
+            result = opt.step(lr)
+            self._sync()
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            loss_val = loss_sum.item() / t.grad_accum
+            losses.append(loss_val)
+
+            is_last = step == t.max_steps - 1
+            if eval_set and ((step + 1) % t.eval_every == 0 or is_last):
+                val_loss = self._evaluate(model, eval_set, precision, cat)
+            if step % t.log_every == 0 or is_last or (eval_set and (step + 1) % t.eval_every == 0):
+                rec = {"step": step, "loss": loss_val, "lr": lr, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                       "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped_steps": self._skipped(precision)}
+                if val_loss is not None and (step + 1) % max(t.eval_every, 1) == 0 or (is_last and val_loss is not None):
+                    rec["val_loss"] = val_loss
+                if tracker is not None:
+                    rec["peak_bytes"] = {d: v["total"] for d, v in tracker.peaks().items()}
+                    rec["live_bytes"] = {d: tracker.live_bytes(d) for d in tracker.live}
+                self.logger.log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+
+        warm = step_times[t.throughput_warmup_steps:] or step_times
+        med = statistics.median(warm)
+        tok_s = tokens_per_step / med
+        tflops = tok_s * fpt / 1e12
+        self.summary.update(
+            final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
+            mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps,
+            skipped_steps=self._skipped(precision), loss_scale=precision.loss_scale,
+        )
+        if t.save_checkpoint and self.rank == 0:
+            self.save_checkpoint(model)
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _evaluate(self, model, batches, precision, cat) -> float:
+        model.eval()
+        total = 0.0
+        with cat("temp"):
+            for x, y in batches:
+                with precision.autocast(self.device):
+                    _, loss = model(x.to(self.device), y.to(self.device))
+                total += loss.float().item()
+        model.train()
+        return total / len(batches)
+
+    def save_checkpoint(self, model) -> str:
+        """model.pt: the weights in fp32 plus the model config; load with ``memopt.load_model``."""
+        import io
+
+        from omegaconf import OmegaConf
+
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+        buf = io.BytesIO()
+        torch.save({"model_config": OmegaConf.to_container(OmegaConf.structured(self.cfg.model)), "state_dict": state}, buf)
+        path = os.path.join(self.run_dir, "model.pt")
+        atomic_write_bytes(path, buf.getvalue())
+        self.summary["checkpoint"] = path
+        return path
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def _skipped(precision) -> int:
+        return precision.scaler.skipped_steps if precision.scaler is not None else 0
