@@ -30,11 +30,14 @@ class Built:
 
 def materialize(model: GPT, device: torch.device, dtype: torch.dtype, seed: int, tracker: MemoryTracker | None = None) -> GPT:
     """Allocate a meta-device model on ``device`` in ``dtype`` and fill it from the seed."""
+    memo: dict[int, torch.nn.Parameter] = {}
     with tracker.category("params") if tracker is not None else _nullctx():
-        model.to_empty(device=device)
-        model.to(dtype)
-    if model.cfg.tie_embeddings:
-        model.lm_head.weight = model.wte.weight
+        for mod in model.modules():  # one allocation per distinct parameter: ties are kept
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    if id(p) not in memo:
+                        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=p.requires_grad)
+                    mod._parameters[name] = memo[id(p)]
     with tracker.category("temp") if tracker is not None else _nullctx():
         model.init_weights(seed)  # float32 values drawn on the CPU, cast on copy
     return model

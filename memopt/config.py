@@ -130,6 +130,13 @@ def validate(cfg: TrainConfig) -> None:
     _one_of("model.pos_emb", m.pos_emb, ("learned", "rope"))
     _one_of("model.attention", m.attention, ("sdpa", "naive", "flash"))
     _one_of("data.name", cfg.data.name, ("pydoc", "text_file", "synthetic"))
+    if cfg.data.name == "text_file":
+        import os
+
+        if not cfg.data.path:
+            raise ConfigError("data=text_file needs data.path (e.g. data.path=/path/to/corpus.txt)")
+        if not os.path.isfile(os.path.expanduser(cfg.data.path)):
+            raise ConfigError(f"data.path={cfg.data.path!r}: no such file; give a UTF-8 text file")
     if not 0 <= cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     _one_of("trainer.mode", t.mode, ("train", "plan"))

@@ -49,9 +49,12 @@ sequence length (1, 17, 200, ...) and any strided layout work.  Head dims are
 Devices
 -------
 On CUDA, block sizes are autotuned (``triton.autotune``) over a few configs
-pruned per head dim.  Under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before this module is imported; CPU tensors) or with
-``MEMOPT_FLASH_NO_AUTOTUNE=1`` fixed blocks are used.  Triton's interpreter
+pruned per head dim and dtype.  Under Triton's interpreter
+(``TRITON_INTERPRET=1``; this is how CPU tensors run) or with ``MEMOPT_FLASH_NO_AUTOTUNE=1`` fixed blocks are
+used.  Triton fixes interpreter-vs-compiler when ``triton.language`` is first
+imported, so TRITON_INTERPRET=1 must be set before triton is first imported;
+the kernels are wrapped lazily (``_kernels``) in the mode triton is in, so the
+import order of this module relative to triton does not matter.  Triton's interpreter
 cannot compute bf16 ``tl.dot`` (it multiplies the raw bit patterns), so bf16 is
 rejected under the interpreter and is GPU-only.  There is deliberately no
 silent fallback to PyTorch SDPA: if the kernel cannot run, a clear error is
@@ -86,8 +89,8 @@ _LOG2E = 1.4426950408889634  # log2(e)
 
 _NEEDS_CUDA_MSG = (
     "FlashAttention kernel needs CUDA, or TRITON_INTERPRET=1 to run Triton's "
-    "interpreter on CPU (set it in the environment before triton/memopt are "
-    "imported, or move the tensors to a CUDA device)"
+    "interpreter on CPU (set TRITON_INTERPRET=1 in the environment before triton "
+    "is first imported, or move the tensors to a CUDA device)"
 )
 _BF16_INTERPRETER_MSG = (
     "bf16 inputs are not supported under Triton's interpreter (TRITON_INTERPRET=1): "
@@ -106,9 +109,9 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 # ==========================================================================
-# Kernels
+# Kernels.  They are plain functions here and are wrapped for Triton lazily,
+# per call, by ``_kernels(interpreted)`` (see there for why).
 # ==========================================================================
-@triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -187,7 +190,6 @@ def _flash_fwd_kernel(
     tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_ln, lse, mask=m_valid)
 
 
-@triton.jit
 def _flash_bwd_preprocess_kernel(
     O, DO, DELTA,
     stride_ob, stride_oh, stride_on, stride_od,
@@ -216,7 +218,6 @@ def _flash_bwd_preprocess_kernel(
     tl.store(DELTA + b * stride_deb + h * stride_deh + offs_m * stride_den, delta, mask=m_valid)
 
 
-@triton.jit
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -305,7 +306,6 @@ def _flash_bwd_dkdv_kernel(
     )
 
 
-@triton.jit
 def _flash_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -385,11 +385,19 @@ def _flash_bwd_dq_kernel(
 # Block sizes: autotuned on CUDA, fixed under the interpreter / on request.
 # ==========================================================================
 def _prune_for_head_dim(configs, named_args, **kwargs):
-    """Drop tiles that would not fit shared memory/registers for large head dims."""
+    """Drop tiles that would not fit shared memory/registers for large head dims.
+
+    The budget is in elements of a (BLOCK_M x BLOCK_N) score tile; it halves for
+    D = 128 and again for fp32 inputs (twice the bytes per K/V/Q tile element).
+    """
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 64))
+    q = named_args.get("Q")
+    elem = q.element_size() if hasattr(q, "element_size") else 2
     max_tile = 128 * 128 if head_dim <= 64 else 128 * 64
+    if elem >= 4:
+        max_tile //= 2
     kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= max_tile]
-    return kept or configs[:1]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list:
@@ -409,15 +417,49 @@ _DQ_TUNE = [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (6
 _TUNE_KEY = ["N_Q", "N_K", "HEAD_DIM", "CAUSAL"]
 _PRUNE = {"early_config_prune": _prune_for_head_dim}
 
-_flash_fwd_kernel_tuned = triton.autotune(configs=_configs(_FWD_TUNE), key=_TUNE_KEY, prune_configs_by=_PRUNE)(
-    _flash_fwd_kernel
-)
-_flash_bwd_dkdv_kernel_tuned = triton.autotune(
-    configs=_configs(_DKDV_TUNE), key=_TUNE_KEY, prune_configs_by=_PRUNE
-)(_flash_bwd_dkdv_kernel)
-_flash_bwd_dq_kernel_tuned = triton.autotune(configs=_configs(_DQ_TUNE), key=_TUNE_KEY, prune_configs_by=_PRUNE)(
-    _flash_bwd_dq_kernel
-)
+
+
+@dataclass(frozen=True)
+class _KernelSet:
+    fwd: object
+    pre: object
+    dkdv: object
+    dq: object
+    fwd_tuned: object | None
+    dkdv_tuned: object | None
+    dq_tuned: object | None
+
+
+_KERNEL_SETS: dict[bool, _KernelSet] = {}
+
+
+def _kernels(interpreted: bool) -> _KernelSet:
+    """The Triton wrappers of the kernels, interpreted or compiled.
+
+    A module-level ``@triton.jit`` would pick interpreter vs. compiler from
+    TRITON_INTERPRET at *this* module's import, while ``triton.language``'s own
+    jit helpers (``tl.zeros``, ``tl.max``, ``tl.sum``...) were fixed when
+    *triton* was first imported; if the variable changed in between, the two
+    disagree and kernels crash.  Wrapping lazily with the mode triton itself is
+    in (``_triton_interpreted``) keeps them consistent whatever the import order.
+    """
+    ks = _KERNEL_SETS.get(interpreted)
+    if ks is not None:
+        return ks
+    if interpreted:
+        from triton.runtime.interpreter import InterpretedFunction as wrap
+    else:
+        from triton.runtime.jit import JITFunction as wrap
+    fwd, dkdv, dq = wrap(_flash_fwd_kernel), wrap(_flash_bwd_dkdv_kernel), wrap(_flash_bwd_dq_kernel)
+    tuned = [None, None, None]
+    if not interpreted:
+        tuned = [
+            triton.autotune(configs=_configs(cfgs), key=_TUNE_KEY, prune_configs_by=_PRUNE)(fn)
+            for fn, cfgs in ((fwd, _FWD_TUNE), (dkdv, _DKDV_TUNE), (dq, _DQ_TUNE))
+        ]
+    ks = _KernelSet(fwd, wrap(_flash_bwd_preprocess_kernel), dkdv, dq, *tuned)
+    _KERNEL_SETS[interpreted] = ks
+    return ks
 
 
 @dataclass(frozen=True)
@@ -430,20 +472,32 @@ class _Blocks:
     num_stages: int
 
 
-def _fixed_blocks(head_dim: int, interpreted: bool) -> _Blocks:
+def _fixed_blocks(head_dim: int, interpreted: bool, elem_size: int = 2) -> _Blocks:
     if interpreted:
         # Small, deliberately unequal tiles: they exercise masked tails, several
         # loop iterations and the causal loop bounds with BLOCK_M != BLOCK_N.
         return _Blocks(fwd=(32, 16), dkdv=(16, 32), dq=(32, 16), pre=32, num_warps=4, num_stages=1)
-    if head_dim <= 64:
+    # Fixed GPU tiles (MEMOPT_FLASH_NO_AUTOTUNE=1), sized so the backward
+    # kernels stay under ~64 KiB of shared memory (fits sm_80/86/89/90).
+    if head_dim <= 64 and elem_size <= 2:
         return _Blocks(fwd=(64, 64), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
-    return _Blocks(fwd=(64, 32), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
+    if head_dim <= 64 or elem_size <= 2:  # fp32 with D <= 64, or fp16/bf16 with D = 128
+        return _Blocks(fwd=(64, 32), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
+    return _Blocks(fwd=(32, 32), dkdv=(16, 32), dq=(32, 16), pre=64, num_warps=4, num_stages=2)
+
+
+def _triton_interpreted() -> bool:
+    """Whether triton.language was set up for the interpreter.
+
+    Triton decides this once, from TRITON_INTERPRET when ``triton.language`` is
+    first imported: its jit'd helpers are then InterpretedFunction objects.
+    """
+    return type(tl.zeros).__name__ == "InterpretedFunction"
 
 
 def _kernels_interpreted() -> bool:
-    # triton.jit decides at decoration (= import) time whether it builds an
-    # interpreted function, from TRITON_INTERPRET.
-    return type(_flash_fwd_kernel).__name__ == "InterpretedFunction"
+    """True when kernels launched now run under Triton's interpreter."""
+    return _triton_interpreted()
 
 
 def _interpret_env() -> bool:
@@ -479,11 +533,11 @@ def flash_attn_available(device: torch.device | str) -> tuple[bool, str]:
     if device.type == "cpu":
         if not _interpret_env():
             return False, _NEEDS_CUDA_MSG
-        if not _kernels_interpreted():
+        if not _triton_interpreted():
             return False, (
-                "TRITON_INTERPRET=1 is set, but memopt.kernels.flash_attn was imported before it was, "
-                "so its kernels were compiled for the GPU; set TRITON_INTERPRET=1 in the environment "
-                "before importing triton/memopt"
+                "TRITON_INTERPRET=1 is set now, but triton was first imported before it was set, so "
+                "Triton is in compiled (GPU) mode for this process; set TRITON_INTERPRET=1 in the "
+                "environment before triton (or memopt) is first imported"
             )
         return True, ""
     return False, f"FlashAttention kernel does not support device type {device.type!r}. " + _NEEDS_CUDA_MSG
@@ -564,13 +618,14 @@ def _flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
         H, Nq, Nk, scale * _LOG2E,
     )
     meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    ks = _kernels(_kernels_interpreted())
     if _use_autotune():
         grid = lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)  # noqa: E731
-        _flash_fwd_kernel_tuned[grid](*args, **meta)
+        ks.fwd_tuned[grid](*args, **meta)
     else:
-        blk = _fixed_blocks(D, _kernels_interpreted())
+        blk = _fixed_blocks(D, _kernels_interpreted(), q.element_size())
         bm, bn = blk.fwd
-        _flash_fwd_kernel[(triton.cdiv(Nq, bm), B * H)](
+        ks.fwd[(triton.cdiv(Nq, bm), B * H)](
             *args, **meta, BLOCK_M=bm, BLOCK_N=bn, **_launch_opts(blk)
         )
     return o, lse
@@ -592,10 +647,11 @@ def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     if B * H == 0:
         return dq, dk, dv
     interpreted = _kernels_interpreted()
-    blk = _fixed_blocks(D, interpreted)
+    ks = _kernels(interpreted)
+    blk = _fixed_blocks(D, interpreted, q.element_size())
     opts = _launch_opts(blk)
 
-    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, blk.pre), B * H)](
+    ks.pre[(triton.cdiv(Nq, blk.pre), B * H)](
         o, do, delta, *_s4(o), *_s4(do), *delta.stride(), H, Nq,
         HEAD_DIM=D, BLOCK_M=blk.pre, **opts,
     )
@@ -605,13 +661,13 @@ def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, *common, *_s4(dk), *_s4(dv), H, Nq, Nk, scale, scale * _LOG2E)
     dq_args = (q, k, v, do, lse, delta, dq, *common, *_s4(dq), H, Nq, Nk, scale, scale * _LOG2E)
     if _use_autotune():
-        _flash_bwd_dkdv_kernel_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*dkdv_args, **meta)
-        _flash_bwd_dq_kernel_tuned[lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)](*dq_args, **meta)
+        ks.dkdv_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*dkdv_args, **meta)
+        ks.dq_tuned[lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)](*dq_args, **meta)
     else:
         bm, bn = blk.dkdv
-        _flash_bwd_dkdv_kernel[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+        ks.dkdv[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
         bm, bn = blk.dq
-        _flash_bwd_dq_kernel[(triton.cdiv(Nq, bm), B * H)](*dq_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+        ks.dq[(triton.cdiv(Nq, bm), B * H)](*dq_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
     return dq, dk, dv
 
 

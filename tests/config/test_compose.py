@@ -1,0 +1,117 @@
+"""Config composition: every model composes, bad inputs fail early with the field named."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from memopt.config import ConfigError
+from memopt.models.gpt import GPT, GPTConfig, count_params
+from tests.conftest import CONF, compose, typed
+
+MODELS = sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "model")))
+# Published sizes (GPT-2 / GPT-3 papers, with the 50304-padded vocabulary), in millions.
+EXPECTED_M = {"gpt_small": (20, 30), "gpt_125m": (120, 130), "gpt_350m": (345, 365), "gpt_1b": (1250, 1400), "gpt_10b": (9800, 10500)}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_model_composes_and_counts(name):
+    cfg = typed([f"model={name}"])
+    assert cfg.model.name == name
+    n = count_params(cfg.model)
+    # count_params is a formula; check it against PyTorch's own count on a meta-device model
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    assert n == sum(p.numel() for p in model.parameters())
+    if name in EXPECTED_M:
+        lo, hi = EXPECTED_M[name]
+        assert lo <= n / 1e6 <= hi, f"{name} has {n / 1e6:.1f}M parameters"
+
+
+def test_default_is_plain_tiny_run():
+    cfg = typed()
+    assert cfg.model.name == "gpt_tiny" and cfg.strategy.selected() == [] and cfg.engine.name == "memopt"
+    assert cfg.data.name == "pydoc" and cfg.logger.name == "wandb"
+
+
+def test_unknown_model_lists_options():
+    with pytest.raises(MissingConfigException) as e:
+        compose(["model=gpt_nope"])
+    assert "gpt_nope" in str(e.value) and "gpt_tiny" in str(e.value)
+
+
+def test_unknown_strategy_lists_available():
+    with pytest.raises(MissingConfigException) as e:
+        compose(["+strategy=zero9"])
+    msg = str(e.value)
+    assert "strategy/zero9" in msg and "fp16" in msg and "ckpt" in msg
+
+
+def test_typo_in_field_fails():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["trainer.max_step=3"])
+    assert "max_step" in str(e.value.__cause__ or e.value)
+
+
+def test_wrong_type_fails():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+        compose(["trainer.max_steps=many"])
+    assert "max_steps" in str(e.value.__cause__ or e.value)
+
+
+def test_typo_in_strategy_field_fails():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["+strategy=ckpt", "strategy.ckpt.polcy=full"])
+    assert "polcy" in str(e.value.__cause__ or e.value)
+
+
+def test_several_strategies_append():
+    cfg = typed(["+strategy=[bf16,ckpt]"])
+    assert set(cfg.strategy.selected()) == {"bf16", "ckpt"}
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["+strategy=[fp16,bf16]"], ["fp16", "bf16"]),
+        (["+strategy=act_offload"], ["act_offload", "ckpt"]),
+        (["+strategy=ckpt", "strategy.ckpt.policy=sometimes"], ["strategy.ckpt.policy", "full", "every_k", "selective"]),
+        (["+strategy=ckpt", "strategy.ckpt.policy=every_k", "strategy.ckpt.k=9"], ["strategy.ckpt.k=9", "n_layer=4"]),
+        (["+strategy=ckpt", "strategy.ckpt.policy=every_k", "strategy.ckpt.k=0"], ["strategy.ckpt.k=0"]),
+        (["+strategy=[ckpt,act_offload]", "strategy.ckpt.policy=selective"], ["act_offload", "selective"]),
+        (["model.n_head=3"], ["model.d_model=128", "model.n_head=3"]),
+        (["trainer.micro_batch_size=0"], ["trainer.micro_batch_size"]),
+        (["+strategy=fp16", "strategy.fp16.params=int8"], ["strategy.fp16.params", "int8"]),
+    ],
+)
+def test_bad_combinations_are_refused(overrides, needles):
+    with pytest.raises(ConfigError) as e:
+        typed(overrides)
+    for n in needles:
+        assert n in str(e.value)
+
+
+def test_missing_data_file_is_named(tmp_path):
+    from memopt.data import DataError, load_tokens
+
+    with pytest.raises(ConfigError, match="data.path=.*nope.txt.*no such file"):
+        typed(["data=text_file", f"data.path={tmp_path}/nope.txt"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cfg = typed(["data=text_file", f"data.path={empty}"])
+    with pytest.raises(DataError, match="empty"):
+        load_tokens(cfg.data)
+
+
+def test_text_file_needs_path():
+    with pytest.raises(ConfigError, match="data=text_file needs data.path"):
+        typed(["data=text_file"])
+
+
+def test_experiment_config_is_global():
+    cfg = typed(["experiment=quick"])
+    assert cfg.experiment == "quick" and cfg.trainer.max_steps == 30
