@@ -109,6 +109,24 @@ def bench_one(fn, q, k, v, causal, scale, mode):
     return ms, peak
 
 
+def measure_row(prov, b, h, n, d, dtype, causal, scale, mode) -> str:
+    """'ms | TFLOP/s | peak MiB' for one configuration, or why it was not measured."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    if prov == "naive" and not naive_fits(b, h, n, dtype, mode, free):
+        return "skipped (N^2 scores would not fit) | |"
+    grad = mode == "fwd_bwd"
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(3))
+    try:
+        ms, peak = bench_one(PROVIDERS[prov], q, k, v, causal, scale, mode)
+    except torch.cuda.OutOfMemoryError:
+        return "OOM | |"
+    finally:
+        del q, k, v
+    tflops = attention_flops(b, h, n, d, causal, mode) / (ms * 1e-3) / 1e12
+    return f"{ms:.3f} | {tflops:.1f} | {peak / 2**20:.0f}"
+
+
 def check_correctness(dtype, d, causal):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
@@ -180,27 +198,8 @@ def main(argv=None) -> int:
                     scale = 1 / math.sqrt(d)
                     for mode in args.modes:
                         for prov in args.providers:
-                            torch.cuda.empty_cache()
-                            free, _ = torch.cuda.mem_get_info()
-                            if prov == "naive" and not naive_fits(b, h, n, dtype, mode, free):
-                                ms, peak, tf = None, None, None
-                                note = "skipped (N^2 scores would not fit)"
-                            else:
-                                q, k, v = (
-                                    torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=(mode == "fwd_bwd"))
-                                    for _ in range(3)
-                                )
-                                try:
-                                    ms, peak = bench_one(PROVIDERS[prov], q, k, v, causal, scale, mode)
-                                    tf = attention_flops(b, h, n, d, causal, mode) / (ms * 1e-3) / 1e12
-                                    note = ""
-                                except torch.cuda.OutOfMemoryError:
-                                    ms, peak, tf, note = None, None, None, "OOM"
-                                del q, k, v
-                            row = (
-                                f"| {dname} | {d} | {causal} | {n} | {b} x {h} | {mode} | {prov} | "
-                                + (f"{ms:.3f} | {tf:.1f} | {peak / 2**20:.0f} |" if ms is not None else f"{note} | | |")
-                            )
+                            cells = measure_row(prov, b, h, n, d, dtype, causal, scale, mode)
+                            row = f"| {dname} | {d} | {causal} | {n} | {b} x {h} | {mode} | {prov} | {cells} |"
                             print(row, flush=True)
                             rows.append(row)
 

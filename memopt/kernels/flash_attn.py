@@ -50,11 +50,12 @@ Devices
 -------
 On CUDA, block sizes are autotuned (``triton.autotune``) over a few configs
 pruned per head dim and dtype.  Under Triton's interpreter
-(``TRITON_INTERPRET=1``; this is how CPU tensors run) or with ``MEMOPT_FLASH_NO_AUTOTUNE=1`` fixed blocks are
-used.  Triton fixes interpreter-vs-compiler when ``triton.language`` is first
-imported, so TRITON_INTERPRET=1 must be set before triton is first imported;
-the kernels are wrapped lazily (``_kernels``) in the mode triton is in, so the
-import order of this module relative to triton does not matter.  Triton's interpreter
+(``TRITON_INTERPRET=1``, which is how CPU tensors run) or with
+``MEMOPT_FLASH_NO_AUTOTUNE=1``, fixed blocks are used.  Triton fixes
+interpreter-vs-compiler when ``triton.language`` is first imported, so
+TRITON_INTERPRET=1 must be set before triton is first imported; the kernels
+are wrapped lazily (``_kernels``) in the mode triton is in, so the import order
+of this module relative to triton does not matter.  Triton's interpreter
 cannot compute bf16 ``tl.dot`` (it multiplies the raw bit patterns), so bf16 is
 rejected under the interpreter and is GPU-only.  There is deliberately no
 silent fallback to PyTorch SDPA: if the kernel cannot run, a clear error is
@@ -416,7 +417,6 @@ _DQ_TUNE = [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (6
 
 _TUNE_KEY = ["N_Q", "N_K", "HEAD_DIM", "CAUSAL"]
 _PRUNE = {"early_config_prune": _prune_for_head_dim}
-
 
 
 @dataclass(frozen=True)
