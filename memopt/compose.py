@@ -17,6 +17,7 @@ from memopt.memory.tracker import MemoryTracker
 from memopt.models.gpt import GPT
 from memopt.optim import MixedPrecisionAdamW
 from memopt.strategies.checkpointing import apply_checkpointing
+from memopt.strategies.flash_attention import apply_flash_attention
 from memopt.strategies.precision import Precision
 
 
@@ -47,6 +48,8 @@ def build(cfg: TrainConfig, device: torch.device, tracker: MemoryTracker | None 
     s = cfg.strategy
     with torch.device("meta"):
         model = GPT(cfg.model)
+    if s.flash_attn is not None:
+        apply_flash_attention(model, device)
     if s.ckpt is not None:
         apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
     precision = Precision.from_strategies(s.fp16, s.bf16)

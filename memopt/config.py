@@ -13,9 +13,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from memopt.data import DataConfig
+from memopt.errors import ConfigError
 from memopt.memory.hardware import HardwareConfig
 from memopt.models.gpt import GPTConfig
 from memopt.strategies.checkpointing import ActOffloadConfig, CkptConfig
+from memopt.strategies.flash_attention import FlashAttnConfig
 from memopt.strategies.precision import Bf16Config, Fp16Config
 
 
@@ -82,6 +84,7 @@ class StrategyConfig:
     bf16: Bf16Config | None = None
     ckpt: CkptConfig | None = None
     act_offload: ActOffloadConfig | None = None
+    flash_attn: FlashAttnConfig | None = None
 
     def selected(self) -> list[str]:
         return [k for k, v in self.__dict__.items() if v is not None]
@@ -103,10 +106,6 @@ class TrainConfig:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the fields and what would work."""
 
 
 def _one_of(field_name: str, value, options) -> None:
@@ -159,6 +158,13 @@ def validate(cfg: TrainConfig) -> None:
         Precision.from_strategies(s.fp16, s.bf16)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if s.flash_attn is not None:
+        from memopt.strategies import flash_attention
+
+        try:
+            flash_attention.validate(m)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if s.act_offload is not None and s.ckpt is None:
         raise ConfigError(
             "strategy act_offload needs strategy ckpt: it offloads the checkpointed activations "

@@ -38,6 +38,10 @@ def peak_rss_bytes() -> int:
 
 
 def classify_failure(exc: BaseException) -> str:
+    from memopt.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return "refused"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return "oom"
     return "failed"
@@ -104,6 +108,7 @@ class Trainer:
                             peak_tflops_per_device=peak)
         eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if t.eval_every and len(data.val) > cfg.model.seq_len else []
         cat = (lambda name: tracker.category(name)) if tracker is not None else (lambda name: nullcontext())
+        retained = (lambda: tracker.retained("activations")) if tracker is not None else nullcontext
 
         bar = None
         if t.progress_bar and self.rank == 0:
@@ -120,7 +125,7 @@ class Trainer:
                 x, y = data.micro_batch(step, micro, self.rank, self.world, t.micro_batch_size, t.grad_accum)
                 with cat("other"):
                     x, y = x.to(self.device), y.to(self.device)
-                with cat("activations"), precision.autocast(self.device):
+                with retained(), precision.autocast(self.device):
                     _, loss = model(x, y)
                 with cat("temp"):
                     ((loss / t.grad_accum) * precision.loss_scale).backward()

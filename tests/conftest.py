@@ -14,13 +14,9 @@ CONF = os.path.join(REPO, "conf")
 
 def compose(overrides: list[str] | None = None):
     """The DictConfig that ``python -m memopt.train <overrides>`` would run."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from memopt.api import compose_config
 
-    import memopt.train  # noqa: F401  (registers the schema)
-
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides or []))
+    return compose_config(overrides)
 
 
 def typed(overrides: list[str] | None = None):
@@ -33,16 +29,9 @@ def typed(overrides: list[str] | None = None):
 
 def train(overrides: list[str], run_dir: str, logger: str = "none") -> dict:
     """Run one job in this process (no progress bar, no W&B unless asked); returns summary.json."""
-    from omegaconf import OmegaConf
+    from memopt.api import run_job
 
-    from memopt.trainer import Trainer
-
-    cfg = compose([f"logger={logger}", "trainer.progress_bar=false", "trainer.save_checkpoint=false", *overrides])
-    from memopt.config import to_dataclass, validate
-
-    t = to_dataclass(cfg)
-    validate(t)
-    return Trainer(t, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
+    return run_job([f"logger={logger}", "trainer.progress_bar=false", "trainer.save_checkpoint=false", *overrides], run_dir)
 
 
 def losses(run_dir: str) -> list[float]:

@@ -8,8 +8,9 @@ Categories (what the run records report):
   params       model parameters (the low-precision copy under mixed precision)
   grads        parameter gradients (re-tagged by a post-accumulate-grad hook)
   optim        optimizer states and fp32 master weights (ZeRO's "K" bytes per parameter)
-  activations  storages allocated while a forward (or a checkpoint's recomputation) runs
-  temp         storages allocated during backward and other short-lived work
+  activations  storages a forward (or a checkpoint's recomputation) allocates and that are still
+               alive when it returns: what autograd keeps for the backward pass
+  temp         short-lived storages: forward transients, backward work, evaluation
   chunks       chunk-engine buffers
   other        everything else (batches, buffers, communication scratch)
 
@@ -58,6 +59,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._category = ["other"]
         self._host_depth = 0
+        self._captures: list[list[int]] = []
         self._lock = threading.RLock()
 
     # ---- categories and placement -------------------------------------------------------
@@ -71,6 +73,27 @@ class MemoryTracker(TorchDispatchMode):
             yield
         finally:
             self._category.pop()
+
+    @contextlib.contextmanager
+    def retained(self, name: str = "activations", transient: str = "temp"):
+        """New storages count as ``transient`` while the block runs; those still alive when it
+        exits are re-tagged ``name``. Wrapped around a forward pass this splits what autograd keeps
+        for the backward (activations) from the forward's short-lived intermediates (temp)."""
+        self._captures.append([])
+        try:
+            with self.category(transient):
+                yield
+        finally:
+            keys = self._captures.pop()
+            with self._lock:
+                for key in keys:
+                    info, ref = self._info.get(key), self._refs.get(key)
+                    if info is None or ref is None or ref() is None or info.category != transient:
+                        continue
+                    self.live[info.device][info.category] -= info.nbytes
+                    info.category = name
+                    self.live[info.device][name] += info.nbytes
+                    self._update_peak(info.device)
 
     @contextlib.contextmanager
     def host_scope(self):
@@ -119,6 +142,8 @@ class MemoryTracker(TorchDispatchMode):
                 self._info[key] = info
                 self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
                 self.live[dev][category] += info.nbytes
+                if self._captures:
+                    self._captures[-1].append(key)
             self._update_peak(info.device)
 
     def _release(self, key: int) -> None:

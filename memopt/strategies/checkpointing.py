@@ -94,7 +94,7 @@ class _null:
 def _segment_forward(blocks, holder: _Boundary, rope, tracker: MemoryTracker | None):
     """Run blocks on the held input; under a recomputation the tracker counts it as activations."""
     x = holder.fetch() if holder.x.device != holder.device else holder.x
-    ctx = tracker.category("activations") if tracker is not None else _null()
+    ctx = tracker.retained("activations") if tracker is not None else _null()
     with ctx:
         for b in blocks:
             x = b._memopt_plain_forward(x, rope)
@@ -113,7 +113,7 @@ def apply_checkpointing(model, cfg: CkptConfig, offload: ActOffloadConfig | None
             plain = core.forward
 
             def run_core(q, k, v, _f=plain):
-                with tracker.category("activations") if tracker is not None else _null():
+                with tracker.retained("activations") if tracker is not None else _null():
                     return _f(q, k, v)
 
             core.forward = types.MethodType(

@@ -1,0 +1,34 @@
+"""Programmatic entry points: compose a config as the CLI would and run it in this process.
+
+Used by the benchmarks under ``experiments/`` and by the tests, so that they exercise exactly the
+configuration path of ``python -m memopt.train``.
+"""
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The DictConfig that ``python -m memopt.train <overrides>`` would run."""
+    from hydra import compose, initialize_config_dir
+
+    from memopt.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides or []))
+
+
+def run_job(overrides: list[str], run_dir: str) -> dict:
+    """Validate and run one job in this process; returns its summary (raises on failure)."""
+    from memopt.config import to_dataclass, validate
+    from memopt.trainer import Trainer
+
+    cfg = compose_config(overrides)
+    typed = to_dataclass(cfg)
+    validate(typed)
+    return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()

@@ -1,0 +1,430 @@
+"""Host-side AdamW for ZeRO-Offload and the chunk engine's Hybrid Adam (``CPUAdamW``).
+
+What it computes
+----------------
+``torch.optim.AdamW``'s math (Loshchilov & Hutter decoupled weight decay, bias-corrected), in
+fp32, in place on fp32 CPU tensors (typically flat master-weight shards), with one step counter
+shared by all tensors. For step ``t`` (1-based), per element::
+
+    g  = grad / grad_scale
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g * g
+    p  = p * (1 - lr * wd) - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+Optionally the updated ``p`` is also written, rounded to nearest even, into an fp16 or bf16
+tensor in the same pass (``out_lowp``; DeepSpeed's "fused copy back"): that costs 2 more bytes
+per parameter instead of a second pass that reads 4 and writes 2 (+2 for the write-allocate).
+
+Implementations (chosen on measurements, see ``experiments/cpu_adam/README.md``)
+--------------------------------------------------------------------------------
+The step is memory bound: it reads p, g, m, v (16 B/param) and writes p, m, v (12 B/param),
+28 B/param (30 with the low-precision copy). Candidates measured on the same tensors:
+
+* ``"cpp"`` (default when it builds): memopt's own C++ kernel below, compiled on first use with
+  ``torch.utils.cpp_extension.load_inline`` (``-O3 -march=native``; ``#pragma omp simd`` loop
+  that GCC vectorises, threads from ATen's OpenMP pool via ``at::parallel_for`` so
+  ``torch.set_num_threads`` applies). All tensors of a step form one work list of 32 Ki-element
+  chunks, so many small tensors cost one parallel region, not one each. It fuses the
+  low-precision copy-out and the gradient unscale (``grad_scale``) into the single pass. The
+  build includes only ``torch/library.h`` and ATen's parallel header (no pybind, no
+  ``torch/extension.h``), which keeps the one-time compile at about 6 s on 2 cores; the result
+  is cached in torch's extension directory (``~/.cache/torch_extensions`` or
+  ``$TORCH_EXTENSIONS_DIR``) under a name that hashes the source, flags, torch version and the
+  CPU's feature flags (``-march=native`` binaries must not be reused on another CPU).
+* ``"torch"`` (fallback): ``torch._fused_adamw_``, PyTorch's own fused CPU kernel (the one
+  ``torch.optim.AdamW(fused=True)`` calls), grouped by weight decay; the low-precision copy is a
+  second pass (``out.copy_(p)``). Used when no compiler/ninja is available (a warning says why),
+  or when asked for with ``impl="torch"`` or ``MEMOPT_CPU_ADAM=torch``.
+* ``_foreach_*`` ops (``torch.optim.AdamW(foreach=True)``) make one pass over memory per
+  elementary op and were ~8x slower; they are kept only in the benchmark.
+
+Differences between the two paths are fp32 rounding only (the C++ kernel lets the compiler
+contract multiply-adds into FMAs and multiplies by ``1/grad_scale``); each is deterministic
+and independent of the thread count.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import warnings
+
+import torch
+
+__all__ = ["CPUAdamW", "kernel_available", "kernel_error", "load_kernel"]
+
+log = logging.getLogger(__name__)
+
+_NAMESPACE = "memopt_cpu_adam"
+
+_CPP_SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 1 << 15;  // elements per work item (128 KiB of each fp32 stream)
+constexpr int64_t kBlock = 1024;     // sub-block rounded to fp16/bf16 while still in L1
+
+struct Coeffs {
+  float b1, omb1, b2, omb2, decay, step_size, inv_bc2_sqrt, eps, inv_grad_scale;
+};
+
+inline void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m,
+                        float* __restrict v, int64_t n, const Coeffs& c) {
+  const float b1 = c.b1, omb1 = c.omb1, b2 = c.b2, omb2 = c.omb2, decay = c.decay,
+              step_size = c.step_size, inv_bc2_sqrt = c.inv_bc2_sqrt, eps = c.eps,
+              inv_gs = c.inv_grad_scale;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * inv_gs;
+    const float mi = b1 * m[i] + omb1 * gi;
+    const float vi = b2 * v[i] + omb2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
+    p[i] = p[i] * decay - step_size * mi / denom;
+  }
+}
+
+// Round to nearest even, NaN -> 0x7FC0: bit-identical to c10::BFloat16(float) / Tensor.to(bf16).
+inline void to_bf16(const float* __restrict s, uint16_t* __restrict d, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, s + i, sizeof(u));
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    d[i] = (s[i] != s[i]) ? uint16_t(0x7FC0) : uint16_t(r);
+  }
+}
+
+// IEEE round to nearest even (hardware vcvtps2ph where the ISA has it), same bits as Tensor.to(fp16).
+inline void to_fp16(const float* __restrict s, uint16_t* __restrict d, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) d[i] = c10::Half(s[i]).x;
+}
+
+struct Item {
+  int64_t tensor, begin, end;
+};
+
+void check_fp32(const at::Tensor& t, int64_t numel, const char* what, size_t i) {
+  TORCH_CHECK(t.device().is_cpu(), "CPUAdamW: ", what, "[", i, "] must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "CPUAdamW: ", what, "[", i, "] must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "CPUAdamW: ", what, "[", i, "] must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "CPUAdamW: ", what, "[", i, "] has ", t.numel(), " elements, param has ", numel);
+}
+
+void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                at::TensorList exp_avg_sqs, at::TensorList out_lowp, at::ArrayRef<double> weight_decays,
+                double lr, double beta1, double beta2, double eps, int64_t step, double grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && weight_decays.size() == n,
+              "CPUAdamW: params, grads, exp_avgs, exp_avg_sqs and weight_decays must have the same length");
+  TORCH_CHECK(out_lowp.empty() || out_lowp.size() == n, "CPUAdamW: out_lowp must be empty or one per param");
+  TORCH_CHECK(step >= 1, "CPUAdamW: step must be >= 1");
+  TORCH_CHECK(grad_scale != 0.0, "CPUAdamW: grad_scale must be nonzero");
+
+  const double bc1 = 1.0 - std::pow(beta1, double(step));
+  const double bc2 = 1.0 - std::pow(beta2, double(step));
+  std::vector<Coeffs> coeffs(n);
+  std::vector<float*> P(n), M(n), V(n);
+  std::vector<const float*> G(n);
+  std::vector<uint16_t*> O(n, nullptr);
+  std::vector<bool> is_bf16(n, false);
+  std::vector<Item> items;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    check_fp32(params[i], numel, "params", i);
+    check_fp32(grads[i], numel, "grads", i);
+    check_fp32(exp_avgs[i], numel, "exp_avgs", i);
+    check_fp32(exp_avg_sqs[i], numel, "exp_avg_sqs", i);
+    if (!out_lowp.empty()) {
+      const at::Tensor& o = out_lowp[i];
+      TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == numel &&
+                      (o.scalar_type() == at::kHalf || o.scalar_type() == at::kBFloat16),
+                  "CPUAdamW: out_lowp[", i, "] must be a contiguous CPU float16/bfloat16 tensor with ", numel, " elements");
+      O[i] = static_cast<uint16_t*>(o.data_ptr());
+      is_bf16[i] = o.scalar_type() == at::kBFloat16;
+    }
+    P[i] = params[i].data_ptr<float>();
+    G[i] = grads[i].data_ptr<float>();
+    M[i] = exp_avgs[i].data_ptr<float>();
+    V[i] = exp_avg_sqs[i].data_ptr<float>();
+    coeffs[i] = Coeffs{float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
+                       float(1.0 - lr * weight_decays[i]), float(lr / bc1), float(1.0 / std::sqrt(bc2)),
+                       float(eps), float(1.0 / grad_scale)};
+    for (int64_t b = 0; b < numel; b += kChunk) items.push_back(Item{int64_t(i), b, std::min(numel, b + kChunk)});
+  }
+
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Item& it = items[k];
+      const size_t t = size_t(it.tensor);
+      const Coeffs& c = coeffs[t];
+      if (O[t] == nullptr) {
+        adamw_block(P[t] + it.begin, G[t] + it.begin, M[t] + it.begin, V[t] + it.begin, it.end - it.begin, c);
+        continue;
+      }
+      for (int64_t b = it.begin; b < it.end; b += kBlock) {
+        const int64_t len = std::min(kBlock, it.end - b);
+        adamw_block(P[t] + b, G[t] + b, M[t] + b, V[t] + b, len, c);
+        if (is_bf16[t]) to_bf16(P[t] + b, O[t] + b, len);
+        else to_fp16(P[t] + b, O[t] + b, len);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(memopt_cpu_adam, m) {
+  m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] out_lowp, float[] weight_decays, float lr, float beta1, float beta2, float eps, int step, "
+        "float grad_scale) -> ()");
+}
+TORCH_LIBRARY_IMPL(memopt_cpu_adam, CPU, m) { m.impl("adamw_step", &adamw_step); }
+"""
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_kernel = None  # the torch.ops op once loaded
+_kernel_error: str | None = None
+_tried = False
+
+
+def _cpu_tag() -> str:
+    """The CPU's feature flags (Linux) so a ``-march=native`` build is never reused on another CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _extension_name() -> str:
+    key = "\n".join([_CPP_SOURCE, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, _cpu_tag()])
+    return f"memopt_cpu_adam_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def load_kernel():
+    """Compile (first use; cached in torch's extension dir) and load the C++ kernel.
+
+    Returns the op, or ``None`` when it cannot be built here; ``kernel_error()`` then says why.
+    """
+    global _kernel, _kernel_error, _tried
+    with _lock:
+        if _tried:
+            return _kernel
+        _tried = True
+        if hasattr(torch.ops, _NAMESPACE) and hasattr(getattr(torch.ops, _NAMESPACE), "adamw_step"):
+            _kernel = torch.ops.memopt_cpu_adam.adamw_step  # already registered in this process
+            return _kernel
+        try:
+            from torch.utils.cpp_extension import load_inline, verify_ninja_availability
+
+            verify_ninja_availability()
+            log.info("memopt CPUAdamW: compiling the C++ kernel (one time, ~10 s; cached in torch's extension dir)")
+            load_inline(
+                name=_extension_name(),
+                cpp_sources=_CPP_SOURCE,
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                is_python_module=False,
+                no_implicit_headers=True,
+                verbose=False,
+            )
+            _kernel = torch.ops.memopt_cpu_adam.adamw_step
+        except Exception as e:  # no compiler, no ninja, unsupported flags, ...
+            msg = str(e).strip().splitlines()
+            _kernel_error = f"{type(e).__name__}: {msg[-1] if msg else ''}"
+            _kernel = None
+        return _kernel
+
+
+def kernel_available() -> bool:
+    return load_kernel() is not None
+
+
+def kernel_error() -> str | None:
+    """Why the C++ kernel could not be built (``None`` if it was, or was not tried yet)."""
+    return _kernel_error
+
+
+class CPUAdamW:
+    """AdamW (decoupled weight decay, torch.optim.AdamW math, bias-corrected) over fp32 CPU tensors.
+
+    ``params`` are contiguous fp32 CPU tensors (e.g. flat master shards), updated in place.
+    The states ``exp_avg`` / ``exp_avg_sq`` (lists, fp32, same shapes) are allocated eagerly
+    here, zero-filled, so a caller can account their bytes (``state_nbytes``) before the first
+    step. One step counter (``step_count``) is shared by all tensors.
+
+    ``impl``: ``"auto"`` (C++ kernel, falling back to torch with a warning if it cannot be
+    built; the environment variable ``MEMOPT_CPU_ADAM=cpp|torch`` overrides ``auto``), ``"cpp"``
+    (error if it cannot be built) or ``"torch"`` (``torch._fused_adamw_``). ``self.impl`` says
+    which one runs.
+    """
+
+    def __init__(self, params: list[torch.Tensor], lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, impl: str = "auto"):
+        params = list(params)
+        for i, p in enumerate(params):
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(f"CPUAdamW: params[{i}] must be a contiguous fp32 CPU tensor, "
+                                 f"got {p.dtype} on {p.device} (contiguous={p.is_contiguous()})")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"CPUAdamW: betas must be in [0, 1), got {betas}")
+        self.params = params
+        self.lr = float(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.step_count = 0
+        with torch.no_grad():
+            self.exp_avg = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
+            self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
+        self.impl = self._resolve_impl(impl)
+        self._kernel = load_kernel() if self.impl == "cpp" else None
+
+    @staticmethod
+    def _resolve_impl(impl: str) -> str:
+        if impl == "auto":
+            impl = os.environ.get("MEMOPT_CPU_ADAM", "auto") or "auto"
+        if impl not in ("auto", "cpp", "torch"):
+            raise ValueError(f"CPUAdamW: impl must be auto, cpp or torch, got {impl!r}")
+        if impl == "torch":
+            return "torch"
+        if load_kernel() is not None:
+            return "cpp"
+        if impl == "cpp":
+            raise RuntimeError(f"CPUAdamW: the C++ kernel could not be built ({kernel_error()}); it needs a C++ "
+                               "compiler with OpenMP and ninja (`pip install ninja`). Use impl='torch' to run without it.")
+        warnings.warn(f"memopt CPUAdamW: C++ kernel unavailable ({kernel_error()}); using the slower "
+                      "torch._fused_adamw_ path. Install a C++ compiler and ninja to get the fast one.",
+                      RuntimeWarning, stacklevel=3)
+        return "torch"
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes held by exp_avg and exp_avg_sq."""
+        return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor | None], lr: float | None = None,
+             weight_decays: list[float] | None = None, out_lowp: list[torch.Tensor] | None = None,
+             grad_scale: float = 1.0) -> None:
+        """One AdamW step, in place on ``self.params``.
+
+        ``grads[i]``: fp32 CPU tensor with ``params[i]``'s numel, or ``None`` to leave that
+        tensor (and its states) untouched this step. ``lr`` / ``weight_decays`` override the
+        constructor's values for this step (``weight_decays``: one per param). ``out_lowp``: one
+        fp16/bf16 CPU tensor per param (same numel) that receives the updated params, rounded to
+        nearest even. ``grad_scale``: grads are divided by it before use (loss scale times
+        clip factor); the C++ kernel leaves ``grads`` unchanged, the torch fallback unscales them
+        in place, so treat them as consumed.
+        """
+        n = len(self.params)
+        if len(grads) != n:
+            raise ValueError(f"CPUAdamW.step: got {len(grads)} grads for {n} params")
+        if weight_decays is None:
+            weight_decays = [self.weight_decay] * n
+        elif len(weight_decays) != n:
+            raise ValueError(f"CPUAdamW.step: got {len(weight_decays)} weight_decays for {n} params")
+        if out_lowp is not None and len(out_lowp) != n:
+            raise ValueError(f"CPUAdamW.step: got {len(out_lowp)} out_lowp tensors for {n} params")
+        lr = self.lr if lr is None else float(lr)
+        self.step_count += 1
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        if not idx:
+            return
+        ps = [self.params[i] for i in idx]
+        gs = [grads[i].contiguous() for i in idx]
+        ms = [self.exp_avg[i] for i in idx]
+        vs = [self.exp_avg_sq[i] for i in idx]
+        wds = [float(weight_decays[i]) for i in idx]
+        outs = [out_lowp[i] for i in idx] if out_lowp is not None else []
+        b1, b2 = self.betas
+        if self.impl == "cpp":
+            self._kernel(ps, gs, ms, vs, outs, wds, lr, b1, b2, self.eps, self.step_count, float(grad_scale))
+            return
+        _torch_adamw(ps, gs, ms, vs, outs, wds, lr, b1, b2, self.eps, self.step_count, float(grad_scale))
+
+    def state_dict(self) -> dict:
+        """Hyper-parameters, the step counter and references (not copies) to the state tensors."""
+        return {
+            "step": self.step_count,
+            "lr": self.lr,
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "exp_avg": list(self.exp_avg),
+            "exp_avg_sq": list(self.exp_avg_sq),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Copy ``sd``'s states into this optimizer's own buffers (which keep their identity)."""
+        for key in ("exp_avg", "exp_avg_sq"):
+            src, dst = sd[key], getattr(self, key)
+            if len(src) != len(dst):
+                raise ValueError(f"CPUAdamW.load_state_dict: {key} has {len(src)} tensors, expected {len(dst)}")
+            for i, (s, d) in enumerate(zip(src, dst)):
+                if s.shape != d.shape:
+                    raise ValueError(f"CPUAdamW.load_state_dict: {key}[{i}] has shape {tuple(s.shape)}, "
+                                     f"expected {tuple(d.shape)}")
+        with torch.no_grad():
+            for key in ("exp_avg", "exp_avg_sq"):
+                for s, d in zip(sd[key], getattr(self, key)):
+                    d.copy_(s)
+        self.step_count = int(sd["step"])
+        self.lr = float(sd.get("lr", self.lr))
+        self.betas = tuple(float(b) for b in sd.get("betas", self.betas))
+        self.eps = float(sd.get("eps", self.eps))
+        self.weight_decay = float(sd.get("weight_decay", self.weight_decay))
+
+
+def _torch_adamw(ps, gs, ms, vs, outs, wds, lr, b1, b2, eps, step, grad_scale) -> None:
+    """The pure-torch path: PyTorch's fused CPU AdamW kernel, one call per distinct weight decay."""
+    for i, (p, g) in enumerate(zip(ps, gs)):
+        if g.device.type != "cpu" or g.dtype != torch.float32 or g.numel() != p.numel():
+            raise ValueError(f"CPUAdamW: grads[{i}] must be an fp32 CPU tensor with {p.numel()} elements, "
+                             f"got {g.dtype} on {g.device} with {g.numel()}")
+    for i, (o, p) in enumerate(zip(outs, ps)):
+        if o.dtype not in (torch.float16, torch.bfloat16) or o.device.type != "cpu" or o.numel() != p.numel():
+            raise ValueError(f"CPUAdamW: out_lowp[{i}] must be a float16/bfloat16 CPU tensor with {p.numel()} elements")
+    gs = [g.view_as(p) for g, p in zip(gs, ps)]
+    steps = [torch.tensor(float(step))] * len(ps)  # only read by the kernel
+    scale = torch.tensor(grad_scale) if grad_scale != 1.0 else None
+    for wd in dict.fromkeys(wds):
+        sel = [i for i, w in enumerate(wds) if w == wd]
+        torch._fused_adamw_(
+            [ps[i] for i in sel], [gs[i] for i in sel], [ms[i] for i in sel], [vs[i] for i in sel], [],
+            [steps[i] for i in sel], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False,
+            maximize=False, grad_scale=scale, found_inf=None,
+        )
+    for o, p in zip(outs, ps):
+        o.copy_(p.view_as(o))
