@@ -1,51 +1,67 @@
 """The one function that applies the selected strategies to the model and the optimizer.
 
 The order is fixed and readable here (torchtitan style):
-    model on meta -> attention implementation -> activation checkpointing (+ activation offload)
-    -> precision (parameter dtype, autocast, loss scaler) -> materialise and initialise from the
-    seed -> optimizer (fp32 master weights when parameters are low precision)
-Later stages (partitioners, offload, the chunk engine) plug in between precision and the optimizer.
+
+    model on meta
+    -> attention implementation (flash_attn)
+    -> activation checkpointing (+ activation offload)
+    -> precision (parameter dtype, autocast, loss scaler)
+    -> partitioner (ddp / zero1 / zero2 / zero3 flat groups; one rank is ddp with W=1)
+    -> materialise and initialise from the seed (every rank holds the single-process weights)
+    -> optimizer (fp32 master where needed; cpu_offload puts it and Adam on the host)
+
+``MemoptEngine`` then runs forward/backward/step for the loop.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from memopt.config import TrainConfig
+from memopt.dist import DistContext
+from memopt.engines.base import Engine, category, retained
 from memopt.memory.tracker import MemoryTracker
-from memopt.models.gpt import GPT
-from memopt.optim import MixedPrecisionAdamW
+from memopt.models.gpt import GPT, init_tensor
+from memopt.optim import ShardedAdamW, StepResult
 from memopt.strategies.checkpointing import apply_checkpointing
 from memopt.strategies.flash_attention import apply_flash_attention
 from memopt.strategies.precision import Precision
-
-
-@dataclass
-class Built:
-    model: GPT
-    optimizer: MixedPrecisionAdamW
-    precision: Precision
-    device: torch.device
+from memopt.strategies.zero import STAGES, FlatGroup, Partitioner, plan_groups
 
 
 def materialize(model: GPT, device: torch.device, dtype: torch.dtype, seed: int, tracker: MemoryTracker | None = None) -> GPT:
-    """Allocate a meta-device model on ``device`` in ``dtype`` and fill it from the seed."""
+    """Allocate a meta-device model on ``device`` in ``dtype`` and fill it from the seed (no partitioning)."""
     memo: dict[int, torch.nn.Parameter] = {}
-    with tracker.category("params") if tracker is not None else _nullctx():
+    with category(tracker, "params"):
         for mod in model.modules():  # one allocation per distinct parameter: ties are kept
             for name, p in mod._parameters.items():
                 if p is not None:
                     if id(p) not in memo:
                         memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=p.requires_grad)
                     mod._parameters[name] = memo[id(p)]
-    with tracker.category("temp") if tracker is not None else _nullctx():
+    with category(tracker, "temp"):
         model.init_weights(seed)  # float32 values drawn on the CPU, cast on copy
     return model
 
 
-def build(cfg: TrainConfig, device: torch.device, tracker: MemoryTracker | None = None) -> Built:
-    s = cfg.strategy
+def _materialize_params(model: GPT, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace meta parameters by (empty) parameters on ``device``, keeping ties; storage comes later."""
+    memo: dict[int, torch.nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=p.requires_grad)
+                mod._parameters[name] = memo[id(p)]
+
+
+def selected_stage(cfg: TrainConfig) -> tuple[str, int]:
+    chosen = [n for n in STAGES if getattr(cfg.strategy, n, None) is not None]
+    name = chosen[0] if chosen else "ddp"
+    return name, STAGES[name]
+
+
+def build(cfg: TrainConfig, device: torch.device, ctx: DistContext | None = None, tracker: MemoryTracker | None = None) -> "MemoptEngine":
+    s, ctx = cfg.strategy, ctx or DistContext()
     with torch.device("meta"):
         model = GPT(cfg.model)
     if s.flash_attn is not None:
@@ -53,16 +69,80 @@ def build(cfg: TrainConfig, device: torch.device, tracker: MemoryTracker | None 
     if s.ckpt is not None:
         apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
     precision = Precision.from_strategies(s.fp16, s.bf16)
-    materialize(model, device, precision.param_dtype, cfg.seed, tracker)
+
+    name, stage = selected_stage(cfg)
+    scfg = getattr(s, name, None)
+    bucket_mb = getattr(scfg, "bucket_mb", 25.0)
+    plan = plan_groups(model, stage, bucket_mb, precision.param_dtype)
+    _materialize_params(model, device, precision.param_dtype)
+    groups = []
+    for gname, members in plan:
+        live = [(n, model.get_parameter(n), tuple(meta.shape)) for n, meta in members]
+        g = FlatGroup(gname, live, ctx, precision.param_dtype, device, stage, tracker)
+        g.materialize(lambda n, shape: init_tensor(n, shape, cfg.seed, cfg.model))
+        groups.append(g)
     if tracker is not None:
         tracker.register_module(model)
-    optimizer = MixedPrecisionAdamW(model, cfg.optim, precision, tracker)
-    return Built(model, optimizer, precision, device)
+    part = Partitioner(model, groups, stage, ctx, overlap=getattr(scfg, "overlap_comm", True), prefetch=getattr(scfg, "prefetch", True))
+    off = s.cpu_offload
+    optimizer = ShardedAdamW(groups, cfg.optim, precision, ctx, tracker, offload=off is not None,
+                             pin_memory=getattr(off, "pin_memory", True))
+    return MemoptEngine(model, part, optimizer, precision, device, ctx, tracker)
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
+class MemoptEngine(Engine):
+    def __init__(self, model: GPT, partitioner: Partitioner, optimizer: ShardedAdamW, precision: Precision,
+                 device: torch.device, ctx: DistContext, tracker: MemoryTracker | None):
+        self.model, self.part, self.optimizer, self.precision = model, partitioner, optimizer, precision
+        self.device, self.ctx, self.tracker = device, ctx, tracker
 
-    def __exit__(self, *a):
-        return False
+    def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
+        last = micro == n_micro - 1
+        self.part.sync_this_backward = last or self.part.stage >= 2
+        with retained(self.tracker), self.precision.autocast(self.device):
+            _, loss = self.model(x, y)
+        self.part.in_backward = True
+        try:
+            with category(self.tracker, "temp"):
+                ((loss / n_micro) * self.precision.loss_scale).backward()
+        finally:
+            self.part.in_backward = False
+        if last:
+            self.part.finish_backward()
+        elif self.part.stage >= 2:
+            self.part.after_micro_backward()
+        return loss.detach()
+
+    def step(self, lr: float) -> StepResult:
+        return self.optimizer.step(lr)
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> float:
+        self.model.eval()
+        try:
+            with category(self.tracker, "temp"), self.precision.autocast(self.device):
+                _, loss = self.model(x, y)
+            return float(loss.float().item())
+        finally:
+            self.model.train()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        for g in self.part.groups:
+            g.gather()
+        try:
+            return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+        finally:
+            for g in self.part.groups:
+                g.release()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return self.precision.name

@@ -19,6 +19,7 @@ from memopt.models.gpt import GPTConfig
 from memopt.strategies.checkpointing import ActOffloadConfig, CkptConfig
 from memopt.strategies.flash_attention import FlashAttnConfig
 from memopt.strategies.precision import Bf16Config, Fp16Config
+from memopt.strategies.zero import CpuOffloadConfig, DdpConfig, Zero1Config, Zero2Config, Zero3Config
 
 
 @dataclass
@@ -85,6 +86,11 @@ class StrategyConfig:
     ckpt: CkptConfig | None = None
     act_offload: ActOffloadConfig | None = None
     flash_attn: FlashAttnConfig | None = None
+    ddp: DdpConfig | None = None
+    zero1: Zero1Config | None = None
+    zero2: Zero2Config | None = None
+    zero3: Zero3Config | None = None
+    cpu_offload: CpuOffloadConfig | None = None
 
     def selected(self) -> list[str]:
         return [k for k, v in self.__dict__.items() if v is not None]
@@ -158,6 +164,16 @@ def validate(cfg: TrainConfig) -> None:
         Precision.from_strategies(s.fp16, s.bf16)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    stages = [n for n in ("ddp", "zero1", "zero2", "zero3") if getattr(s, n) is not None]
+    if len(stages) > 1:
+        raise ConfigError(
+            f"strategies {' and '.join(stages)} are mutually exclusive: select one data-parallel/ZeRO stage "
+            f"(e.g. +strategy={stages[-1]})"
+        )
+    for n in stages:
+        bucket = getattr(getattr(s, n), "bucket_mb", 1.0)
+        if bucket <= 0:
+            raise ConfigError(f"strategy.{n}.bucket_mb={bucket} must be > 0")
     if s.flash_attn is not None:
         from memopt.strategies import flash_attention
 

@@ -1,8 +1,15 @@
-"""The optimizer step every memopt strategy shares: unscale, overflow skip, clip, AdamW, copy back.
+"""The optimizer step every memopt strategy shares, over the owned ranges of flat groups.
 
-With low-precision parameters the optimizer owns fp32 master weights (counted as ``optim`` bytes)
-and fp32 copies of the gradients; the AdamW math always runs in fp32. The learning-rate schedule
-(linear warm-up, cosine decay) lives here too so every engine uses the same numbers.
+unscale (loss scale and data-parallel averaging) -> overflow check (all ranks agree) -> global
+gradient-norm clip -> decoupled weight decay -> Adam -> copy the fp32 master back into the
+parameters' dtype -> all-gather the updated shards (zero1/zero2).
+
+fp32 master weights exist only where they differ from the parameters: with fp32 parameters the
+owned slice of the parameters is updated in place; with fp16/bf16 parameters (or cpu_offload) an
+fp32 master copy of the owned slice is kept (counted as ``optim`` bytes, as in the ZeRO paper).
+With ``cpu_offload`` the master, the Adam moments and the step live on the host and run on
+``CPUAdamW``; gradients are copied to the host and updated parameters copied back.
+The learning-rate schedule (linear warm-up, cosine decay) lives here so every engine uses it.
 """
 from __future__ import annotations
 
@@ -10,8 +17,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from memopt.strategies.precision import Precision, grads_finite
+from memopt.dist import DistContext, all_gather_single, reduce_scatter_single
+from memopt.memory.tracker import MemoryTracker
+from memopt.strategies.precision import Precision
+from memopt.strategies.zero import FlatGroup
 
 
 def lr_at(step: int, cfg, max_steps: int) -> float:
@@ -26,24 +37,6 @@ def lr_at(step: int, cfg, max_steps: int) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def param_groups(named_params, weight_decay: float):
-    """Decay matrices and embeddings (ndim >= 2), not biases or LayerNorm weights (GPT-2/nanoGPT)."""
-    seen, decay, no_decay = set(), [], []
-    for _, p in named_params:
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return decay, no_decay
-
-
-def make_adamw(decay, no_decay, cfg) -> torch.optim.AdamW:
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
-
-
 @dataclass
 class StepResult:
     skipped: bool
@@ -51,72 +44,126 @@ class StepResult:
     loss_scale: float
 
 
-class MixedPrecisionAdamW:
-    """AdamW over fp32 weights: the model's own when they are fp32, else fp32 master copies."""
+def _ctx(tracker, category: str, host: bool = False):
+    import contextlib
 
-    def __init__(self, model: torch.nn.Module, cfg, precision: Precision, tracker=None):
-        self.cfg, self.precision, self.tracker = cfg, precision, tracker
-        decay, no_decay = param_groups(model.named_parameters(), cfg.weight_decay)
-        self.params = decay + no_decay
-        if precision.master_weights:
-            with _category(tracker, "optim"):
-                self.master = [p.detach().float().clone() for p in self.params]
-            n = len(decay)
-            self.optimizer = make_adamw(self.master[:n], self.master[n:], cfg)
-        else:
-            self.master = None
-            self.optimizer = make_adamw(decay, no_decay, cfg)
+    if tracker is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(tracker.category(category))
+    if host:
+        stack.enter_context(tracker.host_scope())
+    return stack
 
-    def fp32_params(self) -> list[torch.Tensor]:
-        return self.master if self.master is not None else self.params
 
+class ShardedAdamW:
+    """AdamW over the owned range of every flat group (everything, for one rank or ddp)."""
+
+    def __init__(self, groups: list[FlatGroup], cfg, precision: Precision, ctx: DistContext,
+                 tracker: MemoryTracker | None = None, offload: bool = False, pin_memory: bool = True):
+        self.groups, self.cfg, self.precision, self.ctx, self.tracker = groups, cfg, precision, ctx, tracker
+        self.offload = offload
+        self.step_count = 0
+        dev = groups[0].device if groups else torch.device("cpu")
+        self.state_device = torch.device("cpu") if offload else dev
+        pin = pin_memory and offload and dev.type == "cuda"
+        self.master: list[torch.Tensor] = []
+        # weight decay on matrices and embeddings (ndim >= 2), not on biases or LayerNorm weights
+        self.decay_segments: list[list[tuple[int, int]]] = []
+        for g in groups:
+            src = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            if src.dtype == torch.float32 and not offload:
+                self.master.append(src)  # update the parameters' own fp32 storage in place
+            else:
+                with _ctx(tracker, "optim", host=offload):
+                    m = torch.empty(src.shape, dtype=torch.float32, device=self.state_device, pin_memory=pin)
+                    m.copy_(src)
+                self.master.append(m)
+            self.decay_segments.append([(a, b) for a, b, ndim in g.owned_segments() if ndim >= 2])
+        with _ctx(tracker, "optim", host=offload):
+            self.exp_avg = [torch.zeros_like(m) for m in self.master]
+            self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self._cpu_adam = None
+        if offload:
+            from memopt.strategies.cpu_adam import CPUAdamW
+
+            self._cpu_adam = CPUAdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
+            self._cpu_adam.exp_avg, self._cpu_adam.exp_avg_sq = self.exp_avg, self.exp_avg_sq
+
+    # ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         scale = self.precision.loss_scale
-        targets = self.fp32_params()
-        if self.master is not None:
-            with _category(self.tracker, "grads"):
-                for m, p in zip(self.master, self.params):
-                    m.grad = p.grad.float() if p.grad is not None else None
-                    p.grad = None
-        grads = [t.grad for t in targets if t.grad is not None]
+        grads = [g.grad_shard for g in self.groups]
+        for i, g in enumerate(grads):
+            if g is None:  # a group without gradients (frozen): zeros keep Adam's math uniform
+                with _ctx(self.tracker, "grads"):
+                    grads[i] = torch.zeros_like(self.groups[i].full if self.groups[i].stage != 3 else self.groups[i].shard, dtype=torch.float32)[: self.master[i].numel()]
+        # overflow check, agreed by every rank
         if self.precision.scaler is not None:
-            finite = grads_finite(grads)
-            self.precision.scaler.update(overflow=not finite)
-            if not finite:
+            bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+            for g in grads:
+                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            self.ctx.all_reduce_(bad, op=dist.ReduceOp.MAX)
+            overflow = bool(bad.item())
+            self.precision.scaler.update(overflow)
+            if overflow:
                 self.zero_grad()
                 return StepResult(True, float("nan"), scale)
-            if scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / scale)
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(targets, clip, foreach=True)) if grads else 0.0
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        with _category(self.tracker, "optim"):
-            self.optimizer.step()
-        if self.master is not None:
-            for m, p in zip(self.master, self.params):
-                p.copy_(m)
+        inv = 1.0 / (scale * (self.ctx.world_size if self.ctx.enabled else 1))
+        if inv != 1.0:
+            torch._foreach_mul_(grads, inv)
+        # global norm over the owned ranges (padding is zero); sum over ranks when sharded
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            sq = sq + g.float().pow(2).sum()
+        if self.ctx.enabled and any(gr.sharded for gr in self.groups):
+            self.ctx.all_reduce_(sq)
+        norm = math.sqrt(sq.item())
+        clip = self.cfg.grad_clip
+        if clip > 0 and norm > clip:
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        self.step_count += 1
+        if self.offload:
+            with _ctx(self.tracker, "grads", host=True):
+                host_grads = [g.to("cpu", non_blocking=False) if g.device.type != "cpu" else g.clone() for g in grads]
+            self._decay(lr)
+            self._cpu_adam.step(host_grads, lr=lr)
+            del host_grads
+        else:
+            self._decay(lr)
+            self._adam(grads, lr)
+        self._write_back()
         self.zero_grad()
         return StepResult(False, norm, scale)
 
+    def _decay(self, lr: float) -> None:
+        wd = self.cfg.weight_decay
+        if wd:
+            for m, segs in zip(self.master, self.decay_segments):
+                for a, b in segs:
+                    m[a:b].mul_(1 - lr * wd)
+
+    def _adam(self, grads: list[torch.Tensor], lr: float) -> None:
+        b1, b2 = self.cfg.betas
+        t = self.step_count
+        steps = [torch.tensor(float(t), device=m.device) for m in self.master]  # 1-based step for bias correction
+        torch._fused_adamw_(self.master, grads, self.exp_avg, self.exp_avg_sq, [], steps, lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
+
+    def _write_back(self) -> None:
+        for g, m in zip(self.groups, self.master):
+            dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            if m is not dst:
+                dst.copy_(m, non_blocking=False)
+            if g.sharded and g.stage in (1, 2):
+                with _ctx(self.tracker, "temp"):
+                    mine = dst.clone()
+                all_gather_single(g.full, mine)
+
     def zero_grad(self) -> None:
-        for t in self.params + (self.master or []):
-            t.grad = None
+        for g in self.groups:
+            g.zero_grads()
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-
-class _category:
-    def __init__(self, tracker, name):
-        self.ctx = tracker.category(name) if tracker is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *a):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*a)
-        return False
+        return {"step": self.step_count, "master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

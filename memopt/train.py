@@ -14,7 +14,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import json
+
 from memopt.config import ConfigError, register_configs, to_dataclass, validate
+from memopt.dist import under_launcher
 from memopt.logging import write_json
 
 register_configs()
@@ -73,8 +76,16 @@ def run(cfg: DictConfig) -> dict:
             return {"status": "refused", "error": str(e)}
         raise SystemExit(2)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    nproc = typed.trainer.nproc_per_node
     try:
-        summary = Trainer(typed, run_dir, resolved, group=group).run()
+        if nproc > 1 and not under_launcher():
+            summary = _launch_ranks(nproc, resolved, run_dir, group)
+        else:
+            if under_launcher():  # external torchrun: every rank uses rank 0's run directory
+                run_dir = _shared_run_dir(typed, run_dir)
+            summary = Trainer(typed, run_dir, resolved, group=group).run()
+            if summary is None or int(os.environ.get("RANK", "0")) != 0:
+                return summary
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
@@ -84,6 +95,43 @@ def run(cfg: DictConfig) -> dict:
         raise
     print(f"\nmemopt run finished in {run_dir}\n{summary_table(summary)}", file=sys.stderr)
     return summary
+
+
+def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -> dict:
+    """Start ``nproc`` local ranks; on failure record which rank failed and why, then re-raise."""
+    from memopt.dist import RankFailure, launch
+    from memopt.worker import run_rank
+
+    try:
+        results = launch(nproc, run_rank, resolved, run_dir, group)
+    except RankFailure as e:
+        path = os.path.join(run_dir, "summary.json")
+        summary = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                summary = json.load(f)
+        summary.update(status=summary.get("status") if summary.get("status") in ("oom", "refused") else "failed",
+                       error=str(e), failed_rank=e.rank)
+        write_json(path, summary)
+        raise
+    return results[0]
+
+
+def _shared_run_dir(typed, run_dir: str) -> str:
+    """Under an external launcher, adopt rank 0's Hydra directory (others remove their own)."""
+    import shutil
+
+    import torch
+
+    from memopt import dist
+    from memopt.trainer import resolve_device
+
+    ctx = dist.setup(resolve_device(typed.trainer.device))
+    shared = ctx.broadcast_object(run_dir)
+    if shared != run_dir and ctx.rank != 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    del torch
+    return shared
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

@@ -48,9 +48,13 @@ def classify_failure(exc: BaseException) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, rank: int = 0, world_size: int = 1,
-                 group: str | None = None):
-        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world_size
+    def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, group: str | None = None):
+        from memopt import dist
+
+        self.cfg, self.run_dir = cfg, run_dir
+        self.device = resolve_device(cfg.trainer.device)
+        self.ctx = dist.setup(self.device)
+        self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.resolved_config = resolved_config or {}
         self.group = group or cfg.logger.group or cfg.experiment
         self.summary: dict = {}
@@ -70,7 +74,6 @@ class Trainer:
         try:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
-            self.device = resolve_device(cfg.trainer.device)
             tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else None
             with tracker if tracker is not None else nullcontext():
                 self._train(tracker)
@@ -81,34 +84,31 @@ class Trainer:
             self.summary["traceback"] = traceback.format_exc(limit=20)
             raise
         finally:
-            if tracker is not None:
-                self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
-            self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
-            if torch.cuda.is_available() and getattr(self, "device", torch.device("cpu")).type == "cuda":
-                self.summary["cuda_allocator_peak"] = {str(self.rank): torch.cuda.max_memory_allocated(self.device)}
+            if "peak_bytes" not in self.summary:  # failed before the ranks could exchange peaks
+                if tracker is not None:
+                    self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
+                self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
             self.logger.finish(self.summary)
         return self.summary
 
     # ------------------------------------------------------------------------------------------
     def _train(self, tracker: MemoryTracker | None) -> None:
-        from memopt.compose import build
+        from memopt.engines import build_engine
 
         cfg, t = self.cfg, self.cfg.trainer
         data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
         hw = resolve_hardware(cfg.hardware, self.device)
-        torch.manual_seed(cfg.seed)  # dropout streams; weights are seeded per parameter
-        built = build(cfg, self.device, tracker)
-        model, opt, precision = built.model, built.optimizer, built.precision
-        model.train()
+        torch.manual_seed(cfg.seed + self.rank)  # dropout streams; weights are seeded per parameter
+        engine = build_engine(cfg, self.device, self.ctx, tracker)
+        engine.model.train()
 
         tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * cfg.model.seq_len
         fpt = flops_per_token(cfg.model)
-        peak = peak_tflops_for(hw, precision.name)
+        peak = peak_tflops_for(hw, engine.compute_dtype_name)
         self.summary.update(flops_per_token=fpt, tokens_per_step=tokens_per_step, hardware=hw.name,
                             peak_tflops_per_device=peak)
         eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if t.eval_every and len(data.val) > cfg.model.seq_len else []
         cat = (lambda name: tracker.category(name)) if tracker is not None else (lambda name: nullcontext())
-        retained = (lambda: tracker.retained("activations")) if tracker is not None else nullcontext
 
         bar = None
         if t.progress_bar and self.rank == 0:
@@ -125,25 +125,24 @@ class Trainer:
                 x, y = data.micro_batch(step, micro, self.rank, self.world, t.micro_batch_size, t.grad_accum)
                 with cat("other"):
                     x, y = x.to(self.device), y.to(self.device)
-                with retained(), precision.autocast(self.device):
-                    _, loss = model(x, y)
-                with cat("temp"):
-                    ((loss / t.grad_accum) * precision.loss_scale).backward()
-                loss_sum += loss.detach().float()
-            result = opt.step(lr)
+                loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
+            result = engine.step(lr)
+            self.ctx.all_reduce_(loss_sum)  # global-batch mean: every rank's micro-batches weigh the same
             self._sync()
             dt = time.perf_counter() - t0
             step_times.append(dt)
-            loss_val = loss_sum.item() / t.grad_accum
+            loss_val = loss_sum.item() / (t.grad_accum * self.world)
             losses.append(loss_val)
 
             is_last = step == t.max_steps - 1
-            if eval_set and ((step + 1) % t.eval_every == 0 or is_last):
-                val_loss = self._evaluate(model, eval_set, precision, cat)
-            if step % t.log_every == 0 or is_last or (eval_set and (step + 1) % t.eval_every == 0):
+            evaluated = bool(eval_set) and ((step + 1) % t.eval_every == 0 or is_last)
+            if evaluated:
+                with cat("temp"):
+                    val_loss = sum(engine.eval_loss(x.to(self.device), y.to(self.device)) for x, y in eval_set) / len(eval_set)
+            if step % t.log_every == 0 or is_last or evaluated:
                 rec = {"step": step, "loss": loss_val, "lr": lr, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                       "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped_steps": self._skipped(precision)}
-                if val_loss is not None and (step + 1) % max(t.eval_every, 1) == 0 or (is_last and val_loss is not None):
+                       "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped_steps": engine.skipped_steps}
+                if evaluated:
                     rec["val_loss"] = val_loss
                 if tracker is not None:
                     rec["peak_bytes"] = {d: v["total"] for d, v in tracker.peaks().items()}
@@ -162,31 +161,30 @@ class Trainer:
         self.summary.update(
             final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
             mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps,
-            skipped_steps=self._skipped(precision), loss_scale=precision.loss_scale,
+            skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale,
         )
-        if t.save_checkpoint and self.rank == 0:
-            self.save_checkpoint(model)
+        if t.save_checkpoint:
+            state = engine.full_state_dict()  # collective under zero3
+            if self.rank == 0:
+                self.save_checkpoint(state)
+        # every rank's peaks reach rank 0's summary
+        mine = {"peaks": tracker.peaks() if tracker is not None else None, "rss": peak_rss_bytes()}
+        if self.device.type == "cuda":
+            mine["cuda"] = torch.cuda.max_memory_allocated(self.device)
+        everyone = self.ctx.gather_objects(mine)
+        if tracker is not None:
+            self.summary["peak_bytes"] = {str(r): o["peaks"] for r, o in enumerate(everyone)}
+        self.summary["peak_rss_bytes"] = {str(r): o["rss"] for r, o in enumerate(everyone)}
+        if self.device.type == "cuda":
+            self.summary["cuda_allocator_peak"] = {str(r): o.get("cuda") for r, o in enumerate(everyone)}
 
     # ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _evaluate(self, model, batches, precision, cat) -> float:
-        model.eval()
-        total = 0.0
-        with cat("temp"):
-            for x, y in batches:
-                with precision.autocast(self.device):
-                    _, loss = model(x.to(self.device), y.to(self.device))
-                total += loss.float().item()
-        model.train()
-        return total / len(batches)
-
-    def save_checkpoint(self, model) -> str:
+    def save_checkpoint(self, state: dict) -> str:
         """model.pt: the weights in fp32 plus the model config; load with ``memopt.load_model``."""
         import io
 
         from omegaconf import OmegaConf
 
-        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
         buf = io.BytesIO()
         torch.save({"model_config": OmegaConf.to_container(OmegaConf.structured(self.cfg.model)), "state_dict": state}, buf)
         path = os.path.join(self.run_dir, "model.pt")
@@ -198,6 +196,3 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @staticmethod
-    def _skipped(precision) -> int:
-        return precision.scaler.skipped_steps if precision.scaler is not None else 0

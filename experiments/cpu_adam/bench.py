@@ -159,13 +159,13 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[25e6, 100e6], help="total parameters per case")
     ap.add_argument("--tensors", type=int, default=3, help="flat tensors the parameters are split into")
     ap.add_argument("--reps", type=int, default=21, help="timed rounds (median reported)")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="torch.set_num_threads values to run (default: 1 and torch's default)")
     ap.add_argument("--no-foreach", dest="foreach", action="store_false", help="skip the slow foreach AdamW")
     ap.add_argument("--no-lowp", dest="lowp", action="store_false", help="skip the fp16 copy-out cases")
     ap.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or sorted({1, torch.get_num_threads()})
 
     t0 = time.perf_counter()
     if load_kernel() is None:
@@ -181,32 +181,40 @@ def main(argv=None) -> None:
         ds_ver = deepspeed.__version__
 
     print(f"# CPU AdamW step benchmark, {datetime.date.today().isoformat()}")
-    print(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}; "
-          f"torch {torch.__version__}, deepspeed {ds_ver} ({ds_msg}); memopt kernel load {kernel_s:.1f} s")
+    print(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}, deepspeed {ds_ver} "
+          f"({ds_msg}); memopt kernel ready in {kernel_s:.1f} s; extra cflags "
+          f"{os.environ.get('MEMOPT_CPU_ADAM_CFLAGS', '') or 'none'}")
     print(f"median of {args.reps} interleaved rounds after 2 warm-up steps; lr={LR} betas={BETAS} eps={EPS} wd={WD}")
     print()
-    bw = bandwidth(max(5, args.reps // 2))
-    print("| memory bandwidth (256 MiB tensors, median) | GB/s |")
-    print("|---|---|")
-    for k, v in bw.items():
-        print(f"| {k} | {v:.1f} |")
-    peak = max(bw.values())
+    bws = {}
+    for th in threads:
+        torch.set_num_threads(th)
+        bws[th] = bandwidth(max(5, args.reps // 2))
+    print("| memory bandwidth, 256 MiB tensors (GB/s, median) | " + " | ".join(f"{t} thread(s)" for t in threads) + " |")
+    print("|---|" + "---|" * len(threads))
+    for k in bws[threads[0]]:
+        print(f"| {k} | " + " | ".join(f"{bws[t][k]:.1f}" for t in threads) + " |")
     print()
     print(f"Bytes per parameter: read p,g,m,v 16 B + write p,m,v 12 B = {BYTES} B; +2 B fp16 copy = {BYTES_LOWP} B. "
-          f"'% bw' is achieved GB/s over the best bandwidth above ({peak:.1f} GB/s).")
+          "'% bw' is achieved GB/s over the best bandwidth above at the same thread count.")
     for total in args.sizes:
-        rows = bench_size(int(total), args.tensors, args.reps, ds_cls, args.foreach, args.lowp)
-        print()
-        print(f"## {int(total) / 1e6:.0f}M parameters as {args.tensors} flat fp32 tensors {rows[0]['sizes']}")
-        print()
-        print("| implementation | ms/step (median) | ms (min) | Mparams/s | B/param | GB/s | % bw | time ratio vs DeepSpeed | paired ratio |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
-            paired = f"{r['paired']:.3f}" if "paired" in r else "-"
-            print(f"| {r['name']} | {r['ms']:.1f} | {r['min_ms']:.1f} | {r['params_per_s'] / 1e6:.0f} | {r['bytes']} | "
-                  f"{r['gbps']:.1f} | {100 * r['gbps'] / peak:.0f}% | {ratio} | {paired} |")
-        sys.stdout.flush()
+        for th in threads:
+            torch.set_num_threads(th)
+            peak = max(bws[th].values())
+            rows = bench_size(int(total), args.tensors, args.reps, ds_cls, args.foreach, args.lowp)
+            print()
+            print(f"## {int(total) / 1e6:.0f}M parameters as {args.tensors} flat fp32 tensors {rows[0]['sizes']}, "
+                  f"{th} thread(s) (bandwidth {peak:.1f} GB/s)")
+            print()
+            print("| implementation | ms/step (median) | ms (min) | Mparams/s | B/param | GB/s | % bw | "
+                  "time ratio vs DeepSpeed | paired ratio |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for r in rows:
+                ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
+                paired = f"{r['paired']:.3f}" if "paired" in r else "-"
+                print(f"| {r['name']} | {r['ms']:.1f} | {r['min_ms']:.1f} | {r['params_per_s'] / 1e6:.0f} | "
+                      f"{r['bytes']} | {r['gbps']:.1f} | {100 * r['gbps'] / peak:.0f}% | {ratio} | {paired} |")
+            sys.stdout.flush()
     print()
     print("time ratio = median ms / DeepSpeedCPUAdam's median ms (< 1 is faster); paired ratio = median over rounds "
           "of the per-round ratio. The '+fp16 copy' rows are compared with DeepSpeed's plain step (DeepSpeed "

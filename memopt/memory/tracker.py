@@ -66,7 +66,7 @@ class MemoryTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def category(self, name: str):
         """New storages created inside the block are counted under ``name``."""
-        if name not in CATEGORIES:
+        if name not in CATEGORIES and not name.startswith("_"):
             raise ValueError(f"unknown memory category {name!r}; expected one of {CATEGORIES}")
         self._category.append(name)
         try:
@@ -75,10 +75,12 @@ class MemoryTracker(TorchDispatchMode):
             self._category.pop()
 
     @contextlib.contextmanager
-    def retained(self, name: str = "activations", transient: str = "temp"):
+    def retained(self, name: str = "activations", transient: str = "_forward"):
         """New storages count as ``transient`` while the block runs; those still alive when it
-        exits are re-tagged ``name``. Wrapped around a forward pass this splits what autograd keeps
-        for the backward (activations) from the forward's short-lived intermediates (temp)."""
+        exits are re-tagged ``name``. Wrapped around a forward pass this makes ``activations``
+        exactly what autograd keeps for the backward. Until the block exits nobody knows which of
+        its storages will be kept, so they are counted only in the device total (a category whose
+        name starts with "_" has no peak of its own)."""
         self._captures.append([])
         try:
             with self.category(transient):
@@ -158,7 +160,7 @@ class MemoryTracker(TorchDispatchMode):
         total = 0
         for cat, b in live.items():
             total += b
-            if b > peak[cat]:
+            if b > peak[cat] and cat[0] != "_":
                 peak[cat] = b
         if total > peak["total"]:
             peak["total"] = total

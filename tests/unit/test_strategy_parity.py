@@ -106,19 +106,26 @@ def test_gradient_clipping_matches_reference():
     (eps=1 makes Adam sensitive to the gradient's scale, so a missing clip would show)."""
     from types import SimpleNamespace
 
-    from memopt.optim import MixedPrecisionAdamW
+    from memopt.dist import DistContext
+    from memopt.optim import ShardedAdamW
     from memopt.strategies.precision import Precision
+    from memopt.strategies.zero import FlatGroup
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
     ref = torch.nn.Linear(6, 4)
-    ref.load_state_dict(model.state_dict())
+    init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    group = FlatGroup("g", [(n, p, tuple(p.shape)) for n, p in model.named_parameters()], DistContext(), torch.float32,
+                      torch.device("cpu"), stage=0, tracker=None)
+    group.materialize(lambda n, shape: init[n])
     grads = [torch.randn_like(p) for p in model.parameters()]
     for p, g in zip(model.parameters(), grads):
-        p.grad = g.clone()
+        p.grad.copy_(g)  # the flat gradient buffer's views
+    group.sync_grads(async_op=False)
+    group.finish_sync()
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
     cfg = SimpleNamespace(lr=0.1, betas=(0.9, 0.95), eps=1.0, weight_decay=0.0, grad_clip=0.5)
-    res = MixedPrecisionAdamW(model, cfg, Precision()).step(lr=0.1)
+    res = ShardedAdamW([group], cfg, Precision(), DistContext()).step(lr=0.1)
     assert res.grad_norm == pytest.approx(norm, rel=1e-6)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1.0, weight_decay=0.0)
     for p, g in zip(ref.parameters(), grads):

@@ -1,0 +1,50 @@
+"""The interface the training loop drives; every engine (memopt, DeepSpeed, FSDP2) implements it,
+so the loop, the clock and the memory tracker are shared by construction."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from memopt.optim import StepResult
+
+
+class Engine:
+    model: torch.nn.Module
+    device: torch.device
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int, n_micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the (detached) mean loss."""
+        raise NotImplementedError
+
+    def step(self, lr: float) -> StepResult:
+        """Apply the accumulated gradients with learning rate ``lr``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 CPU copies of every model weight (a collective: call on every rank)."""
+        raise NotImplementedError
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return "fp32"
+
+
+def retained(tracker):
+    return tracker.retained("activations") if tracker is not None else nullcontext()
+
+
+def category(tracker, name: str):
+    return tracker.category(name) if tracker is not None else nullcontext()

@@ -1,0 +1,25 @@
+"""The function each launched rank runs (module level so that spawned processes can import it)."""
+from __future__ import annotations
+
+import os
+
+
+def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | None:
+    """Build the typed config, join the process group and train; rank 0 returns the summary."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from memopt import dist
+    from memopt.config import TrainConfig
+    from memopt.trainer import Trainer
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.trainer.num_threads == 0 and not torch.cuda.is_available():
+        # ranks sharing a CPU split its cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    try:
+        summary = Trainer(cfg, run_dir, cfg_container, group=group).run()
+    finally:
+        dist.teardown()
+    return summary if int(os.environ.get("RANK", "0")) == 0 else None
