@@ -32,3 +32,17 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
     typed = to_dataclass(cfg)
     validate(typed)
     return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
+
+
+def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dict]:
+    """Run several jobs (overrides, run_dir) in one launch of ``nproc`` local ranks, in order."""
+    from memopt.config import to_dataclass, validate
+    from memopt.dist import launch
+    from memopt.worker import run_many
+
+    containers = []
+    for overrides, run_dir in jobs:
+        cfg = compose_config(overrides)
+        validate(to_dataclass(cfg))
+        containers.append((OmegaConf.to_container(cfg, resolve=True), run_dir))
+    return launch(nproc, run_many, containers)[0]

@@ -126,7 +126,8 @@ class Trainer:
                 with cat("other"):
                     x, y = x.to(self.device), y.to(self.device)
                 loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
-            result = engine.step(lr)
+            with cat("temp"):
+                result = engine.step(lr)
             self.ctx.all_reduce_(loss_sum)  # global-batch mean: every rank's micro-batches weigh the same
             self._sync()
             dt = time.perf_counter() - t0

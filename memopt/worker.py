@@ -23,3 +23,26 @@ def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | Non
     finally:
         dist.teardown()
     return summary if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def run_many(jobs: list[tuple[dict, str]]) -> list[dict] | None:
+    """Run several jobs one after another in the same ranks (one process group for all);
+    rank 0 returns their summaries. Used by tests and benchmarks to avoid a launch per job."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from memopt import dist
+    from memopt.config import TrainConfig
+    from memopt.trainer import Trainer
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    out = []
+    try:
+        for container, run_dir in jobs:
+            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
+            out.append(Trainer(cfg, run_dir, container).run())
+    finally:
+        dist.teardown()
+    return out if int(os.environ.get("RANK", "0")) == 0 else None

@@ -28,7 +28,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from memopt.strategies.cpu_adam import CPUAdamW, kernel_error, load_kernel  # noqa: E402
+from memopt.strategies.cpu_adam import CPUAdamW, kernel_error, kernel_simd_width, load_kernel  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 BYTES = 28  # read p, g, m, v (16) + write p, m, v (12)
@@ -182,7 +182,7 @@ def main(argv=None) -> None:
 
     print(f"# CPU AdamW step benchmark, {datetime.date.today().isoformat()}")
     print(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__}, deepspeed {ds_ver} "
-          f"({ds_msg}); memopt kernel ready in {kernel_s:.1f} s; extra cflags "
+          f"({ds_msg}); memopt kernel ready in {kernel_s:.1f} s, SIMD width {kernel_simd_width()} fp32; extra cflags "
           f"{os.environ.get('MEMOPT_CPU_ADAM_CFLAGS', '') or 'none'}")
     print(f"median of {args.reps} interleaved rounds after 2 warm-up steps; lr={LR} betas={BETAS} eps={EPS} wd={WD}")
     print()

@@ -97,7 +97,7 @@ def _segment_forward(blocks, holder: _Boundary, rope, tracker: MemoryTracker | N
     ctx = tracker.retained("activations") if tracker is not None else _null()
     with ctx:
         for b in blocks:
-            x = b._memopt_plain_forward(x, rope)
+            x = b(x, rope)  # through the module call, so partitioner hooks (zero3 gathers) run
     return x
 
 
@@ -121,8 +121,6 @@ def apply_checkpointing(model, cfg: CkptConfig, offload: ActOffloadConfig | None
             )
         return
     k = 1 if cfg.policy == "full" else resolve_k(cfg, L)
-    for b in model.blocks:
-        b._memopt_plain_forward = b.forward
     segments = [list(model.blocks[i : i + k]) for i in range(0, L, k)]
 
     def run_blocks(self, x, rope):

@@ -419,11 +419,14 @@ def load_kernel():
 
 
 def _summarize(e: Exception) -> str:
-    """The exception type and its most telling lines (compiler errors first), for one message."""
+    """The exception type, its first line and the compiler's error lines, for a one-line message."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() or "not found" in ln.lower()]
-    picked = (errors or lines[-1:])[:3]
-    return f"{type(e).__name__}: " + " | ".join(ln[:300] for ln in picked)
+    if not lines:
+        return type(e).__name__
+    head = lines[0].split(": [", 1)[0][:200]  # torch puts the ninja log after "...extension 'x': "
+    errors = [ln[:200] for ln in lines[1:] if ("error" in ln.lower() or "not found" in ln.lower())
+              and "-isystem" not in ln]
+    return f"{type(e).__name__}: " + " | ".join([head] + errors[:3])
 
 
 def kernel_available() -> bool:
