@@ -71,6 +71,11 @@ def build(cfg: TrainConfig, device: torch.device, ctx: DistContext | None = None
     precision = Precision.from_strategies(s.fp16, s.bf16)
 
     name, stage = selected_stage(cfg)
+    if stage >= 1 and not ctx.enabled:
+        import warnings
+
+        warnings.warn(f"strategy {name} on one rank partitions nothing: it runs as plain data parallelism with "
+                      "world size 1 (launch several ranks with trainer.nproc_per_node=N or torchrun)", stacklevel=2)
     scfg = getattr(s, name, None)
     bucket_mb = getattr(scfg, "bucket_mb", 25.0)
     plan = plan_groups(model, stage, bucket_mb, precision.param_dtype)

@@ -4,6 +4,14 @@ from __future__ import annotations
 import os
 
 
+def _maybe_inject_fault() -> None:
+    """MEMOPT_FAULT_RANK=r makes rank r raise at start-up: how the tests check that one rank's
+    crash brings the others down and is reported with its rank and cause."""
+    want = os.environ.get("MEMOPT_FAULT_RANK")
+    if want is not None and int(want) == int(os.environ.get("RANK", "0")):
+        raise RuntimeError(f"injected fault on rank {want} (MEMOPT_FAULT_RANK)")
+
+
 def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | None:
     """Build the typed config, join the process group and train; rank 0 returns the summary."""
     import torch
@@ -19,6 +27,7 @@ def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | Non
         # ranks sharing a CPU split its cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     try:
+        _maybe_inject_fault()
         summary = Trainer(cfg, run_dir, cfg_container, group=group).run()
     finally:
         dist.teardown()

@@ -1,0 +1,66 @@
+"""Launching ranks: trainer.nproc_per_node, external torchrun, crashes, sweeps of N-rank jobs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+QUICK = ["logger=none", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.progress_bar=false", "trainer.micro_batch_size=2"]
+
+
+def run(args, cwd, env_extra=None, module=("-m", "memopt.train")):
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, *module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_nproc_per_node_runs_ranks_into_one_directory(tmp_path):
+    d = tmp_path / "r"
+    p = run([f"hydra.run.dir={d}", "trainer.nproc_per_node=2", "+strategy=zero2", *QUICK, "trainer.save_checkpoint=true"], str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "ok" and s["world_size"] == 2 and set(s["peak_bytes"]) == {"0", "1"} and set(s["peak_rss_bytes"]) == {"0", "1"}
+    assert (d / "model.pt").exists() and len((d / "metrics.jsonl").read_text().splitlines()) >= 2
+    assert sorted(os.listdir(tmp_path)) == ["r"]  # no stray per-rank directories
+
+
+def test_a_crashing_rank_stops_the_job_and_is_named(tmp_path):
+    d = tmp_path / "r"
+    p = run([f"hydra.run.dir={d}", "trainer.nproc_per_node=2", *QUICK], str(tmp_path), {"MEMOPT_FAULT_RANK": "1"})
+    assert p.returncode != 0
+    assert "rank 1 failed" in p.stderr and "injected fault" in p.stderr
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "failed" and s["failed_rank"] == 1 and "injected fault" in s["error"]
+
+
+def test_runs_unchanged_under_torchrun(tmp_path):
+    d = tmp_path / "r"
+    p = run(["--standalone", "--nproc_per_node=2", "-m", "memopt.train", f"hydra.run.dir={d}", "+strategy=zero3", *QUICK],
+            str(tmp_path), module=("-m", "torch.distributed.run"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "ok" and s["world_size"] == 2 and set(s["peak_bytes"]) == {"0", "1"}
+
+
+def test_multirun_sweep_of_two_rank_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = run(["-m", f"hydra.sweep.dir={sweep}", "trainer.nproc_per_node=2", "+strategy=zero1,zero3", *QUICK], str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in sorted(os.listdir(sweep)) if (sweep / j / "summary.json").exists()]
+    assert sorted(tuple(s["strategy"]) for s in summaries) == [("zero1",), ("zero3",)]
+    assert all(s["status"] == "ok" and s["world_size"] == 2 for s in summaries)
+
+
+def test_zero_stage_on_one_rank_degrades_as_documented(tmp_path):
+    from tests.conftest import losses, train
+
+    base = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "trainer.micro_batch_size=4"]
+    import pytest
+
+    with pytest.warns(UserWarning, match="zero2 on one rank partitions nothing"):
+        train(base + ["+strategy=zero2"], str(tmp_path / "a"))
+    train(base, str(tmp_path / "b"))
+    assert losses(str(tmp_path / "a")) == losses(str(tmp_path / "b"))
