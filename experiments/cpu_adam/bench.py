@@ -1,7 +1,7 @@
 """Host-side AdamW step: memopt CPUAdamW vs DeepSpeedCPUAdam vs torch.optim.AdamW (fused / foreach).
 
-All contenders update the same fp32 parameter and gradient tensors (a few flat tensors, like
-ZeRO-Offload's master shards), each with its own exp_avg/exp_avg_sq. Rounds are interleaved
+All contenders update the same fp32 parameter, gradient and exp_avg/exp_avg_sq tensors (a few
+flat tensors, like ZeRO-Offload's master shards). Rounds are interleaved
 (the order rotates every round) and each contender's time is the median over rounds, so load
 from other processes on a shared machine hits all of them alike. Bytes moved per parameter:
 read p, g, m, v (16 B) + write p, m, v (12 B) = 28 B; 30 B when an fp16 copy is also written.
@@ -110,18 +110,39 @@ def bench_size(total: int, parts: int, reps: int, ds_cls, foreach: bool, lowp: b
         p.grad = g
     data = [p.data for p in params]
 
+    # Every contender updates the same p, g and also the same exp_avg/exp_avg_sq buffers (each
+    # optimizer's own states are swapped for these after its first step), so all touch exactly the
+    # same memory: on this VM, which physical pages back a buffer moved single-buffer timings by
+    # several percent, more than the differences being measured. The values stay ordinary AdamW
+    # states, only updated by several optimizers in turn.
+    exp_avg = [torch.zeros(s) for s in sizes]
+    exp_avg_sq = [torch.zeros(s) for s in sizes]
+
+    def share_torch_state(opt):
+        opt.step()
+        for p, m, v in zip(params, exp_avg, exp_avg_sq):
+            opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = m, v
+
+    def share_memopt_state(opt):
+        opt.exp_avg, opt.exp_avg_sq = list(exp_avg), list(exp_avg_sq)
+
     c: dict[str, callable] = {}
     opt_cpp = CPUAdamW(data, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, impl="cpp")
+    share_memopt_state(opt_cpp)
     c["memopt CPUAdamW (C++ kernel)"] = lambda: opt_cpp.step(grads)
     opt_tp = CPUAdamW(data, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, impl="torch")
+    share_memopt_state(opt_tp)
     c["memopt CPUAdamW (torch fallback)"] = lambda: opt_tp.step(grads)
     if ds_cls is not None:
         opt_ds = ds_cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+        share_torch_state(opt_ds)
         c["DeepSpeedCPUAdam"] = opt_ds.step
     opt_fused = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    share_torch_state(opt_fused)
     c["torch AdamW(fused=True)"] = opt_fused.step
     if foreach:
         opt_fe = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
+        share_torch_state(opt_fe)
         c["torch AdamW(foreach=True)"] = opt_fe.step
     if lowp:
         outs = [torch.empty(s, dtype=torch.float16) for s in sizes]
