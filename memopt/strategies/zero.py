@@ -239,6 +239,11 @@ class FlatGroup:
             if g is self.flat_grad and g.dtype == torch.float32:
                 self.grad_shard = g  # fp32 ddp/zero1 full buffer: read it in place, no copy
                 return
+            if g.dtype == torch.float32 and g.numel() == self.owned_size and g is not self.flat_grad:
+                self.grad_shard = g  # a fresh reduce-scatter output: adopt it
+                if self.tracker is not None:
+                    self.tracker.register(g, "grads")
+                return
             with _ctx(self.tracker, "grads"):
                 self.grad_shard = g.float() if g.dtype != torch.float32 else g.clone()
         else:
@@ -290,6 +295,8 @@ class Partitioner:
         self.overlap, self.prefetch = overlap, prefetch
         self.sync_this_backward = True
         self.in_backward = False
+        self.max_inflight = 2  # async collectives in flight before the oldest is waited for (bounds bucket memory)
+        self._inflight: list[FlatGroup] = []
         self._group_of = {}
         for g in groups:
             for p in g.params:
@@ -307,12 +314,17 @@ class Partitioner:
         g.ready += 1
         if g.ready == sum(q.requires_grad for q in g.params):
             g.sync_grads(async_op=self.overlap and self.ctx.enabled)
+            if g.pending and self.stage >= 2:
+                self._inflight.append(g)
+                while len(self._inflight) > self.max_inflight:
+                    self._inflight.pop(0).finish_sync()  # frees that bucket's flat copy
             g.ready = -len(g.params)  # synced; ignore further hooks this backward
             if self.stage == 3 and g.name != "root":
                 g.release()
 
     def finish_backward(self) -> None:
         """After the last micro-step's backward: sync groups whose hooks did not all fire, wait."""
+        self._inflight.clear()
         for g in self.groups:
             if g.ready >= 0 and self._has_grads(g):
                 g.sync_grads(async_op=False)
@@ -324,6 +336,7 @@ class Partitioner:
 
     def after_micro_backward(self) -> None:
         """zero2/zero3 between micro-steps: reduce what is left and accumulate into the shards."""
+        self._inflight.clear()
         for g in self.groups:
             if g.ready >= 0 and self._has_grads(g):
                 g.sync_grads(async_op=False)
