@@ -41,7 +41,7 @@ class OptimConfig:
 class TrainerConfig:
     """The loop (the ``trainer`` group)."""
 
-    mode: str = "train"  # train | plan (predict memory and exit)
+    mode: str = "train"  # train (the memory planner will add "plan": predict peak bytes and exit)
     max_steps: int = 300
     micro_batch_size: int = 16  # sequences per rank per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -144,7 +144,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"data.path={cfg.data.path!r}: no such file; give a UTF-8 text file")
     if not 0 <= cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
-    _one_of("trainer.mode", t.mode, ("train", "plan"))
+    _one_of("trainer.mode", t.mode, ("train",))
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "nproc_per_node"):
         if getattr(t, name) < 1:
