@@ -124,3 +124,16 @@ def test_refused_single_run_exits_nonzero_with_message(tmp_path):
     assert "fp16" in proc.stderr and "bf16" in proc.stderr and "mutually exclusive" in proc.stderr
     with open(f"{tmp_path}/r/summary.json") as f:
         assert json.load(f)["status"] == "refused"
+
+
+def test_sweep_jobs_share_a_wandb_group(tmp_path):
+    from memopt.logging import read_wandb_offline
+
+    sweep = tmp_path / "mysweep"
+    proc = cli(["-m", f"hydra.sweep.dir={sweep}", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress_bar=false",
+                "trainer.save_checkpoint=false", "+strategy=ckpt,bf16"], cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [read_wandb_offline(str(sweep / j)) for j in sorted(os.listdir(sweep)) if (sweep / j / "wandb").exists()]
+    assert len(runs) == 2
+    assert {r["group"] for r in runs} == {"mysweep"}
+    assert sorted(tuple(sorted(r["tags"])) for r in runs) == [("bf16", "memopt"), ("ckpt", "memopt")]
