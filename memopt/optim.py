@@ -80,15 +80,17 @@ class ShardedAdamW:
                     m.copy_(src)
                 self.master.append(m)
             self.decay_segments.append([(a, b) for a, b, ndim in g.owned_segments() if ndim >= 2])
-        with _ctx(tracker, "optim", host=offload):
-            self.exp_avg = [torch.zeros_like(m) for m in self.master]
-            self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self._cpu_adam = None
-        if offload:
+        if offload:  # the host Adam owns its moments (allocated eagerly, counted as host optim bytes)
             from memopt.strategies.cpu_adam import CPUAdamW
 
-            self._cpu_adam = CPUAdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
-            self._cpu_adam.exp_avg, self._cpu_adam.exp_avg_sq = self.exp_avg, self.exp_avg_sq
+            with _ctx(tracker, "optim", host=True):
+                self._cpu_adam = CPUAdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
+            self.exp_avg, self.exp_avg_sq = self._cpu_adam.exp_avg, self._cpu_adam.exp_avg_sq
+        else:
+            with _ctx(tracker, "optim"):
+                self.exp_avg = [torch.zeros_like(m) for m in self.master]
+                self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -5,7 +5,8 @@ flat tensors, like ZeRO-Offload's master shards). Rounds are interleaved
 (the order rotates every round) and each contender's time is the median over rounds, so load
 from other processes on a shared machine hits all of them alike. Bytes moved per parameter:
 read p, g, m, v (16 B) + write p, m, v (12 B) = 28 B; 30 B when an fp16 copy is also written.
-The machine's memory bandwidth is measured beside it with large (256 MiB) tensor ops.
+The machine's memory bandwidth is measured beside it with large (256 MiB) tensor ops timed in the
+same rounds.
 
     PYTHONPATH=. python experiments/cpu_adam/bench.py              # 25M and 100M params
     PYTHONPATH=. python experiments/cpu_adam/bench.py --sizes 25e6 --reps 31 --no-foreach
@@ -88,20 +89,18 @@ def timed_rounds(contenders: dict, reps: int, warmup: int) -> dict[str, list[flo
     return times
 
 
-def bandwidth(reps: int) -> dict[str, float]:
-    """GB/s (1e9) of large streaming ops, 64 Mi fp32 elements (256 MiB) per tensor."""
+def bandwidth_ops() -> dict[str, tuple]:
+    """Large streaming ops, 64 Mi fp32 elements (256 MiB) per tensor: name -> (fn, bytes/element, n)."""
     n = 64 * 2**20
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
-    ops = {
-        "copy c=a (rd 4 + wr 4 B)": (lambda: c.copy_(a), 8),
-        "in-place a+=b (rd 8 + wr 4 B)": (lambda: a.add_(b, alpha=1e-9), 12),
-        "triad c=a+s*b (rd 8 + wr 4 B)": (lambda: torch.add(a, b, alpha=0.5, out=c), 12),
+    return {
+        "copy c=a (rd 4 + wr 4 B)": (lambda: c.copy_(a), 8, n),
+        "in-place a+=b (rd 8 + wr 4 B)": (lambda: a.add_(b, alpha=1e-9), 12, n),
+        "triad c=a+s*b (rd 8 + wr 4 B)": (lambda: torch.add(a, b, alpha=0.5, out=c), 12, n),
     }
-    times = timed_rounds({k: f for k, (f, _) in ops.items()}, reps, 1)
-    return {k: ops[k][1] * n / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
-def bench_size(total: int, parts: int, reps: int, ds_cls, foreach: bool, lowp: bool) -> list[dict]:
+def bench_size(total: int, parts: int, reps: int, ds_cls, foreach: bool, lowp: bool, bw: dict):
     sizes = split_sizes(total, parts)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in sizes]
@@ -157,8 +156,13 @@ def bench_size(total: int, parts: int, reps: int, ds_cls, foreach: bool, lowp: b
             c["+fp16 copy: DeepSpeed then copy_"] = lambda: (opt_ds.step(), copy_out())
         c["+fp16 copy: torch fused then copy_"] = lambda: (opt_fused.step(), copy_out())
 
+    for name, (fn, _, _) in bw.items():  # the bandwidth probes run in the same rounds, same conditions
+        c["bw: " + name] = fn
     with torch.no_grad():
         times = timed_rounds(c, reps, warmup=2)
+    gbps = {}
+    for name, (_, nbytes, n) in bw.items():
+        gbps[name] = nbytes * n / statistics.median(times.pop("bw: " + name)) / 1e9
     ds_name = "DeepSpeedCPUAdam"
     rows = []
     for name, ts in times.items():
@@ -172,7 +176,7 @@ def bench_size(total: int, parts: int, reps: int, ds_cls, foreach: bool, lowp: b
             # paired: per-round ratio (same round, adjacent in time), median over rounds
             row["paired"] = statistics.median(a / b for a, b in zip(ts, times[ds_name]))
         rows.append(row)
-    return rows
+    return rows, gbps
 
 
 def main(argv=None) -> None:
@@ -206,26 +210,22 @@ def main(argv=None) -> None:
           f"({ds_msg}); memopt kernel ready in {kernel_s:.1f} s, SIMD width {kernel_simd_width()} fp32; extra cflags "
           f"{os.environ.get('MEMOPT_CPU_ADAM_CFLAGS', '') or 'none'}")
     print(f"median of {args.reps} interleaved rounds after 2 warm-up steps; lr={LR} betas={BETAS} eps={EPS} wd={WD}")
-    print()
-    bws = {}
-    for th in threads:
-        torch.set_num_threads(th)
-        bws[th] = bandwidth(max(5, args.reps // 2))
-    print("| memory bandwidth, 256 MiB tensors (GB/s, median) | " + " | ".join(f"{t} thread(s)" for t in threads) + " |")
-    print("|---|" + "---|" * len(threads))
-    for k in bws[threads[0]]:
-        print(f"| {k} | " + " | ".join(f"{bws[t][k]:.1f}" for t in threads) + " |")
-    print()
     print(f"Bytes per parameter: read p,g,m,v 16 B + write p,m,v 12 B = {BYTES} B; +2 B fp16 copy = {BYTES_LOWP} B. "
-          "'% bw' is achieved GB/s over the best bandwidth above at the same thread count.")
+          "Memory bandwidth is measured with 256 MiB tensors inside the same interleaved rounds as the optimizers; "
+          "'% bw' is achieved GB/s over the best of those probes in the same section. 'load' is the 1-minute load "
+          "average before/after the section (the machine is shared).")
+    bw = bandwidth_ops()
     for total in args.sizes:
         for th in threads:
             torch.set_num_threads(th)
-            peak = max(bws[th].values())
-            rows = bench_size(int(total), args.tensors, args.reps, ds_cls, args.foreach, args.lowp)
+            load0 = os.getloadavg()[0]
+            rows, gbps = bench_size(int(total), args.tensors, args.reps, ds_cls, args.foreach, args.lowp, bw)
+            peak = max(gbps.values())
             print()
             print(f"## {int(total) / 1e6:.0f}M parameters as {args.tensors} flat fp32 tensors {rows[0]['sizes']}, "
-                  f"{th} thread(s) (bandwidth {peak:.1f} GB/s)")
+                  f"{th} thread(s); load {load0:.1f}/{os.getloadavg()[0]:.1f}")
+            print()
+            print("memory bandwidth (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in gbps.items()))
             print()
             print("| implementation | ms/step (median) | ms (min) | Mparams/s | B/param | GB/s | % bw | "
                   "time ratio vs DeepSpeed | paired ratio |")

@@ -490,7 +490,8 @@ class CPUAdamW:
             return "cpp"
         if impl == "cpp":
             raise RuntimeError(f"CPUAdamW: the C++ kernel could not be built ({kernel_error()}); it needs a C++ "
-                               "compiler with OpenMP and ninja (`pip install ninja`). Use impl='torch' to run without it.")
+                               "compiler with OpenMP and ninja (`pip install ninja`). "
+                               "Use impl='torch' to run without it.")
         warnings.warn(f"memopt CPUAdamW: C++ kernel unavailable ({kernel_error()}); using the slower "
                       "torch._fused_adamw_ path. Install a C++ compiler and ninja to get the fast one.",
                       RuntimeWarning, stacklevel=3)
