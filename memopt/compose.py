@@ -69,6 +69,10 @@ def build(cfg: TrainConfig, device: torch.device, ctx: DistContext | None = None
     if s.ckpt is not None:
         apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
     precision = Precision.from_strategies(s.fp16, s.bf16)
+    if s.chunk is not None:
+        from memopt.strategies.chunk import build_chunk_engine
+
+        return build_chunk_engine(cfg, device, ctx, tracker, model, precision)
 
     name, stage = selected_stage(cfg)
     if stage >= 1 and not ctx.enabled:

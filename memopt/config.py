@@ -17,6 +17,7 @@ from memopt.errors import ConfigError
 from memopt.memory.hardware import HardwareConfig
 from memopt.models.gpt import GPTConfig
 from memopt.strategies.checkpointing import ActOffloadConfig, CkptConfig
+from memopt.strategies.chunk.config import ChunkConfig, HybridAdamConfig, StaticPartitionConfig
 from memopt.strategies.flash_attention import FlashAttnConfig
 from memopt.strategies.precision import Bf16Config, Fp16Config
 from memopt.strategies.zero import CpuOffloadConfig, DdpConfig, Zero1Config, Zero2Config, Zero3Config
@@ -73,8 +74,8 @@ class LoggerConfig:
 class EngineConfig:
     """Who implements the selected strategies (the ``engine`` group)."""
 
-    name: str = "memopt"  # memopt (deepspeed and fsdp2 arrive with the baseline engines)
-    deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config keys, passed through
+    name: str = "memopt"  # memopt | deepspeed | fsdp2 (the baselines: memopt/engines/deepspeed.py, fsdp2.py)
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config keys, deep-merged last
 
 
 @dataclass
@@ -91,6 +92,9 @@ class StrategyConfig:
     zero2: Zero2Config | None = None
     zero3: Zero3Config | None = None
     cpu_offload: CpuOffloadConfig | None = None
+    chunk: ChunkConfig | None = None
+    static_partition: StaticPartitionConfig | None = None
+    hybrid_adam: HybridAdamConfig | None = None
 
     def selected(self) -> list[str]:
         return [k for k, v in self.__dict__.items() if v is not None]
@@ -157,7 +161,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.lr={o.lr} must be > 0 and optim.grad_clip={o.grad_clip} >= 0")
     _one_of("logger.name", cfg.logger.name, ("wandb", "none"))
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
-    _one_of("engine.name", cfg.engine.name, ("memopt",))
+    _one_of("engine.name", cfg.engine.name, ("memopt", "deepspeed", "fsdp2"))
 
     s = cfg.strategy
     try:
@@ -170,6 +174,18 @@ def validate(cfg: TrainConfig) -> None:
             f"strategies {' and '.join(stages)} are mutually exclusive: select one data-parallel/ZeRO stage "
             f"(e.g. +strategy={stages[-1]})"
         )
+    if s.chunk is not None:
+        for n in stages + (["cpu_offload"] if s.cpu_offload is not None else []):
+            raise ConfigError(
+                f"strategies chunk and {n} are mutually exclusive: the chunk engine is its own partitioner "
+                f"(and keeps optimizer states on the host); drop +strategy={n}, or drop chunk to use {n}"
+            )
+    try:
+        from memopt.strategies.chunk import config as chunk_config
+
+        chunk_config.validate(s.chunk, s.static_partition, s.hybrid_adam, t.nproc_per_node)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for n in stages:
         bucket = getattr(getattr(s, n), "bucket_mb", 1.0)
         if bucket <= 0:
@@ -196,6 +212,10 @@ def validate(cfg: TrainConfig) -> None:
                 "strategy act_offload needs strategy.ckpt.policy=full or every_k "
                 "(selective recomputes only the attention core and keeps block inputs on the device)"
             )
+    from memopt.engines import deepspeed as ds_engine, fsdp2 as fsdp2_engine
+
+    ds_engine.validate(cfg)  # engine-specific refusals (each returns at once for another engine)
+    fsdp2_engine.validate(cfg)
 
 
 def to_dataclass(cfg: DictConfig) -> TrainConfig:

@@ -145,6 +145,9 @@ class Trainer:
                        "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped_steps": engine.skipped_steps}
                 if evaluated:
                     rec["val_loss"] = val_loss
+                step_metrics = getattr(engine, "step_metrics", None)
+                if step_metrics is not None:  # engine-specific placement (the chunk engine's chunks on device, ...)
+                    rec["chunk"] = step_metrics()
                 if tracker is not None:
                     rec["peak_bytes"] = {d: v["total"] for d, v in tracker.peaks().items()}
                     rec["live_bytes"] = {d: tracker.live_bytes(d) for d in tracker.live}

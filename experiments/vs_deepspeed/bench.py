@@ -1,0 +1,132 @@
+"""memopt against DeepSpeed (and FSDP2 where it applies) on the same model, data, loop and tracker.
+
+    python experiments/vs_deepspeed/bench.py [--steps 6] [--micro-batch 4] [--model gpt_small] [--dtype fp32]
+
+Matrix: {zero1, zero2, zero3, zero2+cpu_offload, zero3+cpu_offload} x {memopt, deepspeed, fsdp2};
+fsdp2 only where it has an equivalent (zero2, zero3; no zero1, and no cpu_offload on a CPU-only
+machine). All jobs run in ONE launch of 2 local ranks (gloo on CPU), one after the other, engines
+alternating within each configuration (the first engine rotates between configurations so none is
+always first). Every job uses ``data=synthetic`` and the same seed, micro-batch, dtype, optimizer
+math, clipping, bucket sizes and overlap (see README.md for the fairness rules).
+
+Printed per configuration: median tokens/s after ``--warmup`` steps, peak tracked bytes per rank on
+the compute device and on the host (offload), the ratios memopt/deepspeed, and a per-category
+breakdown of rank 0's peaks (what each engine holds).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from memopt.api import run_jobs_on_ranks  # noqa: E402
+
+CONFIGS = {
+    "zero1": ["+strategy=zero1"],
+    "zero2": ["+strategy=zero2"],
+    "zero3": ["+strategy=zero3"],
+    "zero2+cpu_offload": ["+strategy=[zero2,cpu_offload]"],
+    "zero3+cpu_offload": ["+strategy=[zero3,cpu_offload]"],
+}
+DTYPES = {"fp32": [], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"]}
+CATS = ("params", "grads", "optim", "activations", "temp", "other")
+
+
+def applies(engine: str, config: str, cuda: bool) -> bool:
+    if engine != "fsdp2":
+        return True
+    return config != "zero1" and ("cpu_offload" not in config or cuda)
+
+
+def mib(b) -> str:
+    return f"{b / 2**20:,.1f}"
+
+
+def table(head, rows) -> str:
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the median tokens/s")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--model", default="gpt_small")
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    ap.add_argument("--engines", default="memopt,deepspeed,fsdp2")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    engines = args.engines.split(",")
+    configs = args.configs.split(",")
+    base = [f"model={args.model}", "data=synthetic", "logger=none", f"trainer.max_steps={args.steps}",
+            "trainer.eval_every=0", f"trainer.micro_batch_size={args.micro_batch}", "trainer.progress_bar=false",
+            "trainer.save_checkpoint=false", f"trainer.throughput_warmup_steps={args.warmup}",
+            f"trainer.log_every={args.steps}"]
+    keys, jobs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, config in enumerate(configs):
+            order = engines[i % len(engines):] + engines[: i % len(engines)]  # rotate who goes first
+            for engine in order:
+                if not applies(engine, config, cuda):
+                    continue
+                over = CONFIGS[config] + DTYPES[args.dtype]
+                keys.append((config, engine))
+                jobs.append((base + [f"engine={engine}"] + over, os.path.join(tmp, f"{config}-{engine}")))
+        print(f"running {len(jobs)} jobs on 2 ranks ...", file=sys.stderr)
+        summaries = dict(zip(keys, run_jobs_on_ranks(2, jobs)))
+
+    dev = "cuda:0" if cuda else "cpu"
+
+    def peak(s, rank, device):
+        return (s.get("peak_bytes") or {}).get(str(rank), {}).get(device, {}).get("total", 0)
+
+    rows, cats = [], []
+    for config in configs:
+        res = {e: summaries.get((config, e)) for e in engines}
+        for e in engines:
+            s = res[e]
+            if s is None:
+                continue
+            d = [peak(s, r, dev) for r in (0, 1)]
+            h = [peak(s, r, "host") for r in (0, 1)]
+            row = [config, e, f"{s['tokens_per_s']:,.0f}", f"{mib(d[0])} / {mib(d[1])}", f"{mib(h[0])} / {mib(h[1])}",
+                   f"{s['final_loss']:.4f}"]
+            ds = res.get("deepspeed")
+            if e == "memopt" and ds is not None:
+                dd, dh = max(peak(ds, r, dev) for r in (0, 1)), max(peak(ds, r, "host") for r in (0, 1))
+                row += [f"{s['tokens_per_s'] / ds['tokens_per_s']:.2f}", f"{max(d) / dd:.2f}" if dd else "-",
+                        f"{(max(d) + max(h)) / (dd + dh):.2f}" if dd + dh else "-"]
+            else:
+                row += ["", "", ""]
+            rows.append(row)
+            p0 = s["peak_bytes"]["0"]
+            cats.append([config, e] + [mib(p0.get(dev, {}).get(c, 0)) for c in CATS] + [mib(p0.get("host", {}).get("optim", 0)),
+                                                                                       mib(s["peak_rss_bytes"]["0"])])
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"date: {datetime.date.today().isoformat()}  machine: {cpu}, {os.cpu_count()} cores, "
+          f"{'CUDA' if cuda else 'CPU only'}  torch {torch.__version__}")
+    print(f"model={args.model} dtype={args.dtype} micro_batch={args.micro_batch} ranks=2 steps={args.steps} "
+          f"(median tokens/s over steps {args.warmup}..{args.steps - 1})\n")
+    print(table(["config", "engine", "tokens/s", f"peak {dev} MiB r0 / r1", "peak host MiB r0 / r1", "final loss",
+                 "memopt/ds tok/s", f"memopt/ds peak {dev}", "memopt/ds peak dev+host"], rows))
+    print(f"\nrank 0 peak MiB by category ({dev}; host optim; process peak RSS):\n")
+    print(table(["config", "engine"] + list(CATS) + ["host optim", "peak RSS"], cats))
+
+
+if __name__ == "__main__":
+    main()

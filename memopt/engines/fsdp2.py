@@ -1,0 +1,281 @@
+"""``engine=fsdp2``: the same GPT and the same loop, with sharding done by PyTorch's FSDP2
+(``torch.distributed.fsdp.fully_shard``, per-parameter DTensor sharding on dim 0).
+
+Mapping (memopt strategy -> FSDP2):
+
+    zero3        ``fully_shard`` on every transformer block, then on the root (embeddings, final
+                 LayerNorm, tied head), ``reshard_after_forward=True``: a block's parameters are
+                 all-gathered for its forward, freed, and gathered again for its backward; gradients
+                 are reduce-scattered per block. The same grouping as memopt's zero3.
+    zero2        the same units with ``reshard_after_forward=False``: parameters stay gathered from
+                 the forward to the end of the backward (FSDP2 frees them after the backward, so
+                 between steps only the shards live), gradients are reduce-scattered per block.
+    zero1, ddp   refused (``ConfigError``): FSDP2 always reduce-scatters gradients into shards, so
+                 there is no "replicated gradients, sharded optimizer" mode, and plain replication is
+                 DDP, not FSDP. Mapping them silently to zero2 would label a different memory profile
+                 with their name; use engine=memopt or engine=deepspeed for them.
+    no stage     refused: FSDP2 without sharding is not a baseline of anything.
+    fp16/bf16    ``params=fp16|bf16``: ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)``
+                 (the same dtype: memopt and DeepSpeed reduce gradients in the parameter dtype).
+                 FSDP2's sharded parameters stay fp32 and double as the master weights; the
+                 unsharded (gathered) parameters are low precision. ``params=fp32``: no policy, the
+                 forward runs under ``torch.autocast`` only. In both forms the forward runs under
+                 memopt's ``Precision.autocast`` exactly as with engine=memopt.
+                 fp16 adds memopt's ``DynamicLossScaler`` (DeepSpeed semantics): the loss is scaled
+                 before backward, all ranks agree on overflow (all-reduce MAX), an overflowing step is
+                 skipped and the scale backs off after ``hysteresis`` overflows.
+    cpu_offload  ``CPUOffloadPolicy`` on a CUDA device (shards, gradients and the AdamW step on the
+                 host). On a CPU run it is refused in ``validate``: with the default pinned memory
+                 PyTorch raises "Cannot access accelerator device when none is available", and with
+                 ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
+                 "cpu_offload" label would be meaningless.
+    ckpt, act_offload, flash_attn
+                 the model's own code (memopt's ``apply_checkpointing`` / attention swap), installed
+                 before sharding; the recomputation runs each block through its module call, so
+                 FSDP2's pre-forward hook re-gathers a resharded block.
+
+Buckets and overlap: FSDP2 communicates per ``fully_shard`` unit (one transformer block) and
+overlaps with its own streams on CUDA; it has no byte-sized buckets, so ``zero2.bucket_mb`` and
+``overlap_comm``/``prefetch`` are not translated (on CPU/gloo the collectives are synchronous).
+
+Optimizer: ``torch.optim.AdamW`` (foreach) over the DTensor shards with two groups (weight decay
+on ndim >= 2 parameters only), the ``lr_at`` learning rate written into the param groups every
+step, and the DTensor-aware ``torch.nn.utils.clip_grad_norm_`` (global norm over all shards).
+Gradient accumulation reduce-scatters every micro-batch (as memopt's zero2/zero3).
+
+Memory accounting: the tracker's dispatch mode sees DTensor ops from the outside only, so the
+shards are registered explicitly through their local tensors: sharded parameters -> ``params``,
+sharded gradients -> ``grads`` (after every backward), Adam moments -> ``optim`` (created before
+the first step). Gathered (unsharded) parameters live in per-parameter buffers that FSDP2 frees and
+re-allocates with ``storage.resize_``, which the tracker cannot see; FSDP2's allocate/free calls
+are wrapped to re-register them, so they count as ``params`` exactly while gathered (see
+``_instrument_unshard``; memopt's zero3 re-registers its resized buffers the same way).
+Approximate: all-gather inputs and reduce-scatter scratch buffers are counted in the category
+active when FSDP2 allocates them (forward transients, or ``temp`` in the backward).
+"""
+from __future__ import annotations
+
+import torch
+
+from memopt.engines.base import Engine, category, retained
+from memopt.errors import ConfigError
+from memopt.optim import StepResult
+
+SUPPORTED = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+
+
+def _cuda_device(cfg) -> bool:
+    d = cfg.trainer.device
+    return d == "cuda" or (d == "auto" and torch.cuda.is_available())
+
+
+def validate(cfg) -> None:
+    """Refuse what FSDP2 cannot run as memopt defines the strategy (engine=fsdp2 only)."""
+    if cfg.engine.name != "fsdp2":
+        return
+    s = cfg.strategy
+    for n in ("zero1", "ddp"):
+        if getattr(s, n) is not None:
+            raise ConfigError(
+                f"strategy {n} has no FSDP2 equivalent: fully_shard always reduce-scatters gradients into shards "
+                "(that is zero2: +strategy=zero2 with engine=fsdp2); for "
+                f"{'sharded optimizer states with replicated gradients' if n == 'zero1' else 'plain data parallelism'} "
+                "use engine=memopt or engine=deepspeed")
+    other = [n for n in s.selected() if n not in SUPPORTED]
+    if other:
+        raise ConfigError(
+            f"strategy {other[0]} has no FSDP2 equivalent: engine=fsdp2 implements {', '.join(SUPPORTED)}; "
+            f"drop +strategy={other[0]} or use engine=memopt")
+    if s.zero2 is None and s.zero3 is None:
+        raise ConfigError("engine=fsdp2 needs a sharding strategy: +strategy=zero3 (reshard_after_forward=True) "
+                          "or +strategy=zero2 (reshard_after_forward=False)")
+    if s.cpu_offload is not None and not _cuda_device(cfg):
+        raise ConfigError(
+            f"strategy cpu_offload with engine=fsdp2 needs a CUDA device (trainer.device={cfg.trainer.device} runs on "
+            "the CPU here): FSDP2's CPUOffloadPolicy keeps shards in pinned host memory and copies them to the "
+            "accelerator, which PyTorch refuses without one ('Cannot access accelerator device when none is "
+            "available'), and unpinned it would move nothing (host and device are the same memory); "
+            "use engine=memopt or engine=deepspeed for cpu_offload on CPU")
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one process: FSDP2 still needs a process group (world size 1)
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def build(cfg, device: torch.device, ctx=None, tracker=None) -> "FSDP2Engine":
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from memopt.dist import DistContext
+    from memopt.models.gpt import GPT, init_tensor
+    from memopt.strategies.checkpointing import apply_checkpointing
+    from memopt.strategies.flash_attention import apply_flash_attention
+    from memopt.strategies.precision import Precision
+
+    validate(cfg)
+    s, ctx = cfg.strategy, ctx or DistContext()
+    _ensure_process_group(device)
+    precision = Precision.from_strategies(s.fp16, s.bf16)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    if s.flash_attn is not None:
+        apply_flash_attention(model, device)
+    if s.ckpt is not None:
+        apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    low = precision.param_dtype if precision.param_dtype != torch.float32 else None
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+    off = CPUOffloadPolicy(pin_memory=bool(s.cpu_offload.pin_memory)) if s.cpu_offload is not None else OffloadPolicy()
+    reshard = s.zero3 is not None
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=off)
+
+    # materialise the shards and fill them with the single-process values (each rank slices its own)
+    param_device = torch.device("cpu") if s.cpu_offload is not None else device
+    with category(tracker, "params"):
+        model.to_empty(device=param_device)
+    with torch.no_grad(), category(tracker, "temp"):
+        for name, p in model.named_parameters():  # distinct parameters: the tied head appears once
+            full = init_tensor(name, tuple(p.shape), cfg.seed, cfg.model).to(p.dtype)
+            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
+    return FSDP2Engine(model, optimizer, precision, device, ctx, tracker, cfg.optim.grad_clip)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDP2Engine(Engine):
+    def __init__(self, model, optimizer, precision, device, ctx, tracker, grad_clip: float):
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.device, self.ctx, self.tracker, self.grad_clip = device, ctx, tracker, grad_clip
+        self.params = list(model.parameters())
+        with category(tracker, "optim"):  # Adam's moments, created now as torch would on the first step
+            for p in self.params:
+                st = optimizer.state[p]
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if tracker is not None:
+            for p in self.params:
+                tracker.register(_local(p), "params")
+                for k in ("exp_avg", "exp_avg_sq"):
+                    tracker.register(_local(optimizer.state[p][k]), "optim")
+            for b in model.buffers():
+                tracker.register(b, "other")
+            self._instrument_unshard()
+
+    def _instrument_unshard(self) -> None:
+        """FSDP2 keeps one all-gather output buffer per parameter and frees/re-allocates it with
+        ``storage.resize_`` (0 after resharding, full size before the next gather). The tracker sees
+        a storage when an op creates it, not when it is resized, so each buffer would count at full
+        size forever. Each FSDPParam's allocate/free is wrapped to re-register its buffers: they count
+        as ``params`` while gathered and as 0 bytes while freed (memopt re-registers its own resized
+        zero3 buffers the same way)."""
+        tr = self.tracker
+
+        def refresh(fp):
+            for t in getattr(fp, "all_gather_outputs", []):
+                tr.register(t, "params")
+
+        def wrap(fp, name):
+            orig = getattr(fp, name)
+
+            def wrapped(*a, **k):
+                out = orig(*a, **k)
+                refresh(fp)
+                return out
+
+            setattr(fp, name, wrapped)
+
+        for m in self.model.modules():
+            state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+            for fp in getattr(group, "fsdp_params", None) or []:
+                for name in ("init_all_gather_outputs", "alloc_all_gather_outputs", "free_unsharded_param"):
+                    wrap(fp, name)
+
+    def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
+        with retained(self.tracker), self.precision.autocast(self.device):
+            _, loss = self.model(x, y)
+        with category(self.tracker, "temp"):
+            ((loss / n_micro) * self.precision.loss_scale).backward()
+        if self.tracker is not None:
+            for p in self.params:
+                if p.grad is not None:
+                    self.tracker.register(_local(p.grad), "grads")
+        return loss.detach()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        import torch.distributed as dist
+
+        scale = self.precision.loss_scale
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if self.precision.scaler is not None:
+            bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else self.device)
+            for g in grads:
+                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            overflow = bool(bad.item())
+            self.precision.scaler.update(overflow)
+            if overflow:
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(True, float("nan"), scale)
+            if scale != 1.0:
+                torch._foreach_mul_(grads, 1.0 / scale)
+        with_grad = [p for p in self.params if p.grad is not None]
+        clip = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, clip, foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(False, float(norm), scale)
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> float:
+        self.model.eval()
+        try:
+            with category(self.tracker, "temp"), self.precision.autocast(self.device):
+                _, loss = self.model(x, y)
+            return float(loss.float().item())
+        finally:
+            self.model.train()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = full.detach().float().cpu().clone()
+        return out
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return self.precision.name

@@ -1,0 +1,100 @@
+"""Typed configs of the chunk engine (PatrickStar) and its two add-ons.
+
+``+strategy=chunk`` selects the engine (``strategy.chunk``), ``+strategy=static_partition`` and
+``+strategy=hybrid_adam`` pull it in through their own defaults lists. The ratio names and defaults
+are PatrickStar's ``mem_tracer`` settings (its optimization-options page).
+
+Budgets, in the order they are derived:
+
+* device capacity ``C`` = ``hardware.device_memory_gb`` (read from the machine when unset: the GPU's
+  memory, or the host RAM on a CPU-only machine).
+* device budget ``D`` = ``device_budget_gb`` when set, else ``C * overall_gpu_mem_ratio``. Everything
+  the engine places on the compute device (chunks) plus what the run allocates there besides them
+  (activations, temporaries: "non-model" memory) should fit in ``D``.
+* warm-up chunk budget ``W`` = ``warmup_gpu_chunk_mem_ratio * D``: the most chunk bytes on the device
+  during the warm-up iteration (the first optimizer step, all micro-steps included), while the
+  tracer records the non-model memory at every moment. With ``static_partition`` it is the budget
+  for the whole run.
+* dynamic chunk budget at moment t (after warm-up) = ``D - nonmodel(t) - optimizer chunk bytes kept
+  on the device`` (Hybrid Adam). The engine enforces it on its own placement accounting; when the
+  chunks a moment needs do not fit, it raises ``ChunkOutOfMemoryError`` naming the moment.
+* host budget = ``host_memory_gb * overall_cpu_mem_ratio``: checked once at build (all chunks may
+  end up on the host).
+
+Note: PatrickStar defines the warm-up budget as a fraction of the GPU's capacity; here it is a
+fraction of ``D`` so that a test can shrink the whole device with one number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ChunkConfig:
+    """``+strategy=chunk``: parameters and optimizer states in fixed-size chunks moved whole between
+    the host and the device by a runtime memory tracer (PatrickStar, Fang et al. 2021)."""
+
+    chunk_size: int | None = None  # elements per chunk; null/0: search (see manager.search_chunk_size)
+    device_budget_gb: float | None = None  # null: hardware.device_memory_gb * overall_gpu_mem_ratio
+    warmup_gpu_chunk_mem_ratio: float = 0.1  # chunk bytes on the device during warm-up / D
+    overall_gpu_mem_ratio: float = 0.8  # D / device capacity (when device_budget_gb is null)
+    overall_cpu_mem_ratio: float = 0.8  # host budget / host RAM
+    margin_use_ratio: float = 0.8  # Hybrid Adam: share of the device margin given to optimizer chunks
+    async_mem_monitor: bool = False  # sample non-model memory in a thread (matters without a tracker; see tracer.py)
+    monitor_interval_ms: float = 1.0  # sampling period of the async monitor
+    # distributed options (NOT implemented yet: the engine runs on one rank; kept for the config contract)
+    mem_saving_comm: bool = False  # distributed: N broadcasts / N reduces instead of all-gather / reduce-scatter
+    mem_cache: int = 2  # distributed: size of the queue of reusable remote-chunk buffers
+    release_after_init: bool = False  # distributed: init every chunk, then free remote ones (serial init)
+    res_check: bool = False  # distributed: check that the initial weights equal the 1-rank ones
+    cpu_adam_impl: str = "auto"  # CPUAdamW implementation for host-side updates: auto | cpp | torch
+
+
+@dataclass
+class StaticPartitionConfig:
+    """``+strategy=static_partition``: the device holds at most the warm-up chunk budget
+    (``warmup_gpu_chunk_mem_ratio * D``) for the whole run; lower throughput, no OOM surprises."""
+
+
+@dataclass
+class HybridAdamConfig:
+    """``+strategy=hybrid_adam`` (preset: chunk + Hybrid Adam + fp16): after warm-up, as many
+    optimizer chunk groups (fp32 master, momentum, variance) as ``margin_use_ratio`` of the device
+    margin allows stay on the device and are updated there; the rest are updated on the host by
+    ``CPUAdamW``. margin = D - max_t nonmodel(t) - the param/grad chunk bytes that may be on the
+    device at once (all of them, or the static budget)."""
+
+    max_device_chunks: int | None = None  # optional cap on the optimizer chunk groups kept on the device
+
+
+def validate(chunk: ChunkConfig | None, static: StaticPartitionConfig | None, hybrid: HybridAdamConfig | None,
+             nproc: int = 1) -> None:
+    """Field rules; raise ValueError naming the field (config.validate turns it into a ConfigError)."""
+    if chunk is None:
+        for name, v in (("static_partition", static), ("hybrid_adam", hybrid)):
+            if v is not None:
+                raise ValueError(f"strategy {name} needs strategy chunk (the chunk engine): use +strategy=[chunk,{name}]"
+                                 + (" or the +strategy=hybrid_adam preset" if name == "hybrid_adam" else ""))
+        return
+    if nproc > 1:
+        raise ValueError(f"strategy chunk runs on one rank only for now (trainer.nproc_per_node={nproc}): the distributed "
+                         "chunk engine is not implemented yet; use trainer.nproc_per_node=1, or +strategy=zero3 for several ranks")
+    if chunk.chunk_size is not None and chunk.chunk_size < 0:
+        raise ValueError(f"strategy.chunk.chunk_size={chunk.chunk_size} must be > 0 (or null/0 to search a size)")
+    if chunk.device_budget_gb is not None and chunk.device_budget_gb <= 0:
+        raise ValueError(f"strategy.chunk.device_budget_gb={chunk.device_budget_gb} must be > 0 (or null)")
+    for name in ("warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio", "overall_cpu_mem_ratio", "margin_use_ratio"):
+        v = getattr(chunk, name)
+        if not 0 < v <= 1:
+            raise ValueError(f"strategy.chunk.{name}={v} must be in (0, 1]")
+    if chunk.mem_cache < 0:
+        raise ValueError(f"strategy.chunk.mem_cache={chunk.mem_cache} must be >= 0")
+    if chunk.monitor_interval_ms <= 0:
+        raise ValueError(f"strategy.chunk.monitor_interval_ms={chunk.monitor_interval_ms} must be > 0")
+    if chunk.cpu_adam_impl not in ("auto", "cpp", "torch"):
+        raise ValueError(f"strategy.chunk.cpu_adam_impl={chunk.cpu_adam_impl!r} is not one of: auto, cpp, torch")
+    if chunk.res_check and not chunk.release_after_init:
+        raise ValueError("strategy.chunk.res_check=true needs strategy.chunk.release_after_init=true "
+                         "(it checks that distributed init equals serial init)")
+    if hybrid is not None and hybrid.max_device_chunks is not None and hybrid.max_device_chunks < 0:
+        raise ValueError(f"strategy.hybrid_adam.max_device_chunks={hybrid.max_device_chunks} must be >= 0 (or null)")

@@ -1,0 +1,171 @@
+"""The chunk engine's optimizer: AdamW over chunk lists, on the host or (Hybrid Adam) on the device.
+
+For every trainable parameter chunk there is a group of three fp32 optimizer chunks of the same
+size: master weights, momentum, variance (in fp32 mode too: the master then equals the parameters,
+which costs 4 B/param of host memory but keeps one code path). They start on the host. With
+``hybrid_adam``, at the end of warm-up ``place_on_device(margin)`` moves as many groups to the device
+as ``margin_use_ratio * margin`` holds (capped by ``hybrid_adam.max_device_chunks``); those are
+updated there (``torch._fused_adamw_``), the rest on the host by ``CPUAdamW``. Without it every
+group stays on the host (PatrickStar without ``--use_hybrid_adam``).
+
+The step is ``ShardedAdamW``'s math in the same order, so the trajectories match the memopt engine's:
+overflow check (fp16) -> unscale -> global-norm clip -> decoupled weight decay on matrices and
+embeddings (ndim >= 2) -> Adam -> write the master back into the parameter chunk, wherever that
+chunk is (no chunk is moved for the step). Gradients are read from the parameter chunk's gradient
+companion and converted to fp32 where the group lives (a temporary of one chunk on the device, all
+of them on the host); the companions are freed afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from memopt.optim import StepResult
+from memopt.strategies.chunk.chunk import DEVICE, HOST, Chunk
+from memopt.strategies.chunk.manager import ChunkManager
+from memopt.strategies.precision import Precision
+
+
+class ChunkAdam:
+    def __init__(self, mgr: ChunkManager, cfg, precision: Precision, tracker=None, hybrid=None, margin_use_ratio: float = 0.8,
+                 cpu_impl: str = "auto"):
+        from memopt.strategies.cpu_adam import CPUAdamW
+
+        self.mgr, self.cfg, self.precision, self.tracker = mgr, cfg, precision, tracker
+        self.hybrid, self.margin_use_ratio = hybrid, margin_use_ratio
+        self.step_count = 0
+        self.groups: list[tuple[Chunk, Chunk, Chunk, Chunk]] = []  # (param, master, exp_avg, exp_avg_sq)
+        self.decay: list[list[tuple[int, int]]] = []
+        for c in mgr.trainable_chunks:
+            os = []
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                o = Chunk(c.index, kind, c.numel, torch.float32, mgr.device, tracker)
+                o.allocate(HOST, zero=kind != "master")
+                os.append(o)
+            with self._cat("temp"):
+                os[0].host.copy_(c.data)  # fp32 master from the (possibly rounded) parameters
+            self.groups.append((c, *os))
+            self.decay.append([(t.offset, t.offset + t.numel) for t in c.tensors if len(t.shape) >= 2])
+        self._cpu_adam = CPUAdamW([], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0, impl=cpu_impl)
+
+    def _cat(self, name: str, host: bool = False):
+        stack = contextlib.ExitStack()
+        if self.tracker is not None:
+            stack.enter_context(self.tracker.category(name))
+            if host:
+                stack.enter_context(self.tracker.host_scope())
+        return stack
+
+    # ---- placement ----------------------------------------------------------------------------
+    @property
+    def group_bytes(self) -> int:
+        return sum(o.payload_bytes for o in self.groups[0][1:]) if self.groups else 0
+
+    @property
+    def device_groups(self) -> int:
+        return sum(g[1].where == DEVICE for g in self.groups)
+
+    def place_on_device(self, margin: int) -> int:
+        """Hybrid Adam: move ``floor(margin_use_ratio * margin / group bytes)`` groups to the device."""
+        if self.hybrid is None or not self.groups or margin <= 0:
+            return 0
+        n = int(self.margin_use_ratio * margin) // self.group_bytes
+        n = min(n, len(self.groups))
+        if self.hybrid.max_device_chunks is not None:
+            n = min(n, self.hybrid.max_device_chunks)
+        for g in self.groups[:n]:
+            for o in g[1:]:
+                o.move(DEVICE)
+        self.mgr.os_device_bytes = n * self.group_bytes
+        self.mgr._note_peak()
+        return n
+
+    # ---- step ---------------------------------------------------------------------------------
+    def _fp32_grad(self, c: Chunk, dev: torch.device, host: bool) -> torch.Tensor:
+        """The chunk's gradient in fp32 where its optimizer group lives (zeros if it got none)."""
+        with self._cat("temp", host=host):
+            if c.has_grad:
+                x = torch.empty(c.numel, dtype=torch.float32, device=dev)
+                x.copy_(c.grad)
+            else:  # no gradient this step (an unused parameter): zeros keep Adam's math uniform
+                x = torch.zeros(c.numel, dtype=torch.float32, device=dev)
+        return x
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        scale = self.precision.loss_scale
+        # the step is a traced moment: room for one fp32 chunk (+ its square) per device-side group
+        dev_groups = [g for g in self.groups if g[1].where == DEVICE]
+        extra = 2 * self.groups[0][1].payload_bytes if dev_groups else 0
+        self.mgr.ensure([], ("step", "adam"), extra=extra)
+        inv = 1.0 / scale
+        # pass 1: overflow check and squared norm (host groups keep their fp32 gradient; device
+        # groups recompute it in pass 2 so that one chunk-sized temporary exists at a time)
+        host_grads: dict[int, torch.Tensor] = {}
+        overflow = False
+        sq = torch.zeros((), dtype=torch.float32)
+        for i, (c, master, _, _) in enumerate(self.groups):
+            if not c.has_grad:
+                continue
+            on_dev = master.where == DEVICE
+            x = self._fp32_grad(c, master.data.device, host=not on_dev)
+            if self.precision.scaler is not None and not bool(torch.isfinite(x).all()):
+                overflow = True
+                break
+            if inv != 1.0:
+                x.mul_(inv)
+            with self._cat("temp", host=not on_dev):
+                sq = sq + x.pow(2).sum().cpu()
+            if not on_dev:
+                host_grads[i] = x
+            del x
+        if self.precision.scaler is not None:
+            self.precision.scaler.update(overflow)
+            if overflow:
+                host_grads.clear()
+                self.zero_grad()
+                return StepResult(True, float("nan"), scale)
+        norm = math.sqrt(sq.item())
+        clip = self.cfg.grad_clip
+        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
+        self.step_count += 1
+        wd = self.cfg.weight_decay
+        b1, b2 = self.cfg.betas
+        host_p, host_g, host_m, host_v = [], [], [], []
+        for i, ((c, master, m, v), segs) in enumerate(zip(self.groups, self.decay)):
+            on_dev = master.where == DEVICE
+            x = host_grads.pop(i, None)
+            if x is None:
+                x = self._fp32_grad(c, master.data.device, host=not on_dev)
+                if inv != 1.0 and c.has_grad:
+                    x.mul_(inv)
+            if coef is not None:
+                x.mul_(coef)
+            p = master.data
+            if wd:
+                for a, b in segs:
+                    p[a:b].mul_(1 - lr * wd)
+            if on_dev:
+                step_t = torch.tensor(float(self.step_count), device=p.device)
+                torch._fused_adamw_([p], [x], [m.data], [v.data], [], [step_t], lr=lr, beta1=b1, beta2=b2,
+                                    weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
+                del x
+            else:
+                host_p.append(p), host_g.append(x), host_m.append(m.data), host_v.append(v.data)
+        if host_p:
+            ca = self._cpu_adam
+            ca.params, ca.exp_avg, ca.exp_avg_sq = host_p, host_m, host_v
+            ca.step_count = self.step_count - 1
+            ca.step(host_g, lr=lr)
+            ca.params = ca.exp_avg = ca.exp_avg_sq = []
+        del host_g
+        for c, master, _, _ in self.groups:
+            c.data.copy_(master.data)
+        self.zero_grad()
+        return StepResult(False, norm, scale)
+
+    def zero_grad(self) -> None:
+        for c in self.mgr.chunks:
+            c.free_grad()

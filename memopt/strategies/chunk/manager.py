@@ -1,0 +1,227 @@
+"""Chunk lists, placement and the device budget.
+
+The manager owns the parameter chunk list (parameters in the parameter dtype, packed in
+registration order, which is the forward order for memopt's GPT; trainable and frozen parameters
+in separate chunks so that frozen ones never get optimizer state) and decides where every chunk is.
+Optimizer chunk lists (fp32 master / momentum / variance) belong to ``hybrid_adam.ChunkAdam``; the
+manager only counts the bytes of those that sit on the device (``os_device_bytes``).
+
+Budget, enforced on the manager's own accounting at every moment (see config.py for D and W):
+
+    param/grad chunk bytes on the device <= budget(t)
+    budget(t) = W                                   during warm-up, and always with static_partition
+              = D - nonmodel(t) - os_device_bytes   afterwards (dynamic partition)
+
+A moment that needs more than the budget after every evictable chunk is gone raises
+``ChunkOutOfMemoryError`` (a ``torch.OutOfMemoryError``, so the run's status is ``oom``).
+
+Eviction: after warm-up, the resident, unpinned chunk whose next use is farthest in the trace
+(Belady's optimal policy: the access order of a training step repeats exactly); during warm-up,
+the least recently used one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from memopt.strategies.chunk.chunk import DEVICE, HOST, Chunk, TensorInfo, TensorState
+from memopt.strategies.chunk.tracer import MemTracer
+
+ALIGN = 1024  # chunk sizes the search considers are multiples of this many elements
+
+
+class ChunkOutOfMemoryError(torch.OutOfMemoryError):
+    """The chunks one moment needs do not fit in the chunk budget (message: moment, budget, bytes)."""
+
+
+def _mb(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB ({int(b)} B)"
+
+
+def pack_sizes(numels: list[int], chunk_size: int) -> int:
+    """Number of chunks the greedy in-order packing uses (a tensor never spans two chunks)."""
+    n, used = 0, chunk_size
+    for k in numels:
+        if used + k > chunk_size:
+            n, used = n + 1, 0
+        used += k
+    return n
+
+
+def search_chunk_size(groups: list[list[int]], max_candidates: int = 64) -> int:
+    """chunk_size=null/0: the multiple of ``ALIGN`` in [m, 4m] (m = the largest tensor, rounded up)
+    that minimises the padding of the greedy packing of every group (trainable, frozen); ties go to
+    the smaller size (finer placement). Candidates are evenly spaced when the range is wide."""
+    sizes = [k for g in groups for k in g]
+    if not sizes:
+        return ALIGN
+    lo = math.ceil(max(sizes) / ALIGN) * ALIGN
+    hi = 4 * lo
+    step = max(ALIGN, (hi - lo) // max_candidates // ALIGN * ALIGN)
+    best, best_waste = lo, None
+    total = sum(sizes)
+    for c in range(lo, hi + 1, step):
+        waste = sum(pack_sizes(g, c) for g in groups if g) * c - total
+        if best_waste is None or waste < best_waste:
+            best, best_waste = c, waste
+    return best
+
+
+class ChunkManager:
+    def __init__(self, device: torch.device, tracker, dtype: torch.dtype, chunk_size: int, device_budget: int,
+                 warmup_budget: int, static: bool, tracer: MemTracer):
+        self.device, self.tracker, self.dtype, self.chunk_size = device, tracker, dtype, chunk_size
+        self.device_budget, self.warmup_budget, self.static, self.tracer = device_budget, warmup_budget, static, tracer
+        self.chunks: list[Chunk] = []
+        self.infos: dict[int, TensorInfo] = {}
+        self.os_device_bytes = 0  # optimizer chunk bytes on the device (set by ChunkAdam)
+        self.phase = "idle"  # fwd | bwd | eval | idle
+        self.clock = 0
+        self._last_use: dict[int, int] = {}
+        # statistics (cumulative, and per step for step_metrics)
+        self.evictions = self.fetches = 0
+        self.peak_device_bytes = 0
+        self._moments = 0
+        self._device_chunk_sum = 0
+
+    # ---- layout -------------------------------------------------------------------------------
+    def pack(self, named: list[tuple[str, torch.nn.Parameter, tuple[int, ...], list[str]]]) -> None:
+        """Place parameters (name, param, shape, aliases) into chunks in order."""
+        open_chunk: dict[bool, Chunk | None] = {True: None, False: None}
+        for name, p, shape, aliases in named:
+            info = TensorInfo(name, p, tuple(shape), aliases=list(aliases))
+            if info.numel > self.chunk_size:
+                raise ValueError(f"parameter {name} has {info.numel} elements, more than strategy.chunk.chunk_size="
+                                 f"{self.chunk_size}: a tensor must fit in one chunk (raise chunk_size or set it to "
+                                 "null to search one)")
+            tr = p.requires_grad
+            c = open_chunk[tr]
+            if c is None or not c.fits(info.numel):
+                c = Chunk(len(self.chunks), "param", self.chunk_size, self.dtype, self.device, self.tracker,
+                          trainable=tr, with_grad=tr)
+                self.chunks.append(c)
+                open_chunk[tr] = c
+            c.add(info)
+            self.infos[id(p)] = info
+
+    def info(self, p: torch.nn.Parameter) -> TensorInfo:
+        return self.infos[id(p)]
+
+    @property
+    def trainable_chunks(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.trainable]
+
+    # ---- accounting ---------------------------------------------------------------------------
+    @property
+    def device_bytes(self) -> int:
+        """Param/grad chunk bytes on the device (optimizer chunks: ``os_device_bytes``)."""
+        return sum(c.nbytes for c in self.chunks if c.where == DEVICE)
+
+    def budget(self, pos: int | None) -> int:
+        if self.static or self.tracer.warmup:
+            return self.warmup_budget
+        return self.device_budget - self.tracer.nonmodel_at(pos) - self.os_device_bytes
+
+    def _note_peak(self) -> None:
+        b = self.device_bytes + self.os_device_bytes
+        if b > self.peak_device_bytes:
+            self.peak_device_bytes = b
+
+    # ---- moments ------------------------------------------------------------------------------
+    def access(self, infos: list[TensorInfo], key: tuple[str, str]) -> None:
+        """Tensors enter COMPUTE: their chunks are pinned and brought to the device."""
+        for t in infos:
+            t.users += 1
+            t.state = TensorState.COMPUTE
+        chunks = list(dict.fromkeys(t.chunk for t in infos))
+        self.ensure(chunks, key)
+
+    def release(self, infos: list[TensorInfo], state: TensorState) -> None:
+        for t in infos:
+            t.users = max(0, t.users - 1)
+            if t.users == 0:
+                t.state = state
+
+    def ensure(self, chunks: list[Chunk], key: tuple[str, str], extra: int = 0) -> None:
+        """Make every chunk in ``chunks`` resident (plus ``extra`` bytes for a gradient companion),
+        evicting others to stay within the moment's budget."""
+        record = self.phase != "eval" or not self.tracer.warmup
+        pos = self.tracer.moment(key, tuple(c.index for c in chunks)) if record else self.tracer.pos
+        self.clock += 1
+        for c in chunks:
+            self._last_use[c.index] = self.clock
+        need = sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks if c.where != DEVICE) + extra
+        budget = self.budget(pos)
+        if self.device_bytes + need > budget:
+            self._evict(need - (budget - self.device_bytes), set(id(c) for c in chunks), pos)
+        if self.device_bytes + need > budget:
+            self._oom(chunks, key, pos, need, budget)
+        for c in chunks:
+            if c.where != DEVICE:
+                if c.where is None:
+                    c.allocate(DEVICE)
+                else:
+                    c.move(DEVICE)
+                self.fetches += 1
+        self._moments += 1
+        self._device_chunk_sum += sum(c.where == DEVICE for c in self.chunks)
+        self._note_peak()
+
+    def _evict(self, amount: int, keep: set[int], pos: int | None) -> None:
+        cands = [c for c in self.chunks if c.where == DEVICE and not c.pinned and id(c) not in keep]
+        if self.tracer.warmup:
+            cands.sort(key=lambda c: self._last_use.get(c.index, 0))  # LRU
+        else:
+            cands.sort(key=lambda c: -self.tracer.next_use(c.index, pos))  # Belady: farthest next use first
+        freed = 0
+        for c in cands:
+            if freed >= amount:
+                break
+            freed += c.nbytes
+            c.move(HOST)
+            self.evictions += 1
+
+    def make_room(self, limit: int) -> None:
+        """Evict (in the current order) until param chunk bytes on the device are <= ``limit``."""
+        if self.device_bytes > limit:
+            self._evict(self.device_bytes - limit, set(), self.tracer.pos)
+
+    def _oom(self, chunks, key, pos, need, budget) -> None:
+        pinned = [c for c in self.chunks if c.where == DEVICE and c.pinned and c not in chunks]
+        pinned_b = sum(c.nbytes for c in pinned)
+        mine = sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks)
+        phase, name = key
+        what = {"fwd": "forward of", "bwd": "backward of", "rec": "recomputation (ckpt) of", "grad": "gradient of",
+                "eval": "evaluation forward of"}.get(phase, phase)
+        if self.static or self.tracer.warmup:
+            how = (f"the {'static partition' if self.static else 'warm-up'} chunk budget W = "
+                   f"warmup_gpu_chunk_mem_ratio x device budget = {_mb(budget)}")
+            fix = "raise strategy.chunk.warmup_gpu_chunk_mem_ratio or strategy.chunk.device_budget_gb, or lower strategy.chunk.chunk_size"
+        else:
+            nm = self.tracer.nonmodel_at(pos)
+            how = (f"the chunk budget {_mb(budget)} = device budget {_mb(self.device_budget)} - non-model memory "
+                   f"{_mb(nm)} at this moment - optimizer chunks on the device {_mb(self.os_device_bytes)}")
+            fix = ("raise strategy.chunk.device_budget_gb, lower strategy.chunk.chunk_size, shrink activations "
+                   "(+strategy=ckpt, act_offload, a smaller micro-batch) or keep fewer optimizer chunks on the device")
+        where = f"moment {pos} of {self.tracer.period}" if pos is not None and not self.tracer.warmup else (
+            f"warm-up moment {pos}" if pos is not None else "an untraced moment")
+        raise ChunkOutOfMemoryError(
+            f"chunk engine out of memory at the {what} {name} ({where}): it needs {_mb(mine)} of chunks "
+            f"{[c.index for c in chunks]} on the device{f' (+{_mb(need - sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks if c.where != DEVICE))} for a gradient)' if need > mine else ''}"
+            f" while {_mb(pinned_b)} are pinned by modules computing now, but {how}; {fix}")
+
+    # ---- per-step bookkeeping -----------------------------------------------------------------
+    def begin_forward(self) -> None:
+        for t in self.infos.values():
+            t.users, t.state = 0, TensorState.HOLD
+
+    def finish_backward(self) -> None:
+        for t in self.infos.values():
+            if t.users:
+                t.users, t.state = 0, TensorState.HOLD_AFTER_BWD
+
+    def take_step_stats(self) -> dict:
+        mean = self._device_chunk_sum / self._moments if self._moments else 0.0
+        self._moments = self._device_chunk_sum = 0
+        return {"mean_chunks_on_device": mean}
