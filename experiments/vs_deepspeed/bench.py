@@ -123,8 +123,7 @@ def main() -> None:
                 row += ["", "", ""]
             rows.append(row)
             p0 = s["peak_bytes"]["0"]
-            cats.append([config, e] + [mib(p0.get(dev, {}).get(c, 0)) for c in CATS] + [mib(p0.get("host", {}).get("optim", 0)),
-                                                                                       mib(s["peak_rss_bytes"]["0"])])
+            cats.append([config, e] + [mib(p0.get(dev, {}).get(c, 0)) for c in CATS] + [mib(p0.get("host", {}).get("optim", 0))])
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -138,8 +137,9 @@ def main() -> None:
           f"(worst in parentheses); 1-min load average {load0:.1f} at start, {load1:.1f} at end\n")
     print(table(["config", "engine", "tokens/s (worst)", f"peak {dev} MiB r0 / r1", "peak host MiB r0 / r1", "final loss",
                  "memopt/ds tok/s", f"memopt/ds peak {dev}", "memopt/ds peak dev+host"], rows))
-    print(f"\nrank 0 peak MiB by category ({dev}; host optim; process peak RSS):\n")
-    print(table(["config", "engine"] + list(CATS) + ["host optim", "peak RSS"], cats))
+    # (no RSS column: every job of the launch runs in the same rank processes, so ru_maxrss only grows)
+    print(f"\nrank 0 peak MiB by category ({dev}; each category's own peak; host optim):\n")
+    print(table(["config", "engine"] + list(CATS) + ["host optim"], cats))
 
 
 if __name__ == "__main__":
