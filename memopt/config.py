@@ -183,7 +183,7 @@ def validate(cfg: TrainConfig) -> None:
     try:
         from memopt.strategies.chunk import config as chunk_config
 
-        chunk_config.validate(s.chunk, s.static_partition, s.hybrid_adam, t.nproc_per_node)
+        chunk_config.validate(s.chunk, s.static_partition, s.hybrid_adam)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for n in stages:

@@ -48,7 +48,7 @@ def test_static_partition_pulls_in_chunk_and_combines():
         (["+strategy=chunk", "strategy.chunk.device_budget_gb=-1"], ["strategy.chunk.device_budget_gb"]),
         (["+strategy=chunk", "strategy.chunk.res_check=true"], ["res_check", "release_after_init"]),
         (["+strategy=chunk", "strategy.chunk.cpu_adam_impl=fast"], ["cpu_adam_impl"]),
-        (["+strategy=chunk", "trainer.nproc_per_node=2"], ["chunk", "nproc_per_node=2"]),
+        (["+strategy=chunk", "strategy.chunk.mem_cache=-1"], ["strategy.chunk.mem_cache=-1"]),
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):

@@ -9,13 +9,12 @@ Files, one job each:
   manager.py      chunk list layout, chunk-size search, budget enforcement, Belady/LRU eviction, OOM diagnosis
   hooks.py        module pre/post forward and backward hooks driving tensor states (tied/frozen params)
   hybrid_adam.py  AdamW over fp32 master/momentum/variance chunks: on the device (margin) or the host (CPUAdamW)
-  engine.py       ChunkEngine(Engine) and build_chunk_engine (called by compose.build)
+  engine.py       ChunkEngine(Engine), build_chunk_engine (called by compose.build), init and res_check
 
-Status: one rank only. The distributed part (chunk groups of world size, all-gather / reduce-scatter,
-``mem_saving_comm``, ``mem_cache``, ``release_after_init`` + ``res_check``) is not implemented: the
-config fields exist and are validated, and ``trainer.nproc_per_node>1`` (or an external launcher)
-is refused with a message. ``build_chunk_engine`` is imported lazily so that loading the configs
-stays cheap.
+  comm.py         2+ ranks: chunk groups of world size, owners, all-gather / reduce-scatter (or broadcast /
+                  reduce with mem_saving_comm), the mem_cache queue
+
+``build_chunk_engine`` is imported lazily so that loading the configs stays cheap.
 """
 from memopt.strategies.chunk.config import ChunkConfig, HybridAdamConfig, StaticPartitionConfig
 

@@ -56,6 +56,7 @@ class TensorInfo:
     state: TensorState = TensorState.HOLD
     users: int = 0  # modules currently computing with it (a tied weight can be used twice at once)
     aliases: list[str] = field(default_factory=list)  # other names of the same parameter (tied)
+    grad_ready: bool = False  # its gradient of the current micro-step is in the chunk's companion
 
     @property
     def numel(self) -> int:
@@ -79,6 +80,9 @@ class Chunk:
         self.has_grad = False
         self.moves = 0
         self.bound = False
+        # distributed (comm.py): owning rank, whether that is this rank, communication unit, and
+        # whether a remote payload is only kept as a cached buffer (mem_cache)
+        self.owner, self.local, self.unit, self.cached = 0, True, None, False
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

@@ -42,11 +42,11 @@ class ChunkConfig:
     margin_use_ratio: float = 0.8  # Hybrid Adam: share of the device margin given to optimizer chunks
     async_mem_monitor: bool = False  # sample non-model memory in a thread (matters without a tracker; see tracer.py)
     monitor_interval_ms: float = 1.0  # sampling period of the async monitor
-    # distributed options (NOT implemented yet: the engine runs on one rank; kept for the config contract)
-    mem_saving_comm: bool = False  # distributed: N broadcasts / N reduces instead of all-gather / reduce-scatter
-    mem_cache: int = 2  # distributed: size of the queue of reusable remote-chunk buffers
-    release_after_init: bool = False  # distributed: init every chunk, then free remote ones (serial init)
-    res_check: bool = False  # distributed: check that the initial weights equal the 1-rank ones
+    # distributed options (2+ ranks; see comm.py)
+    mem_saving_comm: bool = False  # units of one chunk: N broadcasts / N reduces instead of group all-gather / reduce-scatter
+    mem_cache: int = 2  # released units whose remote buffers stay allocated for reuse (FIFO); 0: off
+    release_after_init: bool = False  # every rank fills every chunk, then frees the remote ones (PatrickStar's serial init)
+    res_check: bool = False  # after init, gather every chunk and compare it bit for bit with the serial init
     cpu_adam_impl: str = "auto"  # CPUAdamW implementation for host-side updates: auto | cpp | torch
 
 
@@ -67,8 +67,7 @@ class HybridAdamConfig:
     max_device_chunks: int | None = None  # optional cap on the optimizer chunk groups kept on the device
 
 
-def validate(chunk: ChunkConfig | None, static: StaticPartitionConfig | None, hybrid: HybridAdamConfig | None,
-             nproc: int = 1) -> None:
+def validate(chunk: ChunkConfig | None, static: StaticPartitionConfig | None, hybrid: HybridAdamConfig | None) -> None:
     """Field rules; raise ValueError naming the field (config.validate turns it into a ConfigError)."""
     if chunk is None:
         for name, v in (("static_partition", static), ("hybrid_adam", hybrid)):
@@ -76,9 +75,6 @@ def validate(chunk: ChunkConfig | None, static: StaticPartitionConfig | None, hy
                 raise ValueError(f"strategy {name} needs strategy chunk (the chunk engine): use +strategy=[chunk,{name}]"
                                  + (" or the +strategy=hybrid_adam preset" if name == "hybrid_adam" else ""))
         return
-    if nproc > 1:
-        raise ValueError(f"strategy chunk runs on one rank only for now (trainer.nproc_per_node={nproc}): the distributed "
-                         "chunk engine is not implemented yet; use trainer.nproc_per_node=1, or +strategy=zero3 for several ranks")
     if chunk.chunk_size is not None and chunk.chunk_size < 0:
         raise ValueError(f"strategy.chunk.chunk_size={chunk.chunk_size} must be > 0 (or null/0 to search a size)")
     if chunk.device_budget_gb is not None and chunk.device_budget_gb <= 0:

@@ -18,6 +18,7 @@ from memopt.memory.hardware import host_memory_bytes
 from memopt.models.gpt import init_tensor
 from memopt.optim import StepResult
 from memopt.strategies.chunk.chunk import DEVICE, HOST
+from memopt.strategies.chunk.comm import ChunkComm
 from memopt.strategies.chunk.hooks import ChunkHooks
 from memopt.strategies.chunk.hybrid_adam import ChunkAdam
 from memopt.strategies.chunk.manager import ChunkManager, ChunkOutOfMemoryError, search_chunk_size
@@ -42,10 +43,6 @@ def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -
 
     s = cfg.strategy
     ccfg = s.chunk
-    if ctx is not None and ctx.enabled:
-        raise ConfigError(f"strategy chunk runs on one rank only for now (world size {ctx.world_size}): the distributed "
-                          "chunk engine (all-gather / reduce-scatter of chunk groups) is not implemented; use "
-                          "trainer.nproc_per_node=1, or +strategy=zero3 for several ranks")
     capacity = device_capacity_bytes(cfg, device)
     budget = int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(capacity * ccfg.overall_gpu_mem_ratio)
     warmup = int(budget * ccfg.warmup_gpu_chunk_mem_ratio)
@@ -69,6 +66,8 @@ def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -
 
     tracer = MemTracer(device, tracker, async_monitor=ccfg.async_mem_monitor, interval_ms=ccfg.monitor_interval_ms)
     mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer)
+    if ctx is not None and ctx.enabled:
+        mgr.comm = ChunkComm(ctx.rank, ctx.world_size, ccfg.mem_saving_comm, ccfg.mem_cache, tracker)
     tracer._chunk_bytes = lambda: mgr.device_bytes + mgr.os_device_bytes
     try:
         mgr.pack(named)
@@ -76,22 +75,64 @@ def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -
         raise ConfigError(str(e)) from None
     host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes())
                       * ccfg.overall_cpu_mem_ratio)
-    n_train = sum(c.numel for c in mgr.trainable_chunks)
-    host_need = sum(2 * c.payload_bytes if c.trainable else c.payload_bytes for c in mgr.chunks) + 12 * n_train
+    n_train = sum(c.numel for c in mgr.trainable_chunks if c.tensors)
+    host_need = sum(2 * c.payload_bytes if c.trainable else c.payload_bytes for c in mgr.local_chunks) + 12 * n_train
     if host_need > host_budget:
         raise ChunkOutOfMemoryError(
-            f"chunk engine out of host memory at build: the chunks need up to {host_need / GiB:.2f} GiB on the host "
-            f"(params, grads, fp32 master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB "
+            f"chunk engine out of host memory at build: this rank's chunks need up to {host_need / GiB:.2f} GiB on the "
+            f"host (params, grads, fp32 master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB "
             "(host RAM x strategy.chunk.overall_cpu_mem_ratio)")
-    for c in mgr.chunks:
-        c.allocate(HOST)  # zero-filled, padding included
-        with category(tracker, "temp"):
-            for t in c.tensors:
-                c.view_of(t).copy_(init_tensor(t.name, t.shape, cfg.seed, cfg.model).reshape(-1))
+    init_chunks(mgr, cfg, tracker, everything=ccfg.release_after_init)
+    if ccfg.res_check and mgr.comm is not None:
+        check_init(mgr, cfg)
     hooks = ChunkHooks(model, mgr)
     optimizer = ChunkAdam(mgr, cfg.optim, precision, tracker, hybrid=s.hybrid_adam, margin_use_ratio=ccfg.margin_use_ratio,
                           cpu_impl=ccfg.cpu_adam_impl)
     return ChunkEngine(model, mgr, hooks, optimizer, precision, device, ctx, tracker)
+
+
+def init_chunks(mgr: ChunkManager, cfg, tracker, everything: bool) -> None:
+    """Fill the chunks from the seed (every parameter is ``init_tensor(name, seed)``, whatever the rank).
+
+    Each rank fills its own chunks. ``release_after_init`` (PatrickStar's option for a serial-equal
+    init) allocates and fills every chunk, remote ones included, then frees the remote ones: the
+    same result, at the cost of the whole model's bytes on the host during the build."""
+    for c in mgr.chunks:
+        if not (c.local or everything):
+            continue
+        c.allocate(HOST)  # zero-filled, padding included
+        with category(tracker, "temp"):
+            for t in c.tensors:
+                c.view_of(t).copy_(init_tensor(t.name, t.shape, cfg.seed, cfg.model).reshape(-1))
+    for c in mgr.chunks:
+        if not c.local:
+            c.release()
+
+
+@torch.no_grad()
+def check_init(mgr: ChunkManager, cfg) -> None:
+    """``res_check``: gather every chunk from its owner and compare each parameter, bit for bit, with the
+    serial (one-rank) initialisation; every rank raises, naming the parameters, if one differs."""
+    bad = []
+    mgr.phase = "io"
+    for u in mgr.comm.units:
+        mgr.gather([u], ("init", "res_check"))
+        for t in u.tensors:
+            want = init_tensor(t.name, t.shape, cfg.seed, cfg.model).to(mgr.dtype).reshape(-1)
+            if not torch.equal(t.chunk.view_of(t), want.to(t.chunk.data.device)):
+                bad.append(t.name)
+        mgr.comm.release(u)
+    for u in list(mgr.comm.cache):
+        mgr.comm.drop(u)
+    mgr.comm.cache.clear()
+    mgr.phase = "idle"
+    everyone = [None] * mgr.comm.world
+    torch.distributed.all_gather_object(everyone, bad)
+    wrong = sorted({n for b in everyone for n in b})
+    if wrong:
+        raise RuntimeError(f"strategy.chunk.res_check: the distributed initialisation differs from the serial one for "
+                           f"{len(wrong)} parameter(s): {', '.join(wrong[:8])}")
+    mgr.res_check_passed = True
 
 
 class ChunkEngine(Engine):
@@ -122,7 +163,7 @@ class ChunkEngine(Engine):
         mgr = self.mgr
         if mgr.tracer.warmup:
             mgr.tracer.end_warmup()
-            used = sum(c.payload_bytes * (2 if c.trainable else 1) for c in mgr.chunks)
+            used = self._param_chunk_working_set()
             if mgr.static:
                 used = min(used, mgr.warmup_budget)
             margin = mgr.device_budget - mgr.tracer.max_nonmodel - used
@@ -131,6 +172,19 @@ class ChunkEngine(Engine):
         self._last = self._metrics(res)
         self.history.append(self._last)
         return res
+
+    def _param_chunk_working_set(self) -> int:
+        """Param/grad chunk bytes the device may have to hold at once: every chunk on one rank; with
+        W ranks, this rank's own chunks plus the remote chunks of the units that can be gathered at
+        once (the one computing, the next one, and the ``mem_cache`` queue)."""
+        mgr = self.mgr
+        own = sum(c.payload_bytes * (2 if c.trainable else 1) for c in mgr.local_chunks)
+        if mgr.comm is None:
+            return own
+        per_unit = max((sum(c.payload_bytes * (2 if c.trainable else 1) for c in u.chunks if not c.local)
+                        for u in mgr.comm.units), default=0)
+        remote = sum(c.payload_bytes * (2 if c.trainable else 1) for c in mgr.chunks if not c.local)
+        return own + min(remote, (2 + mgr.comm.cache_size) * per_unit)
 
     def _metrics(self, res: StepResult) -> dict:
         mgr = self.mgr
@@ -149,7 +203,20 @@ class ChunkEngine(Engine):
             "chunk_size": mgr.chunk_size,
             "device_budget_bytes": mgr.device_budget,
             "warmup": mgr.tracer.warmup,
+            **self._comm_metrics(),
         }
+
+    def _comm_metrics(self) -> dict:
+        comm = self.mgr.comm
+        if comm is None:
+            return {}
+        st = comm.stats
+        out = {"chunks_local": len(self.mgr.local_chunks), "padding_chunks": sum(not c.tensors for c in self.mgr.chunks),
+               "comm_units": sum(bool(u.tensors) for u in comm.units), "gathers": st.gathers, "reduces": st.reduces,
+               "comm_bytes": st.sent_bytes, "mem_cache_hits": st.cache_hits}
+        if getattr(self.mgr, "res_check_passed", False):
+            out["res_check"] = "passed"
+        return out
 
     def step_metrics(self) -> dict:
         """Chunk placement after the last optimizer step (cumulative counters: evictions, fetches)."""
@@ -158,6 +225,7 @@ class ChunkEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, x, y) -> float:
         self.model.eval()
+        self.mgr.begin_forward()
         self.mgr.phase = "eval"
         try:
             with category(self.tracker, "temp"), self.precision.autocast(self.device):
@@ -165,22 +233,31 @@ class ChunkEngine(Engine):
             return float(loss.float().item())
         finally:
             self.mgr.phase = "idle"
+            self.mgr.settle(reduce=False)
             self.mgr.begin_forward()
             self.model.train()
 
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
-        by_name = {}
-        for info in self.mgr.infos.values():
-            for n in [info.name, *info.aliases]:
-                by_name[n] = info
-        for k, v in self.model.state_dict(keep_vars=True).items():
-            info = by_name.get(k)
-            if info is None:
-                out[k] = v.detach().float().cpu().clone()
-            else:
-                out[k] = info.chunk.view_of(info).detach().float().cpu().clone().view(info.shape)
-        return out
+        """The weights in fp32 on the host (a collective with 2+ ranks: every unit is gathered in turn)."""
+        mgr = self.mgr
+        values = {}
+        if mgr.comm is None:
+            for info in mgr.infos.values():
+                values[info.name] = info.chunk.view_of(info).float().cpu().clone().view(info.shape)
+        else:
+            mgr.phase = "io"
+            try:
+                for u in mgr.comm.units:
+                    mgr.gather([u], ("io", "state_dict"))
+                    for info in u.tensors:
+                        values[info.name] = info.chunk.view_of(info).float().cpu().clone().view(info.shape)
+                    mgr.comm.release(u)
+            finally:
+                mgr.phase = "idle"
+        by_name = {n: values[info.name] for info in mgr.infos.values() for n in [info.name, *info.aliases]}
+        return {k: by_name[k] if k in by_name else v.detach().float().cpu().clone()
+                for k, v in self.model.state_dict(keep_vars=True).items()}
 
     @property
     def loss_scale(self) -> float:

@@ -12,7 +12,8 @@ Every module with parameters of its own (Linear, LayerNorm, Embedding, ...) gets
 * ``_PostBackward``: tensors -> HOLD_AFTER_BWD.
 * a post-accumulate-grad hook per trainable parameter: the gradient is added into the chunk's
   gradient companion (allocated at the first one of a step) and ``p.grad`` is dropped; the tensor
-  is then HOLD_AFTER_BWD whatever the module hooks said.
+  is then HOLD_AFTER_BWD whatever the module hooks said. With 2+ ranks the manager reduces the
+  chunk's unit when this was the unit's last missing gradient (comm.py).
 
 Shared (tied) parameters, e.g. the token embedding used again by the LM head: a tensor counts its
 current users, so it stays COMPUTE while any of its modules computes, and autograd fires its grad
@@ -98,14 +99,18 @@ class ChunkHooks:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        info = self.mgr.info(p)
+        mgr = self.mgr
+        info = mgr.info(p)
         c = info.chunk
+        if mgr.comm is not None and not c.unit.gathered:  # e.g. an embedding: its backward never reads the weight
+            mgr.gather([c.unit], ("grad", info.name))
         extra = 0 if c.has_grad else c.payload_bytes
-        self.mgr.ensure([c], ("grad", info.name), extra=extra)
+        mgr.ensure([c], ("grad", info.name), extra=extra)
         c.alloc_grad()
         c.view_of(info, grad=True).add_(p.grad.reshape(-1))
         p.grad = None
         info.users, info.state = 0, TensorState.HOLD_AFTER_BWD
+        mgr.grad_arrived(info)  # with 2+ ranks: reduce the unit once all its gradients are in
 
     def remove(self) -> None:
         for h in self.handles:

@@ -8,6 +8,10 @@ as ``margin_use_ratio * margin`` holds (capped by ``hybrid_adam.max_device_chunk
 updated there (``torch._fused_adamw_``), the rest on the host by ``CPUAdamW``. Without it every
 group stays on the host (PatrickStar without ``--use_hybrid_adam``).
 
+With 2+ ranks a rank holds groups for its own chunks only (comm.py); the overflow flag and the
+squared gradient norm are all-reduced, and the gradients (sums over ranks) are divided by W at the
+step, as in the memopt engine.
+
 The step is ``ShardedAdamW``'s math in the same order, so the trajectories match the memopt engine's:
 overflow check (fp16) -> unscale -> global-norm clip -> decoupled weight decay on matrices and
 embeddings (ndim >= 2) -> Adam -> write the master back into the parameter chunk, wherever that
@@ -21,6 +25,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
 from memopt.optim import StepResult
 from memopt.strategies.chunk.chunk import DEVICE, HOST, Chunk
@@ -38,7 +43,9 @@ class ChunkAdam:
         self.step_count = 0
         self.groups: list[tuple[Chunk, Chunk, Chunk, Chunk]] = []  # (param, master, exp_avg, exp_avg_sq)
         self.decay: list[list[tuple[int, int]]] = []
-        for c in mgr.trainable_chunks:
+        for c in mgr.trainable_chunks:  # this rank's own chunks; padding chunks (no tensors) need no state
+            if not c.tensors:
+                continue
             os = []
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 o = Chunk(c.index, kind, c.numel, torch.float32, mgr.device, tracker)
@@ -96,11 +103,13 @@ class ChunkAdam:
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         scale = self.precision.loss_scale
+        comm = self.mgr.comm
+        world = comm.world if comm is not None else 1
         # the step is a traced moment: room for one fp32 chunk (+ its square) per device-side group
         dev_groups = [g for g in self.groups if g[1].where == DEVICE]
         extra = 2 * self.groups[0][1].payload_bytes if dev_groups else 0
         self.mgr.ensure([], ("step", "adam"), extra=extra)
-        inv = 1.0 / scale
+        inv = 1.0 / (scale * world)  # gradients are sums over ranks: mean, and unscale, in one factor
         # pass 1: overflow check and squared norm (host groups keep their fp32 gradient; device
         # groups recompute it in pass 2 so that one chunk-sized temporary exists at a time)
         host_grads: dict[int, torch.Tensor] = {}
@@ -121,6 +130,11 @@ class ChunkAdam:
             if not on_dev:
                 host_grads[i] = x
             del x
+        if comm is not None:  # every rank owns part of the gradient: global overflow flag and norm
+            with self._cat("temp"):  # (on the compute device: NCCL reduces device tensors only)
+                flag = torch.tensor([float(overflow), sq.item()], dtype=torch.float64, device=self.mgr.device)
+            dist.all_reduce(flag)
+            overflow, sq = bool(flag[0].item() > 0), flag[1].to(torch.float32).cpu()
         if self.precision.scaler is not None:
             self.precision.scaler.update(overflow)
             if overflow:

@@ -17,7 +17,11 @@ A moment that needs more than the budget after every evictable chunk is gone rai
 
 Eviction: after warm-up, the resident, unpinned chunk whose next use is farthest in the trace
 (Belady's optimal policy: the access order of a training step repeats exactly); during warm-up,
-the least recently used one.
+the least recently used one. Cached remote buffers (``mem_cache``) are freed before anything moves.
+
+With several ranks (``comm``, see comm.py) a moment that touches a unit which is not gathered makes
+the whole unit resident and gathers it; the manager also tells the comm layer when a unit is done
+with (release) and when its gradients are complete (reduce).
 """
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.infos: dict[int, TensorInfo] = {}
         self.os_device_bytes = 0  # optimizer chunk bytes on the device (set by ChunkAdam)
-        self.phase = "idle"  # fwd | bwd | eval | idle
+        self.phase = "idle"  # fwd | bwd | eval | io | idle
         self.clock = 0
         self._last_use: dict[int, int] = {}
         # statistics (cumulative, and per step for step_metrics)
@@ -84,6 +88,7 @@ class ChunkManager:
         self.peak_device_bytes = 0
         self._moments = 0
         self._device_chunk_sum = 0
+        self.comm = None  # ChunkComm with 2+ ranks (set before pack)
 
     # ---- layout -------------------------------------------------------------------------------
     def pack(self, named: list[tuple[str, torch.nn.Parameter, tuple[int, ...], list[str]]]) -> None:
@@ -104,13 +109,21 @@ class ChunkManager:
                 open_chunk[tr] = c
             c.add(info)
             self.infos[id(p)] = info
+        if self.comm is not None:
+            self.comm.assign(self)
+
+    @property
+    def local_chunks(self) -> list[Chunk]:
+        """Chunks this rank owns (all of them on one rank)."""
+        return [c for c in self.chunks if c.local]
 
     def info(self, p: torch.nn.Parameter) -> TensorInfo:
         return self.infos[id(p)]
 
     @property
     def trainable_chunks(self) -> list[Chunk]:
-        return [c for c in self.chunks if c.trainable]
+        """Trainable chunks this rank owns (the ones it keeps optimizer states for)."""
+        return [c for c in self.chunks if c.trainable and c.local]
 
     # ---- accounting ---------------------------------------------------------------------------
     @property
@@ -135,18 +148,59 @@ class ChunkManager:
             t.users += 1
             t.state = TensorState.COMPUTE
         chunks = list(dict.fromkeys(t.chunk for t in infos))
-        self.ensure(chunks, key)
+        if self.comm is None:
+            self.ensure(chunks, key)
+        else:
+            self.gather([c.unit for c in chunks], key, chunks)
+
+    def gather(self, units, key: tuple[str, str], chunks: list[Chunk] = ()) -> None:
+        """Make ``chunks`` and every chunk of the units that are not gathered resident, then gather those."""
+        todo = [u for u in dict.fromkeys(units) if not u.gathered]
+        self.ensure(list(dict.fromkeys([*chunks, *(c for u in todo for c in u.chunks)])), key)
+        for u in todo:
+            self.comm.gather(u)
 
     def release(self, infos: list[TensorInfo], state: TensorState) -> None:
         for t in infos:
             t.users = max(0, t.users - 1)
             if t.users == 0:
                 t.state = state
+        if self.comm is not None:
+            for u in dict.fromkeys(t.chunk.unit for t in infos):
+                if u.gathered and self._done_with(u):
+                    self.comm.release(u)
+
+    def _done_with(self, u) -> bool:
+        """A forward is past every tensor of the unit (or a backward past every tensor of a frozen one)."""
+        if self.phase in ("fwd", "eval"):
+            want = TensorState.HOLD_AFTER_FWD
+        elif self.phase == "bwd" and not u.trainable:
+            want = TensorState.HOLD_AFTER_BWD
+        else:
+            return False
+        return all(t.state is want for t in u.tensors)
+
+    def grad_arrived(self, info: TensorInfo) -> None:
+        """``info``'s gradient is in its chunk's companion: reduce its unit once it is complete."""
+        info.grad_ready = True
+        if self.comm is None:
+            return
+        u = info.chunk.unit
+        if all(t.grad_ready for t in u.tensors):
+            self.reduce(u)
+
+    def reduce(self, u) -> None:
+        missing = sum(c.payload_bytes for c in u.chunks if not c.has_grad)
+        self.ensure(u.chunks, ("reduce", repr(u)), extra=missing)
+        for c in u.chunks:
+            c.alloc_grad()
+        self.comm.reduce(u)
 
     def ensure(self, chunks: list[Chunk], key: tuple[str, str], extra: int = 0) -> None:
         """Make every chunk in ``chunks`` resident (plus ``extra`` bytes for a gradient companion),
         evicting others to stay within the moment's budget."""
-        record = self.phase != "eval" or not self.tracer.warmup
+        # "io" (checkpoint gather, res_check) is never traced; an evaluation is not part of the warm-up trace
+        record = self.phase != "io" and (self.phase != "eval" or not self.tracer.warmup)
         pos = self.tracer.moment(key, tuple(c.index for c in chunks)) if record else self.tracer.pos
         self.clock += 1
         for c in chunks:
@@ -160,7 +214,7 @@ class ChunkManager:
         for c in chunks:
             if c.where != DEVICE:
                 if c.where is None:
-                    c.allocate(DEVICE)
+                    c.allocate(DEVICE, zero=c.local)  # a remote payload is filled by its gather
                 else:
                     c.move(DEVICE)
                 self.fetches += 1
@@ -169,12 +223,18 @@ class ChunkManager:
         self._note_peak()
 
     def _evict(self, amount: int, keep: set[int], pos: int | None) -> None:
-        cands = [c for c in self.chunks if c.where == DEVICE and not c.pinned and id(c) not in keep]
+        freed = 0
+        if self.comm is not None:  # cached remote buffers go first, oldest first
+            for u in list(self.comm.cache):
+                for c in u.chunks:
+                    if freed < amount and c.cached and id(c) not in keep:
+                        freed += c.nbytes
+                        self.comm.drop_chunk(c)
+        cands = [c for c in self.chunks if c.where == DEVICE and not c.pinned and not c.cached and id(c) not in keep]
         if self.tracer.warmup:
             cands.sort(key=lambda c: self._last_use.get(c.index, 0))  # LRU
         else:
             cands.sort(key=lambda c: -self.tracer.next_use(c.index, pos))  # Belady: farthest next use first
-        freed = 0
         for c in cands:
             if freed >= amount:
                 break
@@ -192,7 +252,7 @@ class ChunkManager:
         pinned_b = sum(c.nbytes for c in pinned)
         mine = sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks)
         phase, name = key
-        what = {"fwd": "forward of", "bwd": "backward of", "rec": "recomputation (ckpt) of", "grad": "gradient of",
+        what = {"reduce": "gradient reduction of", "fwd": "forward of", "bwd": "backward of", "rec": "recomputation (ckpt) of", "grad": "gradient of",
                 "eval": "evaluation forward of"}.get(phase, phase)
         if self.static or self.tracer.warmup:
             how = (f"the {'static partition' if self.static else 'warm-up'} chunk budget W = "
@@ -214,12 +274,27 @@ class ChunkManager:
     # ---- per-step bookkeeping -----------------------------------------------------------------
     def begin_forward(self) -> None:
         for t in self.infos.values():
-            t.users, t.state = 0, TensorState.HOLD
+            t.users, t.state, t.grad_ready = 0, TensorState.HOLD, False
+        if self.comm is not None:
+            for u in self.comm.units:
+                u.reduced = False
 
     def finish_backward(self) -> None:
         for t in self.infos.values():
             if t.users:
                 t.users, t.state = 0, TensorState.HOLD_AFTER_BWD
+        self.settle(reduce=True)
+
+    def settle(self, reduce: bool) -> None:
+        """End of a backward (reduce=True) or an evaluation: reduce units with partial gradients
+        (a parameter that got none), release every unit still gathered."""
+        if self.comm is None:
+            return
+        for u in self.comm.units:
+            if reduce and u.trainable and not u.reduced and any(t.grad_ready for t in u.tensors):
+                self.reduce(u)
+            elif u.gathered:
+                self.comm.release(u)
 
     def take_step_stats(self) -> dict:
         mean = self._device_chunk_sum / self._moments if self._moments else 0.0

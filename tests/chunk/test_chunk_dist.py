@@ -1,0 +1,212 @@
+"""The chunk engine on 2 ranks (gloo): chunk groups, all-gather / reduce-scatter, mem_saving_comm,
+mem_cache, release_after_init + res_check.
+
+Parity: every 2-rank job (micro-batch 4 per rank) follows the single-process memopt trajectory of
+the same global batch (micro-batch 8), with test_zero_parity's tolerances: fp32 1e-5 relative per
+step (the only difference is the order of the gradient sum, rank 0 + rank 1), fp16 5e-3 (10 unit
+roundoffs; fp16 gradients are summed over ranks in fp16 as in DeepSpeed).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from memopt.api import run_jobs_on_ranks
+from tests.conftest import losses, train
+
+STEPS = 5
+BASE = ["model=gpt_tiny", "model.seq_len=64", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0",
+        "optim.lr=3e-3", "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "trainer.save_checkpoint=false"]
+TOL = {"fp32": 1e-5, "fp16": 5e-3}
+FP16 = ["strategy.fp16.init_scale=1024"]
+MSC, NOCACHE = "strategy.chunk.mem_saving_comm=true", "strategy.chunk.mem_cache=0"
+ACCUM = ["trainer.grad_accum=2", "trainer.micro_batch_size=2"]
+
+
+def tight(mib: float) -> list[str]:
+    """A per-rank device budget of ``mib`` MiB: below one rank's share of gpt_tiny's param+grad chunks
+    plus the gathered units and the non-model peak of the case, so that chunks are evicted, with about
+    two chunks (0.5 MiB) of headroom at the tightest moment (the warm-up's non-model samples vary by
+    a chunk-sized temporary from run to run)."""
+    return [f"strategy.chunk.device_budget_gb={mib / 1024}", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.3"]
+
+
+# name -> (overrides on top of micro-batch 4, reference dtype)
+CASES = {
+    "chunk": (["+strategy=chunk"], "fp32"),
+    "chunk_msc_nocache": (["+strategy=chunk", MSC, NOCACHE], "fp32"),
+    "chunk_ckpt_tight": (["+strategy=[chunk,ckpt]", *tight(5.5)], "fp32"),
+    "chunk_ckpt_act_offload_msc_accum_tight": (["+strategy=[chunk,ckpt,act_offload]", MSC, *ACCUM, *tight(4)], "fp32"),
+    "chunk_accum_nocache": (["+strategy=chunk", NOCACHE, *ACCUM], "fp32"),
+    "static_partition_tight": (["+strategy=static_partition", *tight(8)], "fp32"),
+    "static_partition_msc_tight": (["+strategy=static_partition", MSC, *tight(8)], "fp32"),
+    "hybrid_adam": (["+strategy=hybrid_adam", *FP16], "fp16"),
+    "hybrid_adam_msc_ckpt_accum_tight": (["+strategy=[hybrid_adam,ckpt]", *FP16, MSC, *ACCUM, *tight(3)], "fp16"),
+    "hybrid_adam_act_offload_nocache": (["+strategy=[hybrid_adam,ckpt,act_offload]", *FP16, NOCACHE], "fp16"),
+}
+REFS = {"fp32": [], "fp16": ["+strategy=fp16", *FP16]}
+
+
+def rel_err(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def records(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunk_dist")
+    jobs = [(BASE + ["trainer.micro_batch_size=4", *extra], str(root / name)) for name, (extra, _) in CASES.items()]
+    jobs.append((BASE + ["trainer.micro_batch_size=4", "+strategy=chunk", "trainer.grad_accum=1"], str(root / "chunk_1rank_share")))
+    summaries = run_jobs_on_ranks(2, jobs)
+    refs = {}
+    for dtype, extra in REFS.items():
+        d = str(root / f"ref_{dtype}")
+        assert train(BASE + ["trainer.micro_batch_size=8", *extra], d)["status"] == "ok"
+        refs[dtype] = losses(d)
+    one = str(root / "one_rank_chunk")
+    one_summary = train(BASE + ["trainer.micro_batch_size=8", "+strategy=chunk"], one)
+    out = {name: (s, str(root / name)) for name, s in zip([*CASES, "chunk_1rank_share"], summaries)}
+    return out, refs, (one_summary, one)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_follow_the_memopt_trajectory(runs, name):
+    out, refs, _ = runs
+    summary, run_dir = out[name]
+    assert summary["status"] == "ok"
+    got = losses(run_dir)
+    assert len(got) == STEPS
+    dtype = CASES[name][1]
+    err = rel_err(got, refs[dtype])
+    assert err <= TOL[dtype], f"{name}: max relative loss error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_unit_is_reduced_once_per_micro_step(runs, name):
+    """Communication follows the units: one gradient reduction per unit (a group of 2 chunks, or one
+    chunk with mem_saving_comm) per micro-step, at least one gather per unit and micro-step."""
+    out, _, _ = runs
+    _, run_dir = out[name]
+    extra = CASES[name][0]
+    accum = 2 if "trainer.grad_accum=2" in extra else 1
+    last = records(run_dir)[-1]["chunk"]
+    assert last["chunks_local"] * 2 == last["chunks_total"]  # padded to groups of W=2, one chunk of each per rank
+    units = last["chunks_total"] - last["padding_chunks"] if MSC in extra else last["chunks_total"] // 2
+    assert last["comm_units"] == units  # units that hold tensors
+    assert last["reduces"] == STEPS * accum * units
+    assert last["gathers"] >= STEPS * accum * units
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("tight")])
+def test_budget_holds_on_every_rank_and_chunks_move(runs, name):
+    out, _, _ = runs
+    _, run_dir = out[name]
+    recs = [r["chunk"] for r in records(run_dir)]
+    budget = recs[-1]["device_budget_bytes"]
+    assert max(r["chunk_peak_bytes_device"] for r in recs) <= budget
+    assert recs[-1]["evictions"] > 0
+
+
+def test_mem_cache_reuses_buffers(runs):
+    out, _, _ = runs
+    with_cache = records(out["chunk"][1])[-1]["chunk"]
+    without = records(out["chunk_msc_nocache"][1])[-1]["chunk"]
+    assert with_cache["mem_cache_hits"] > 0 and without["mem_cache_hits"] == 0
+
+
+def test_each_rank_holds_half_of_the_model_states(runs):
+    """Model states (param, grad and optimizer chunks) per rank are half of the one-rank run's:
+    compare rank peaks of the tracker's ``chunks`` category on the host (all optimizer chunks and
+    the evicted param chunks live there without hybrid placement) and on the device together."""
+    out, _, (one_summary, _) = runs
+    two = out["chunk_1rank_share"][0]["peak_bytes"]
+
+    def chunk_bytes(peaks):
+        return sum(v.get("chunks", 0) for v in peaks.values())
+
+    one = chunk_bytes(one_summary["peak_bytes"]["0"])
+    for r in ("0", "1"):
+        mine = chunk_bytes(two[r])
+        assert mine < 0.75 * one, f"rank {r}: {mine} chunk bytes vs {one} on one rank"
+
+
+def built_state(container: dict):
+    """(Runs in each rank, or in-process for one rank.) Build the engine of ``container`` and return
+    its full fp32 state (a collective with 2 ranks) and whether res_check ran and passed."""
+    from omegaconf import OmegaConf
+
+    from memopt import dist
+    from memopt.compose import build
+    from memopt.config import TrainConfig
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
+    device = torch.device("cpu")
+    ctx = dist.setup(device)
+    try:
+        engine = build(cfg, device, ctx, None)
+        return engine.full_state_dict(), getattr(getattr(engine, "mgr", None), "res_check_passed", False)
+    finally:
+        dist.teardown()
+
+
+def test_release_after_init_and_res_check_give_the_serial_init():
+    """2-rank init (each rank fills its own chunks; or release_after_init: every chunk, then the
+    remote ones are freed; res_check gathers and compares) is bit-identical to the 1-rank chunk
+    engine's init and to the plain memopt engine's."""
+    from memopt.api import compose_config
+    from memopt.dist import launch
+    from omegaconf import OmegaConf
+
+    def container(extra):
+        return OmegaConf.to_container(compose_config([*BASE[:2], "logger=none", *extra]), resolve=True)
+
+    res = ["+strategy=chunk", "strategy.chunk.release_after_init=true", "strategy.chunk.res_check=true"]
+    two = {
+        "res": launch(2, built_state, container(res))[0],
+        "res_msc": launch(2, built_state, container([*res, MSC]))[0],
+        "plain": launch(2, built_state, container(["+strategy=chunk"]))[0],
+    }
+    assert two["res"][1] and two["res_msc"][1] and not two["plain"][1]  # res_check ran (and passed) where asked
+    one = {"one_rank": built_state(container(["+strategy=chunk"])), "memopt": built_state(container([]))}
+    ref = one["memopt"][0]
+    for name, (sd, _) in {**two, **one}.items():
+        assert sd.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(sd[k], ref[k]), f"{name}: {k} differs from the serial init"
+
+
+def test_res_check_names_a_parameter_that_differs():
+    """A rank whose chunk is corrupted after init (one element of one parameter) makes res_check fail
+    with the parameter's name."""
+    from memopt.api import compose_config
+    from memopt.dist import RankFailure, launch
+    from omegaconf import OmegaConf
+
+    cfg = compose_config([*BASE[:2], "logger=none", "+strategy=chunk", "strategy.chunk.release_after_init=true",
+                          "strategy.chunk.res_check=true"])
+    with pytest.raises(RankFailure, match=r"res_check.*differs.*1 parameter\(s\): \S+"):
+        launch(2, corrupt_then_build, OmegaConf.to_container(cfg, resolve=True))
+
+
+def corrupt_then_build(container: dict):
+    """(Runs in each rank.) Rank 1 adds 1 to the first element of its first parameter right after
+    init; res_check, which runs next in the build, must catch it."""
+    import memopt.strategies.chunk.engine as engine
+
+    orig = engine.init_chunks
+
+    def init_and_corrupt(mgr, *a, **k):
+        orig(mgr, *a, **k)
+        if os.environ.get("RANK") == "1":
+            c = next(c for c in mgr.local_chunks if c.tensors)
+            c.view_of(c.tensors[0])[0] += 1
+
+    engine.init_chunks = init_and_corrupt
+    return built_state(container)
