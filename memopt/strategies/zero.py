@@ -220,8 +220,13 @@ class FlatGroup:
             work = dist.all_reduce(flat, async_op=async_op)
             self.pending.append((work, flat))
         else:
-            with _ctx(self.tracker, "temp"):
-                out = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+            if flat is self.flat_grad:
+                # zero1: reduce in place into this rank's slice of the full buffer (NCCL's and gloo's
+                # in-place reduce-scatter: output = input + rank * shard), no shard-sized copy
+                out = flat[self.lo : self.hi]
+            else:
+                with _ctx(self.tracker, "temp"):
+                    out = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
             work = reduce_scatter_single(out, flat, async_op=async_op)
             self.pending.append((work, out, flat))
 
@@ -238,6 +243,9 @@ class FlatGroup:
         if self.grad_shard is None:
             if g is self.flat_grad and g.dtype == torch.float32:
                 self.grad_shard = g  # fp32 ddp/zero1 full buffer: read it in place, no copy
+                return
+            if g.dtype == torch.float32 and g._base is not None and g._base is self.flat_grad:
+                self.grad_shard = g  # zero1 fp32: the reduced slice of the full buffer, in place
                 return
             if g.dtype == torch.float32 and g.numel() == self.owned_size and g is not self.flat_grad:
                 self.grad_shard = g  # a fresh reduce-scatter output: adopt it

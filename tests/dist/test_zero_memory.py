@@ -61,6 +61,8 @@ def test_zero1_partitions_optimizer_states(peaks, model, rank):
     pad = 8 * (W - 1) * model["groups"] * 4  # generous: groups x (W-1) elements x 8 bytes
     assert abs(p["optim"] - 8 * n / W) <= pad
     assert p["grads"] >= 4 * n and p["params"] >= 4 * n  # still replicated
+    # the owned gradient is reduced in place inside the full buffer: no extra shard-sized copy
+    assert p["grads"] <= 4 * n + 4 * W * model["groups"], (p["grads"], 4 * n)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

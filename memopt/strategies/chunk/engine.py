@@ -202,6 +202,7 @@ class ChunkEngine(Engine):
             "fetches": mgr.fetches,
             "chunk_size": mgr.chunk_size,
             "device_budget_bytes": mgr.device_budget,
+            "max_nonmodel_bytes": mgr.tracer.max_nonmodel,  # the warm-up's non-model peak on the device
             "warmup": mgr.tracer.warmup,
             **self._comm_metrics(),
         }
