@@ -115,7 +115,7 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-        step_times, losses, val_loss = [], [], None
+        step_times, optim_times, losses, val_loss = [], [], [], None
         for step in range(t.max_steps):
             self._sync()
             t0 = time.perf_counter()
@@ -126,8 +126,12 @@ class Trainer:
                 with cat("other"):
                     x, y = x.to(self.device), y.to(self.device)
                 loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
+            self._sync()
+            t1 = time.perf_counter()
             with cat("temp"):
                 result = engine.step(lr)
+            self._sync()
+            optim_times.append(time.perf_counter() - t1)  # the optimizer step alone (after the backward)
             self.ctx.all_reduce_(loss_sum)  # global-batch mean: every rank's micro-batches weigh the same
             self._sync()
             dt = time.perf_counter() - t0
@@ -141,7 +145,8 @@ class Trainer:
                 with cat("temp"):
                     val_loss = sum(engine.eval_loss(x.to(self.device), y.to(self.device)) for x, y in eval_set) / len(eval_set)
             if step % t.log_every == 0 or is_last or evaluated:
-                rec = {"step": step, "loss": loss_val, "lr": lr, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                rec = {"step": step, "loss": loss_val, "lr": lr, "step_time_s": dt, "optim_step_s": optim_times[-1],
+                       "tokens_per_s": tokens_per_step / dt,
                        "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped_steps": engine.skipped_steps}
                 if evaluated:
                     rec["val_loss"] = val_loss
@@ -164,6 +169,7 @@ class Trainer:
         tflops = tok_s * fpt / 1e12
         self.summary.update(
             final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
+            optim_step_s=statistics.median(optim_times[t.throughput_warmup_steps:] or optim_times),
             mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps,
             skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale,
         )
