@@ -13,7 +13,9 @@ rotates between repeats; step times are the best repeat's median, the worst in p
                         (the device budget is that plus the non-model peak measured by the
                         unlimited run's warm-up; the warm-up chunk budget is the same share)
   hybrid 12.5%          below the param+grad chunks (25% of the states in mixed precision):
-                        chunks are evicted and fetched every step
+                        dynamic partition still fits them where the activations are small
+  static hybrid 12.5%   static partition: the chunk budget holds at every moment, so chunks are
+                        evicted and fetched all through the step
   chunk 50%             all-host Adam at the 50% budget
   memopt zero-offload   memopt zero2 + cpu_offload (fp32 master and Adam on the host)
   deepspeed zero-offload  DeepSpeed ZeRO-2 + offload_optimizer (DeepSpeedCPUAdam), same precision
@@ -106,6 +108,7 @@ def main() -> None:
         "hybrid 50%": d["hybrid"] + budget(0.5),
         "hybrid 25%": d["hybrid"] + budget(0.25),
         "hybrid 12.5%": d["hybrid"] + budget(0.125),
+        "static hybrid 12.5%": [d["hybrid"][0].replace("+strategy=", "+strategy=[static_partition,") + "]"] + budget(0.125),
         "chunk 50%": d["chunk"] + budget(0.5),
         "memopt zero-offload": [f"+strategy=[zero2,cpu_offload,{args.dtype}]"] + d["plain"][1:],
     }

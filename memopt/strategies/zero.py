@@ -24,6 +24,7 @@ A single process without any ZeRO strategy uses the same code with W=1 (the "pla
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -156,13 +157,35 @@ class FlatGroup:
             self.release()
         if self.stage <= 1:
             with _ctx(self.tracker, "grads"):
-                self.flat_grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            self.attach_grads()
+                self.flat_grad = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            self.free_grad_buffer()
 
-    def attach_grads(self) -> None:
-        """ddp/zero1: gradients accumulate in place into views of the flat gradient buffer."""
+    # ---- ddp/zero1 gradient buffer ---------------------------------------------------------
+    # Gradients accumulate in place into views of one flat buffer per group (DDP's gradient-as-
+    # bucket-view). The buffer is allocated when the group's first gradient of a step arrives (a
+    # tensor hook runs before autograd accumulates) and freed after the optimizer step, so the
+    # forward's activation peak never coexists with a full gradient buffer (as in DeepSpeed).
+    @property
+    def grad_buffer_allocated(self) -> bool:
+        return self.flat_grad is not None and self.flat_grad.untyped_storage().nbytes() > 0
+
+    def ensure_grad_buffer(self) -> None:
+        """Allocate (zeroed) the flat gradient buffer and point every ``p.grad`` at its view."""
+        if self.flat_grad is None or self.grad_buffer_allocated:
+            return
+        self.flat_grad.untyped_storage().resize_(self.padded * self.flat_grad.element_size())
+        self.flat_grad.zero_()
+        if self.tracker is not None:
+            self.tracker.register(self.flat_grad, "grads")
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.grad = self.flat_grad[off : off + n].view(shape)
+
+    def free_grad_buffer(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.flat_grad.untyped_storage().resize_(0)
+        if self.tracker is not None:
+            self.tracker.register(self.flat_grad, "grads")
 
     # ---- zero3 gather / release -------------------------------------------------------------
     def _resize(self, nbytes: int) -> None:
@@ -205,6 +228,7 @@ class FlatGroup:
         """Reduce this group's gradients into the owned fp32 range (see the module docstring)."""
         W = self.ctx.world_size
         if self.stage <= 1:
+            self.ensure_grad_buffer()  # (a group that got no gradient still takes part in the collective)
             flat = self.flat_grad
         else:
             with _ctx(self.tracker, "temp"):
@@ -261,7 +285,7 @@ class FlatGroup:
         self.grad_shard = None
         self.ready = 0
         if self.flat_grad is not None:
-            self.flat_grad.zero_()
+            self.free_grad_buffer()
         else:
             for p in self.params:
                 p.grad = None
@@ -310,11 +334,17 @@ class Partitioner:
             for p in g.params:
                 self._group_of[id(p)] = g
                 if p.requires_grad:
+                    if g.flat_grad is not None:  # ddp/zero1: the buffer must exist before autograd accumulates
+                        p.register_hook(functools.partial(self._before_grad, g))
                     p.register_post_accumulate_grad_hook(self._on_grad)
         if stage == 3:
             self._install_zero3_hooks()
 
     # gradients --------------------------------------------------------------------------------
+    @staticmethod
+    def _before_grad(g: FlatGroup, grad: torch.Tensor) -> None:
+        g.ensure_grad_buffer()
+
     def _on_grad(self, p) -> None:
         if not self.sync_this_backward:
             return
@@ -355,7 +385,7 @@ class Partitioner:
     @staticmethod
     def _has_grads(g: FlatGroup) -> bool:
         if g.flat_grad is not None:
-            return True
+            return g.grad_buffer_allocated
         return any(p.grad is not None for p in g.params)
 
     # zero3 hooks ------------------------------------------------------------------------------

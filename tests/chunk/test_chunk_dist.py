@@ -3,8 +3,9 @@ mem_cache, release_after_init + res_check.
 
 Parity: every 2-rank job (micro-batch 4 per rank) follows the single-process memopt trajectory of
 the same global batch (micro-batch 8), with test_zero_parity's tolerances: fp32 1e-5 relative per
-step (the only difference is the order of the gradient sum, rank 0 + rank 1), fp16 5e-3 (10 unit
-roundoffs; fp16 gradients are summed over ranks in fp16 as in DeepSpeed).
+step (the only difference is the order of the gradient sum, rank 0 + rank 1), fp16 5e-3 and bf16
+4e-2 (10 unit roundoffs; low-precision gradients are summed over ranks in their dtype, as in
+DeepSpeed).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.conftest import losses, train
 STEPS = 5
 BASE = ["model=gpt_tiny", "model.seq_len=64", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0",
         "optim.lr=3e-3", "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "trainer.save_checkpoint=false"]
-TOL = {"fp32": 1e-5, "fp16": 5e-3}
+TOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 4e-2}
 FP16 = ["strategy.fp16.init_scale=1024"]
 MSC, NOCACHE = "strategy.chunk.mem_saving_comm=true", "strategy.chunk.mem_cache=0"
 ACCUM = ["trainer.grad_accum=2", "trainer.micro_batch_size=2"]
@@ -46,8 +47,9 @@ CASES = {
     "hybrid_adam": (["+strategy=hybrid_adam", *FP16], "fp16"),
     "hybrid_adam_msc_ckpt_accum_tight": (["+strategy=[hybrid_adam,ckpt]", *FP16, MSC, *ACCUM, *tight(3)], "fp16"),
     "hybrid_adam_act_offload_nocache": (["+strategy=[hybrid_adam,ckpt,act_offload]", *FP16, NOCACHE], "fp16"),
+    "hybrid_adam_bf16_msc": (["+strategy=hybrid_adam_bf16", MSC], "bf16"),
 }
-REFS = {"fp32": [], "fp16": ["+strategy=fp16", *FP16]}
+REFS = {"fp32": [], "fp16": ["+strategy=fp16", *FP16], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"]}
 
 
 def rel_err(a, b):

@@ -119,6 +119,7 @@ def test_gradient_clipping_matches_reference():
                       torch.device("cpu"), stage=0, tracker=None)
     group.materialize(lambda n, shape: init[n])
     grads = [torch.randn_like(p) for p in model.parameters()]
+    group.ensure_grad_buffer()  # what the first gradient's hook does in a backward
     for p, g in zip(model.parameters(), grads):
         p.grad.copy_(g)  # the flat gradient buffer's views
     group.sync_grads(async_op=False)
