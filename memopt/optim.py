@@ -113,28 +113,62 @@ class ShardedAdamW:
                 self.zero_grad()
                 return StepResult(True, float("nan"), scale)
         inv = 1.0 / (scale * (self.ctx.world_size if self.ctx.enabled else 1))
-        if inv != 1.0:
-            torch._foreach_mul_(grads, inv)
+        # fp32 gradients are scaled in place; low-precision ones (ddp/zero1 views of an fp16/bf16
+        # buffer) get an fp32 temporary per group, made once for the norm and again for the update,
+        # so that no fp32 copy of every gradient exists at once (the same fp32 operations, in the
+        # same order, as converting everything first)
+        low = [g.dtype != torch.float32 for g in grads]
+        f32 = [g for g, lo in zip(grads, low) if not lo]
+        if inv != 1.0 and f32:
+            torch._foreach_mul_(f32, inv)
         # global norm over the owned ranges (padding is zero); sum over ranks when sharded
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            sq = sq + g.float().pow(2).sum()
+        for g, lo in zip(grads, low):
+            if lo:
+                with _ctx(self.tracker, "temp"):
+                    x = g.float()
+                if inv != 1.0:
+                    x.mul_(inv)
+                sq = sq + x.pow(2).sum()
+                del x
+            else:
+                sq = sq + g.pow(2).sum()
         if self.ctx.enabled and any(gr.sharded for gr in self.groups):
             self.ctx.all_reduce_(sq)
         norm = math.sqrt(sq.item())
         clip = self.cfg.grad_clip
-        if clip > 0 and norm > clip:
-            torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
+        if coef is not None and f32:
+            torch._foreach_mul_(f32, coef)
+
+        def fp32_grad(i: int, host: bool) -> torch.Tensor:
+            """Group i's unscaled, clipped fp32 gradient (on the host for offload)."""
+            g = grads[i]
+            with _ctx(self.tracker, "grads" if host else "temp", host=host):
+                if host:  # the host copy (on a GPU, the device-to-host transfer)
+                    x = g.to("cpu", torch.float32) if g.device.type != "cpu" else g.float() if low[i] else g.clone()
+                elif low[i]:
+                    x = g.float()
+                else:
+                    return g
+            if low[i]:
+                if inv != 1.0:
+                    x.mul_(inv)
+                if coef is not None:
+                    x.mul_(coef)
+            return x
+
         self.step_count += 1
+        self._decay(lr)
         if self.offload:
-            with _ctx(self.tracker, "grads", host=True):
-                host_grads = [g.to("cpu", non_blocking=False) if g.device.type != "cpu" else g.clone() for g in grads]
-            self._decay(lr)
+            host_grads = [fp32_grad(i, host=True) for i in range(len(grads))]
             self._cpu_adam.step(host_grads, lr=lr)
             del host_grads
         else:
-            self._decay(lr)
-            self._adam(grads, lr)
+            for i in range(len(grads)):
+                x = fp32_grad(i, host=False)
+                self._adam(i, x, lr)
+                del x
         self._write_back()
         self.zero_grad()
         return StepResult(False, norm, scale)
@@ -146,12 +180,13 @@ class ShardedAdamW:
                 for a, b in segs:
                     m[a:b].mul_(1 - lr * wd)
 
-    def _adam(self, grads: list[torch.Tensor], lr: float) -> None:
+    def _adam(self, i: int, grad: torch.Tensor, lr: float) -> None:
+        """Fused Adam on group i (decay was applied by ``_decay``; one group at a time)."""
         b1, b2 = self.cfg.betas
-        t = self.step_count
-        steps = [torch.tensor(float(t), device=m.device) for m in self.master]  # 1-based step for bias correction
-        torch._fused_adamw_(self.master, grads, self.exp_avg, self.exp_avg_sq, [], steps, lr=lr, beta1=b1, beta2=b2,
-                            weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
+        m = self.master[i]
+        step = torch.tensor(float(self.step_count), device=m.device)  # 1-based step for bias correction
+        torch._fused_adamw_([m], [grad], [self.exp_avg[i]], [self.exp_avg_sq[i]], [], [step], lr=lr, beta1=b1,
+                            beta2=b2, weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
 
     def _write_back(self) -> None:
         for g, m in zip(self.groups, self.master):

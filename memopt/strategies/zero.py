@@ -265,11 +265,10 @@ class FlatGroup:
 
     def _accumulate(self, g: torch.Tensor) -> None:
         if self.grad_shard is None:
-            if g is self.flat_grad and g.dtype == torch.float32:
-                self.grad_shard = g  # fp32 ddp/zero1 full buffer: read it in place, no copy
-                return
-            if g.dtype == torch.float32 and g._base is not None and g._base is self.flat_grad:
-                self.grad_shard = g  # zero1 fp32: the reduced slice of the full buffer, in place
+            if g is self.flat_grad or (g._base is not None and g._base is self.flat_grad):
+                # ddp: the full buffer; zero1: its reduced slice. Read in place, in any dtype: the
+                # optimizer converts low-precision gradients to fp32 one group at a time
+                self.grad_shard = g
                 return
             if g.dtype == torch.float32 and g.numel() == self.owned_size and g is not self.flat_grad:
                 self.grad_shard = g  # a fresh reduce-scatter output: adopt it

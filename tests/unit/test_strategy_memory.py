@@ -102,3 +102,7 @@ def test_bf16_parameters_halve_parameter_bytes(runs, shapes):
     assert runs["bf16p"]["peak_bytes"]["0"]["cpu"]["params"] == 2 * n
     # the fp32 master copy is an optimizer state (ZeRO's accounting): 4 (master) + 8 (moments)
     assert runs["bf16p"]["peak_bytes"]["0"]["cpu"]["optim"] >= 12 * n
+    # gradients stay in bf16 (2 B/param, padding aside): the step converts them to fp32 one group at
+    # a time, under `temp`, instead of holding an fp32 copy of all of them (which would be 6 B/param)
+    grads = runs["bf16p"]["peak_bytes"]["0"]["cpu"]["grads"]
+    assert 2 * n <= grads < 2 * n + 4096, (grads, 2 * n)
