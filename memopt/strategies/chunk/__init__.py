@@ -10,7 +10,6 @@ Files, one job each:
   hooks.py        module pre/post forward and backward hooks driving tensor states (tied/frozen params)
   hybrid_adam.py  AdamW over fp32 master/momentum/variance chunks: on the device (margin) or the host (CPUAdamW)
   engine.py       ChunkEngine(Engine), build_chunk_engine (called by compose.build), init and res_check
-
   comm.py         2+ ranks: chunk groups of world size, owners, all-gather / reduce-scatter (or broadcast /
                   reduce with mem_saving_comm), the mem_cache queue
 

@@ -90,8 +90,6 @@ class ChunkComm:
     # ---- layout -------------------------------------------------------------------------------
     def assign(self, mgr) -> None:
         """Pad the chunk lists to multiples of W, set owners, build the communication units."""
-        from memopt.strategies.chunk.chunk import Chunk as _Chunk
-
         self.mgr = mgr
         W = self.world
         for trainable in (True, False):
@@ -99,7 +97,7 @@ class ChunkComm:
             if not lst:
                 continue
             while len(lst) % W:
-                pad = _Chunk(len(mgr.chunks), "param", mgr.chunk_size, mgr.dtype, mgr.device, mgr.tracker,
+                pad = Chunk(len(mgr.chunks), "param", mgr.chunk_size, mgr.dtype, mgr.device, mgr.tracker,
                              trainable=trainable, with_grad=trainable)
                 mgr.chunks.append(pad)
                 lst.append(pad)
