@@ -56,6 +56,9 @@ def _ctx(tracker, category: str, host: bool = False):
     return stack
 
 
+SLICE = 1 << 20  # elements of a low-precision gradient converted to fp32 at a time in the step
+
+
 class ShardedAdamW:
     """AdamW over the owned range of every flat group (everything, for one rank or ddp)."""
 
@@ -114,9 +117,9 @@ class ShardedAdamW:
                 return StepResult(True, float("nan"), scale)
         inv = 1.0 / (scale * (self.ctx.world_size if self.ctx.enabled else 1))
         # fp32 gradients are scaled in place; low-precision ones (ddp/zero1 views of an fp16/bf16
-        # buffer) get an fp32 temporary per group, made once for the norm and again for the update,
-        # so that no fp32 copy of every gradient exists at once (the same fp32 operations, in the
-        # same order, as converting everything first)
+        # buffer) are converted to fp32 SLICE elements at a time, once for the norm and again for
+        # the update, so that no fp32 copy of the gradients exists (the temporary is a few MiB,
+        # reused by the allocator)
         low = [g.dtype != torch.float32 for g in grads]
         f32 = [g for g, lo in zip(grads, low) if not lo]
         if inv != 1.0 and f32:
@@ -125,12 +128,13 @@ class ShardedAdamW:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
         for g, lo in zip(grads, low):
             if lo:
-                with _ctx(self.tracker, "temp"):
-                    x = g.float()
-                if inv != 1.0:
-                    x.mul_(inv)
-                sq = sq + x.pow(2).sum()
-                del x
+                for a in range(0, g.numel(), SLICE):
+                    with _ctx(self.tracker, "temp"):
+                        x = g[a : a + SLICE].float()
+                    if inv != 1.0:
+                        x.mul_(inv)
+                    sq = sq + x.pow(2).sum()
+                    del x
             else:
                 sq = sq + g.pow(2).sum()
         if self.ctx.enabled and any(gr.sharded for gr in self.groups):
@@ -141,9 +145,9 @@ class ShardedAdamW:
         if coef is not None and f32:
             torch._foreach_mul_(f32, coef)
 
-        def fp32_grad(i: int, host: bool) -> torch.Tensor:
-            """Group i's unscaled, clipped fp32 gradient (on the host for offload)."""
-            g = grads[i]
+        def fp32_grad(i: int, host: bool, sl: slice = slice(None)) -> torch.Tensor:
+            """Group i's unscaled, clipped fp32 gradient (``sl`` of it; on the host for offload)."""
+            g = grads[i][sl]
             with _ctx(self.tracker, "grads" if host else "temp", host=host):
                 if host:  # the host copy (on a GPU, the device-to-host transfer)
                     x = g.to("cpu", torch.float32) if g.device.type != "cpu" else g.float() if low[i] else g.clone()
@@ -166,9 +170,11 @@ class ShardedAdamW:
             del host_grads
         else:
             for i in range(len(grads)):
-                x = fp32_grad(i, host=False)
-                self._adam(i, x, lr)
-                del x
+                for a in range(0, grads[i].numel(), SLICE if low[i] else max(1, grads[i].numel())):
+                    sl = slice(a, a + SLICE) if low[i] else slice(None)
+                    x = fp32_grad(i, host=False, sl=sl)
+                    self._adam(i, x, lr, sl)
+                    del x
         self._write_back()
         self.zero_grad()
         return StepResult(False, norm, scale)
@@ -180,12 +186,12 @@ class ShardedAdamW:
                 for a, b in segs:
                     m[a:b].mul_(1 - lr * wd)
 
-    def _adam(self, i: int, grad: torch.Tensor, lr: float) -> None:
-        """Fused Adam on group i (decay was applied by ``_decay``; one group at a time)."""
+    def _adam(self, i: int, grad: torch.Tensor, lr: float, sl: slice = slice(None)) -> None:
+        """Fused Adam on group i (``sl`` of it; decay was applied by ``_decay``)."""
         b1, b2 = self.cfg.betas
-        m = self.master[i]
+        m = self.master[i][sl]
         step = torch.tensor(float(self.step_count), device=m.device)  # 1-based step for bias correction
-        torch._fused_adamw_([m], [grad], [self.exp_avg[i]], [self.exp_avg_sq[i]], [], [step], lr=lr, beta1=b1,
+        torch._fused_adamw_([m], [grad], [self.exp_avg[i][sl]], [self.exp_avg_sq[i][sl]], [], [step], lr=lr, beta1=b1,
                             beta2=b2, weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
 
     def _write_back(self) -> None:
