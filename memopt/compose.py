@@ -18,7 +18,7 @@ import torch
 
 from memopt.config import TrainConfig
 from memopt.dist import DistContext
-from memopt.engines.base import Engine, category, retained
+from memopt.engines.base import PrecisionEngine, category, retained
 from memopt.memory.tracker import MemoryTracker
 from memopt.models.gpt import GPT, init_tensor
 from memopt.optim import ShardedAdamW, StepResult
@@ -60,14 +60,22 @@ def selected_stage(cfg: TrainConfig) -> tuple[str, int]:
     return name, STAGES[name]
 
 
-def build(cfg: TrainConfig, device: torch.device, ctx: DistContext | None = None, tracker: MemoryTracker | None = None) -> "MemoptEngine":
-    s, ctx = cfg.strategy, ctx or DistContext()
+def model_on_meta(cfg: TrainConfig, device: torch.device, tracker: MemoryTracker | None = None) -> GPT:
+    """The GPT on ``meta`` with the model-level strategies applied, in this order, for every engine:
+    FlashAttention kernels, then activation checkpointing (and offload of its inputs)."""
+    s = cfg.strategy
     with torch.device("meta"):
         model = GPT(cfg.model)
     if s.flash_attn is not None:
         apply_flash_attention(model, device)
     if s.ckpt is not None:
         apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
+    return model
+
+
+def build(cfg: TrainConfig, device: torch.device, ctx: DistContext | None = None, tracker: MemoryTracker | None = None) -> "MemoptEngine":
+    s, ctx = cfg.strategy, ctx or DistContext()
+    model = model_on_meta(cfg, device, tracker)
     precision = Precision.from_strategies(s.fp16, s.bf16)
     if s.chunk is not None:
         from memopt.strategies.chunk import build_chunk_engine
@@ -99,7 +107,7 @@ def build(cfg: TrainConfig, device: torch.device, ctx: DistContext | None = None
     return MemoptEngine(model, part, optimizer, precision, device, ctx, tracker)
 
 
-class MemoptEngine(Engine):
+class MemoptEngine(PrecisionEngine):
     def __init__(self, model: GPT, partitioner: Partitioner, optimizer: ShardedAdamW, precision: Precision,
                  device: torch.device, ctx: DistContext, tracker: MemoryTracker | None):
         self.model, self.part, self.optimizer, self.precision = model, partitioner, optimizer, precision
@@ -125,16 +133,6 @@ class MemoptEngine(Engine):
     def step(self, lr: float) -> StepResult:
         return self.optimizer.step(lr)
 
-    @torch.no_grad()
-    def eval_loss(self, x, y) -> float:
-        self.model.eval()
-        try:
-            with category(self.tracker, "temp"), self.precision.autocast(self.device):
-                _, loss = self.model(x, y)
-            return float(loss.float().item())
-        finally:
-            self.model.train()
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         for g in self.part.groups:
             g.gather()
@@ -143,15 +141,3 @@ class MemoptEngine(Engine):
         finally:
             for g in self.part.groups:
                 g.release()
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
-
-    @property
-    def compute_dtype_name(self) -> str:
-        return self.precision.name

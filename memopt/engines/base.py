@@ -42,6 +42,34 @@ class Engine:
         return "fp32"
 
 
+class PrecisionEngine(Engine):
+    """An engine whose mixed precision is memopt's own ``Precision`` (memopt, chunk, FSDP2 engines):
+    loss scale, skipped steps, dtype name and the evaluation forward come from it. Subclasses set
+    ``self.precision``, ``self.tracker``, ``self.model`` and ``self.device``."""
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.model.eval()
+        try:
+            with category(self.tracker, "temp"), self.precision.autocast(self.device):
+                _, loss = self.model(x, y)
+            return float(loss.float().item())
+        finally:
+            self.model.train()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return self.precision.name
+
+
 def retained(tracker):
     return tracker.retained("activations") if tracker is not None else nullcontext()
 

@@ -247,11 +247,8 @@ def _prepare_environment(device: torch.device, fp16: bool) -> None:
 
 
 def build(cfg, device: torch.device, ctx=None, tracker=None) -> "DeepSpeedEngine":
-    from memopt.compose import materialize
+    from memopt.compose import materialize, model_on_meta
     from memopt.dist import DistContext
-    from memopt.models.gpt import GPT
-    from memopt.strategies.checkpointing import apply_checkpointing
-    from memopt.strategies.flash_attention import apply_flash_attention
     from memopt.strategies.precision import Precision
 
     validate(cfg)
@@ -259,12 +256,7 @@ def build(cfg, device: torch.device, ctx=None, tracker=None) -> "DeepSpeedEngine
     _prepare_environment(device, s.fp16 is not None)
     import deepspeed
 
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    if s.flash_attn is not None:
-        apply_flash_attention(model, device)
-    if s.ckpt is not None:
-        apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
+    model = model_on_meta(cfg, device, tracker)
     # the single-process weights on every rank (fp32; DeepSpeed casts to fp16/bf16 itself)
     materialize(model, device, torch.float32, cfg.seed, tracker)
     # memopt's zero3 unit: one transformer block (or the root group: embeddings, ln_f, tied head)

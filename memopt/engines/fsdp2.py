@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from memopt.engines.base import Engine, category, retained
+from memopt.engines.base import PrecisionEngine, category, retained
 from memopt.errors import ConfigError
 from memopt.optim import StepResult
 
@@ -111,22 +111,16 @@ def build(cfg, device: torch.device, ctx=None, tracker=None) -> "FSDP2Engine":
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
 
+    from memopt.compose import model_on_meta
     from memopt.dist import DistContext
-    from memopt.models.gpt import GPT, init_tensor
-    from memopt.strategies.checkpointing import apply_checkpointing
-    from memopt.strategies.flash_attention import apply_flash_attention
+    from memopt.models.gpt import init_tensor
     from memopt.strategies.precision import Precision
 
     validate(cfg)
     s, ctx = cfg.strategy, ctx or DistContext()
     _ensure_process_group(device)
     precision = Precision.from_strategies(s.fp16, s.bf16)
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    if s.flash_attn is not None:
-        apply_flash_attention(model, device)
-    if s.ckpt is not None:
-        apply_checkpointing(model, s.ckpt, s.act_offload, tracker)
+    model = model_on_meta(cfg, device, tracker)
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     low = precision.param_dtype if precision.param_dtype != torch.float32 else None
@@ -161,7 +155,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class FSDP2Engine(Engine):
+class FSDP2Engine(PrecisionEngine):
     def __init__(self, model, optimizer, precision, device, ctx, tracker, grad_clip: float):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.device, self.ctx, self.tracker, self.grad_clip = device, ctx, tracker, grad_clip
@@ -251,31 +245,9 @@ class FSDP2Engine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(False, float(norm), scale)
 
-    @torch.no_grad()
-    def eval_loss(self, x, y) -> float:
-        self.model.eval()
-        try:
-            with category(self.tracker, "temp"), self.precision.autocast(self.device):
-                _, loss = self.model(x, y)
-            return float(loss.float().item())
-        finally:
-            self.model.train()
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for k, v in self.model.state_dict().items():
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = full.detach().float().cpu().clone()
         return out
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
-
-    @property
-    def compute_dtype_name(self) -> str:
-        return self.precision.name

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from memopt.engines.base import Engine, category, retained
+from memopt.engines.base import PrecisionEngine, category, retained
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.gpt import init_tensor
 from memopt.optim import StepResult
@@ -68,6 +68,13 @@ def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -
     mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer)
     if ctx is not None and ctx.enabled:
         mgr.comm = ChunkComm(ctx.rank, ctx.world_size, ccfg.mem_saving_comm, ccfg.mem_cache, tracker)
+    else:
+        idle = [n for n in ("mem_saving_comm", "release_after_init", "res_check") if getattr(ccfg, n)]
+        if idle:
+            import warnings
+
+            warnings.warn(f"strategy.chunk.{', '.join(idle)} only act with 2+ ranks (no remote chunks on one rank): "
+                          "set trainer.nproc_per_node or run under torchrun", stacklevel=2)
     tracer._chunk_bytes = lambda: mgr.device_bytes + mgr.os_device_bytes
     try:
         mgr.pack(named)
@@ -135,7 +142,7 @@ def check_init(mgr: ChunkManager, cfg) -> None:
     mgr.res_check_passed = True
 
 
-class ChunkEngine(Engine):
+class ChunkEngine(PrecisionEngine):
     def __init__(self, model, mgr: ChunkManager, hooks: ChunkHooks, optimizer: ChunkAdam, precision: Precision,
                  device, ctx, tracker):
         self.model, self.mgr, self.hooks, self.optimizer, self.precision = model, mgr, hooks, optimizer, precision
@@ -259,15 +266,3 @@ class ChunkEngine(Engine):
         by_name = {n: values[info.name] for info in mgr.infos.values() for n in [info.name, *info.aliases]}
         return {k: by_name[k] if k in by_name else v.detach().float().cpu().clone()
                 for k, v in self.model.state_dict(keep_vars=True).items()}
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
-
-    @property
-    def compute_dtype_name(self) -> str:
-        return self.precision.name
