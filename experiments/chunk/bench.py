@@ -27,15 +27,14 @@ params + grads (2 + 2 B) + fp32 master, momentum, variance (12 B) = 16 B per par
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from experiments.common import machine_line, mib, table  # noqa: E402
 from memopt.api import run_job  # noqa: E402
 
 DTYPES = {
@@ -44,16 +43,6 @@ DTYPES = {
              "chunk": ["+strategy=[chunk,bf16]", "strategy.bf16.params=bf16"], "hybrid": ["+strategy=hybrid_adam_bf16"]},
 }
 GiB = 2**30
-
-
-def mib(b) -> str:
-    return f"{b / 2**20:,.1f}"
-
-
-def table(head, rows) -> str:
-    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
 def chunk_records(run_dir: str) -> list[dict]:
@@ -137,7 +126,8 @@ def main() -> None:
         if recs:
             r = recs[-1]
             budget_b = r["device_budget_bytes"]
-            row += [mib(r["chunk_peak_bytes_device"]), "-" if budget_b > 16 * states else mib(budget_b),
+            limited = any(o.startswith("strategy.chunk.device_budget_gb=") for o in jobs[n])
+            row += [mib(r["chunk_peak_bytes_device"]), mib(budget_b) if limited else "-",
                     f"{sum(x['mean_chunks_on_device'] for x in steady) / len(steady):.1f} / {r['chunks_total']}",
                     f"{r['optim_chunks_on_device']}", f"{(r['evictions'] - recs[0]['evictions']) / max(1, len(recs) - 1):.0f}"]
         else:
@@ -145,14 +135,7 @@ def main() -> None:
         row.append(f"{s['final_loss']:.4f}")
         rows.append(row)
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"date: {datetime.date.today().isoformat()}  machine: {cpu}, {os.cpu_count()} cores, "
-          f"{'CUDA' if torch.cuda.is_available() else 'CPU only'}  torch {torch.__version__}")
+    print(machine_line())
     print(f"model={args.model} ({n_params / 1e6:.1f}M params, model states {mib(states)} MiB) dtype={args.dtype} "
           f"micro_batch={args.micro_batch} steps={args.steps} repeats={args.repeats}; non-model peak {mib(nonmodel)} MiB; "
           f"step time: median of steps {args.warmup}..{args.steps - 1}, best repeat (worst in parentheses)\n")

@@ -17,14 +17,13 @@ breakdown of rank 0's peaks (what each engine holds).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from experiments.common import machine_line, mib, table  # noqa: E402
 from memopt.api import run_jobs_on_ranks  # noqa: E402
 
 CONFIGS = {
@@ -42,16 +41,6 @@ def applies(engine: str, config: str, cuda: bool) -> bool:
     if engine != "fsdp2":
         return True
     return config != "zero1" and ("cpu_offload" not in config or cuda)
-
-
-def mib(b) -> str:
-    return f"{b / 2**20:,.1f}"
-
-
-def table(head, rows) -> str:
-    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
 def main() -> None:
@@ -124,14 +113,7 @@ def main() -> None:
             rows.append(row)
             p0 = s["peak_bytes"]["0"]
             cats.append([config, e] + [mib(p0.get(dev, {}).get(c, 0)) for c in CATS] + [mib(p0.get("host", {}).get("optim", 0))])
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"date: {datetime.date.today().isoformat()}  machine: {cpu}, {os.cpu_count()} cores, "
-          f"{'CUDA' if cuda else 'CPU only'}  torch {torch.__version__}")
+    print(machine_line())
     print(f"model={args.model} dtype={args.dtype} micro_batch={args.micro_batch} ranks=2 steps={args.steps} "
           f"repeats={args.repeats}; tokens/s: median over steps {args.warmup}..{args.steps - 1}, best repeat "
           f"(worst in parentheses); 1-min load average {load0:.1f} at start, {load1:.1f} at end\n")
