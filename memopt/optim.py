@@ -122,21 +122,26 @@ class ShardedAdamW:
         # reused by the allocator)
         low = [g.dtype != torch.float32 for g in grads]
         f32 = [g for g, lo in zip(grads, low) if not lo]
+
+        def slices(i: int) -> list[slice]:
+            """Group i in pieces: SLICE elements at a time for low precision, whole for fp32."""
+            return [slice(a, a + SLICE) for a in range(0, grads[i].numel(), SLICE)] if low[i] else [slice(None)]
+
         if inv != 1.0 and f32:
             torch._foreach_mul_(f32, inv)
         # global norm over the owned ranges (padding is zero); sum over ranks when sharded
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g, lo in zip(grads, low):
-            if lo:
-                for a in range(0, g.numel(), SLICE):
+        for i, g in enumerate(grads):
+            for sl in slices(i):
+                if low[i]:
                     with _ctx(self.tracker, "temp"):
-                        x = g[a : a + SLICE].float()
+                        x = g[sl].float()
                     if inv != 1.0:
                         x.mul_(inv)
-                    sq = sq + x.pow(2).sum()
-                    del x
-            else:
-                sq = sq + g.pow(2).sum()
+                else:
+                    x = g
+                sq = sq + x.pow(2).sum()
+                del x
         if self.ctx.enabled and any(gr.sharded for gr in self.groups):
             self.ctx.all_reduce_(sq)
         norm = math.sqrt(sq.item())
@@ -170,8 +175,7 @@ class ShardedAdamW:
             del host_grads
         else:
             for i in range(len(grads)):
-                for a in range(0, grads[i].numel(), SLICE if low[i] else max(1, grads[i].numel())):
-                    sl = slice(a, a + SLICE) if low[i] else slice(None)
+                for sl in slices(i):
                     x = fp32_grad(i, host=False, sl=sl)
                     self._adam(i, x, lr, sl)
                     del x

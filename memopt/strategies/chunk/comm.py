@@ -61,10 +61,10 @@ class CommUnit:
     gathered: bool = False
     reduced: bool = False  # reduced in the current micro-step
     cached: bool = False
+    tensors: list = None  # every tensor of its chunks (fixed once the chunks are packed)
 
-    @property
-    def tensors(self):
-        return [t for c in self.chunks for t in c.tensors]
+    def __post_init__(self):
+        self.tensors = [t for c in self.chunks for t in c.tensors]
 
     def __repr__(self) -> str:
         return f"unit{self.index}{[c.index for c in self.chunks]}"
