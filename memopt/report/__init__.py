@@ -1,0 +1,84 @@
+"""``python -m memopt.report DIR...``: compare the runs of a sweep (or several run directories).
+
+Prints one text row per run on stdout (``--json``: the rows as JSON) and writes, into ``--out``
+(default: the directory given, or the common parent of several), ``report.md``, a self-contained
+``report.html`` and ``figures/*.png``: peak bytes per category (device and host), tokens/s and MFU,
+loss curves, memory per step, ratios against ``--baseline key=value``. ``--wandb`` adds a W&B Report
+(published with credentials; otherwise ``wandb_report.json`` and the command that publishes it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from memopt.report.collect import Run, collect_runs
+from memopt.report.tables import format_text
+
+
+def write_report(runs: list[Run], out_dir: str, sources: list[str], baseline: str | None = None) -> dict[str, str]:
+    """report.md, report.html and the figures for ``runs`` into ``out_dir``; returns their paths."""
+    from memopt.report import document, figures, html, markdown
+    from memopt.report.baseline import pick_baselines, ratios
+
+    os.makedirs(out_dir, exist_ok=True)
+    rat = ratios(runs, pick_baselines(runs, baseline))
+    figs = figures.draw_all(runs, rat, out_dir)
+    doc = document.build(runs, rat, figs, sources, baseline)
+    return {"md": markdown.write(doc, out_dir), "html": html.write(doc, out_dir), **{os.path.basename(p): p for _, p in figs}}
+
+
+def make_wandb_report(runs: list[Run], out_dir: str) -> str:
+    """Publish the W&B Report when credentials exist; else write its spec and say how to publish it."""
+    from memopt.logging import wandb_mode
+    from memopt.report import wandb_report as wr
+
+    spec = wr.build_spec(runs)
+    path = wr.write_spec(spec, out_dir)
+    if wandb_mode("auto") == "online":
+        try:
+            return f"W&B report: {wr.publish(spec)}"
+        except Exception as e:  # no package, no network: the spec is on disk
+            return f"W&B report not published ({type(e).__name__}: {e}); spec in {path}; publish with:\n  {wr.publish_command(path, runs)}"
+    return f"W&B report spec written to {path} (no W&B credentials); publish it later with:\n  {wr.publish_command(path, runs)}"
+
+
+def _json_rows(runs: list[Run]) -> list[dict]:
+    from memopt.report.collect import HOST
+
+    return [{"job": r.job, "label": r.label, "overrides": " ".join(r.overrides), "status": r.status, "engine": r.engine,
+             "strategy": r.strategy_name, "model": r.model, "world_size": r.world_size,
+             "final_loss": r.get("final_loss"), "val_loss": r.get("val_loss"), "tokens_per_s": r.get("tokens_per_s"),
+             "tflops": r.get("tflops"), "mfu": r.get("mfu"), "peak_device": r.peaks("device"),
+             "peak_host": r.peaks(HOST), "peak_host_total": r.peaks(HOST).get("total", 0), "error": r.summary.get("error"),
+             "path": r.path} for r in runs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memopt.report", description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep directory or run directories")
+    ap.add_argument("--baseline", default=None, metavar="KEY=VALUE", help="the run(s) to divide by, e.g. engine=deepspeed")
+    ap.add_argument("--out", default=None, help="where report.md/html and figures/ go")
+    ap.add_argument("--wandb", action="store_true", help="also build a W&B Report")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of the text table")
+    args = ap.parse_args(argv)
+    try:
+        runs = collect_runs(args.dirs)
+    except FileNotFoundError as e:
+        print(f"memopt.report: {e}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"memopt.report: no run (summary.json or .hydra/) under {' '.join(args.dirs)}", file=sys.stderr)
+        return 1
+    out = args.out or (args.dirs[0] if len(args.dirs) == 1 else os.path.commonpath([os.path.abspath(d) for d in args.dirs]))
+    print(json.dumps(_json_rows(runs), indent=2) if args.json else format_text(runs))
+    try:
+        paths = write_report(runs, out, args.dirs, args.baseline)
+    except ValueError as e:  # a --baseline that names no run
+        print(f"memopt.report: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {paths['md']} and {paths['html']}", file=sys.stderr)
+    if args.wandb:
+        print(make_wandb_report(runs, out), file=sys.stderr)
+    return 0
