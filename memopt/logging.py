@@ -68,6 +68,7 @@ class RunLogger:
         os.makedirs(run_dir, exist_ok=True)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         lg = cfg.logger
+        tags = sorted(set(tags) | set(run_tags(cfg)))
         if lg.name == "wandb":
             mode = wandb_mode(lg.mode)
             if mode != "disabled":
@@ -85,10 +86,7 @@ class RunLogger:
             return
         self._metrics.write(json.dumps(_jsonable(record)) + "\n")
         if self._wandb is not None:
-            flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-            for dev, b in record.get("peak_bytes", {}).items():
-                flat[f"peak_bytes/{dev}"] = b
-            self._wandb.log(flat, step=record["step"])
+            self._wandb.log(flat_metrics(record), step=record["step"])
 
     def finish(self, summary: dict) -> None:
         if not self.enabled:
@@ -96,6 +94,7 @@ class RunLogger:
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
         self._metrics.close()
         if self._wandb is not None:
+            self._log_peak_table(summary)
             for k, v in _flatten(summary).items():
                 self._wandb.summary[k] = v
             run_dir = self._wandb.dir
@@ -104,15 +103,62 @@ class RunLogger:
                 off = os.path.dirname(os.path.normpath(run_dir))
                 print(f"W&B ran offline; to upload: wandb sync {off}", file=sys.stderr)
 
+    def _log_peak_table(self, summary: dict) -> None:
+        """Peak bytes by rank, device and category as a W&B Table (``peak_bytes_table``, which the
+        report's table panel shows) and a bar chart of rank 0's categories (``peak_bytes_chart``).
+        A failure here costs the table, never the run's summary."""
+        peaks = summary.get("peak_bytes") or {}
+        if not peaks:
+            return
+        try:
+            import wandb
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+            rows = [[str(rank), dev, cat, int(b), b / 2**20] for rank, devs in peaks.items() for dev, cats in devs.items()
+                    for cat, b in cats.items() if isinstance(b, (int, float))]
+            table = wandb.Table(columns=["rank", "device", "category", "bytes", "MiB"], data=rows)
+            first = sorted(peaks)[0]
+            bars = wandb.Table(columns=["category", "MiB"], data=[[f"{dev}/{cat}", mib] for rank, dev, cat, _, mib in rows
+                                                                  if rank == first and cat != "total"])
+            chart = wandb.plot.bar(bars, "category", "MiB", title=f"peak MiB by category (rank {first})")
+            self._wandb.log({"peak_bytes_table": table, "peak_bytes_chart": chart})
+        except Exception as e:  # noqa: BLE001
+            print(f"memopt: could not log the peak-bytes table to W&B ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+def run_tags(cfg) -> list[str]:
+    """Tags every run gets besides its strategies and engine: the model and the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+    except ImportError:
+        pass
+    return [str(cfg.model.name), f"world_size={world}"]
+
+
+def flat_metrics(record: dict) -> dict:
+    """A metrics.jsonl record as W&B scalars: nested dicts (peak/live bytes per device, the chunk
+    engine's ``chunk`` placement, MoE statistics) become ``key/subkey``; non-numbers are dropped."""
+    out = {}
+    for k, v in _flatten({k: v for k, v in record.items() if k != "step"}, lists=False).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, bool):
+            out[k] = int(v)
+    return out
+
+
+def _flatten(d: dict, prefix: str = "", lists: bool = True) -> dict:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "/"))
+            out.update(_flatten(v, key + "/", lists))
         elif isinstance(v, (list, tuple)):
-            out[key] = ",".join(map(str, v))
+            if lists:
+                out[key] = ",".join(map(str, v))
         elif v is not None:
             out[key] = v
     return out

@@ -133,4 +133,5 @@ def test_sweep_jobs_share_a_wandb_group(tmp_path):
     runs = [read_wandb_offline(str(sweep / j)) for j in sorted(os.listdir(sweep)) if (sweep / j / "wandb").exists()]
     assert len(runs) == 2
     assert {r["group"] for r in runs} == {"mysweep"}
-    assert sorted(tuple(sorted(r["tags"])) for r in runs) == [("bf16", "memopt"), ("ckpt", "memopt")]
+    common = ("gpt_tiny", "memopt", "world_size=1")  # model, engine and world size tag every run
+    assert sorted(tuple(sorted(r["tags"])) for r in runs) == [tuple(sorted(("bf16",) + common)), tuple(sorted(("ckpt",) + common))]
