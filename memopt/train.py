@@ -69,11 +69,14 @@ def run(cfg: DictConfig) -> dict:
         typed = to_dataclass(cfg)
         validate(typed)
     except ConfigError as e:
+        from memopt.sweep import job_identity
+
         os.makedirs(run_dir, exist_ok=True)
-        write_json(os.path.join(run_dir, "summary.json"), {"status": "refused", "error": str(e)})
+        refused = {"status": "refused", "error": str(e), **job_identity(cfg)}  # the report names what was refused
+        write_json(os.path.join(run_dir, "summary.json"), refused)
         print(f"memopt: configuration refused: {e}", file=sys.stderr)
         if multirun:
-            return {"status": "refused", "error": str(e)}
+            return refused
         raise SystemExit(2)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     nproc = typed.trainer.nproc_per_node

@@ -179,4 +179,6 @@ def draw_all(runs: list[Run], ratios: list[Ratio], out_dir: str) -> list[tuple[s
     p = ratio_bars(ratios, os.path.join(fig_dir, "ratios.png"))
     if p:
         out.append(("Ratios against the baseline", p))
+    if not out and not os.listdir(fig_dir):
+        os.rmdir(fig_dir)
     return out
