@@ -139,6 +139,9 @@ def _shared_run_dir(typed, run_dir: str) -> str:
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from memopt.cluster import adopt_submitit_ranks
+
+    adopt_submitit_ranks()  # a multi-task submitit (SLURM) job: one rank per task, as under torchrun
     run(cfg)
 
 
