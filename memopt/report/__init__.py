@@ -1,7 +1,8 @@
 """``python -m memopt.report DIR...``: compare the runs of a sweep (or several run directories).
 
-Prints one text row per run on stdout (``--json``: the rows as JSON) and writes, into ``--out``
-(default: the directory given, or the common parent of several), ``report.md``, a self-contained
+A W&B group (``wandb:ENTITY/PROJECT/GROUP``) works too. Prints one text row per run on stdout
+(``--json``: the rows as JSON) and writes, into ``--out`` (default: the directory given, the common
+parent of several, or ``report-<group>``), ``report.md``, a self-contained
 ``report.html`` and ``figures/*.png``: peak bytes per category (device and host), tokens/s and MFU,
 loss curves, memory per step, ratios against ``--baseline key=value``. ``--wandb`` adds a W&B Report
 (published with credentials; otherwise ``wandb_report.json`` and the command that publishes it).
@@ -44,6 +45,31 @@ def make_wandb_report(runs: list[Run], out_dir: str) -> str:
     return f"W&B report spec written to {path} (no W&B credentials); publish it later with:\n  {wr.publish_command(path, runs)}"
 
 
+def gather(sources: list[str], api=None) -> list[Run]:
+    """Runs from run/sweep directories and ``wandb:ENTITY/PROJECT/GROUP`` sources, labelled together."""
+    from memopt.report.collect import label_runs
+    from memopt.report.wandb_source import collect_group, is_wandb_source
+
+    dirs = [s for s in sources if not is_wandb_source(s)]
+    runs = collect_runs(dirs) if dirs else []
+    for s in sources:
+        if is_wandb_source(s):
+            runs += collect_group(s, api)
+    if len(dirs) < len(sources) and len(sources) > 1:
+        label_runs(runs)
+    return runs
+
+
+def default_out(sources: list[str]) -> str:
+    """The directory given, the common parent of several, or ``report-<group>`` for a W&B group."""
+    from memopt.report.wandb_source import is_wandb_source, parse
+
+    dirs = [os.path.abspath(s) for s in sources if not is_wandb_source(s)]
+    if not dirs:
+        return f"report-{parse(sources[0])[1]}"
+    return sources[0] if len(sources) == 1 else os.path.commonpath(dirs)
+
+
 def _json_rows(runs: list[Run]) -> list[dict]:
     from memopt.report.collect import HOST
 
@@ -57,21 +83,22 @@ def _json_rows(runs: list[Run]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memopt.report", description=__doc__.splitlines()[0])
-    ap.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep directory or run directories")
+    ap.add_argument("dirs", nargs="+", metavar="DIR",
+                    help="a sweep directory, run directories, or wandb:ENTITY/PROJECT/GROUP (synced runs)")
     ap.add_argument("--baseline", default=None, metavar="KEY=VALUE", help="the run(s) to divide by, e.g. engine=deepspeed")
     ap.add_argument("--out", default=None, help="where report.md/html and figures/ go")
     ap.add_argument("--wandb", action="store_true", help="also build a W&B Report")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of the text table")
     args = ap.parse_args(argv)
     try:
-        runs = collect_runs(args.dirs)
-    except FileNotFoundError as e:
+        runs = gather(args.dirs)
+    except (FileNotFoundError, ValueError) as e:
         print(f"memopt.report: {e}", file=sys.stderr)
         return 2
     if not runs:
         print(f"memopt.report: no run (summary.json or .hydra/) under {' '.join(args.dirs)}", file=sys.stderr)
         return 1
-    out = args.out or (args.dirs[0] if len(args.dirs) == 1 else os.path.commonpath([os.path.abspath(d) for d in args.dirs]))
+    out = args.out or default_out(args.dirs)
     print(json.dumps(_json_rows(runs), indent=2) if args.json else format_text(runs))
     try:
         paths = write_report(runs, out, args.dirs, args.baseline)

@@ -32,6 +32,8 @@ class Run:
     config: dict
     metrics: list[dict] = field(default_factory=list)
     label: str = ""
+    wandb_id: str | None = None  # known when the run was read from W&B (else found in its wandb/ dir)
+    group: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -49,16 +51,22 @@ class Run:
     def devices(self) -> list[str]:
         """Compute-device keys seen in the peaks (``cpu``, ``cuda:0``, ...), host excluded."""
         out: list[str] = []
-        for devs in (self.summary.get("peak_bytes") or {}).values():
+        for devs in self._ranks():
             out += [d for d in devs if d != HOST and d not in out]
         return out
+
+    def _ranks(self) -> list[dict]:
+        """Per-rank ``{device: {category: bytes}}`` (a W&B summary also holds the per-step
+        ``peak_bytes/<device>`` scalars under the same key: those are not ranks)."""
+        peaks = self.summary.get("peak_bytes") or {}
+        return [devs for devs in peaks.values() if isinstance(devs, dict)]
 
     def peaks(self, side: str) -> dict[str, int]:
         """Per-category peak bytes (the maximum over ranks) on the compute device(s) or the host."""
         out: dict[str, int] = {}
-        for devs in (self.summary.get("peak_bytes") or {}).values():
+        for devs in self._ranks():
             for dev, cats in devs.items():
-                if (dev == HOST) != (side == HOST):
+                if (dev == HOST) != (side == HOST) or not isinstance(cats, dict):
                     continue
                 for c, b in cats.items():
                     if isinstance(b, (int, float)):

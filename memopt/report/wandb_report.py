@@ -27,6 +27,8 @@ FORMAT = "memopt-wandb-report/1"
 
 def wandb_run_id(run: Run) -> str | None:
     """The id W&B gave the run: the suffix of ``wandb/offline-run-<time>-<id>`` (or ``run-<time>-<id>``)."""
+    if run.wandb_id:
+        return run.wandb_id
     dirs = sorted(glob.glob(os.path.join(run.path, "wandb", "*run-*")))
     dirs = [d for d in dirs if os.path.isdir(d)]
     return os.path.basename(dirs[-1]).rsplit("-", 1)[-1] if dirs else None
@@ -34,6 +36,8 @@ def wandb_run_id(run: Run) -> str | None:
 
 def wandb_group(run: Run) -> str | None:
     """The group memopt.train gave the run: logger.group, else the experiment, else the sweep's name."""
+    if run.group:
+        return run.group
     lg = run.config.get("logger") or {}
     if lg.get("group") or run.config.get("experiment"):
         return lg.get("group") or run.config.get("experiment")

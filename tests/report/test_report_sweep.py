@@ -198,3 +198,47 @@ def test_wandb_runs_log_peak_table_tags_and_chunk_metrics(sweep):
     got = {(r[0], r[1], r[2]): r[3] for r in table["data"]}
     want = {(rank, dev, cat): b for rank, devs in s["peak_bytes"].items() for dev, cats in devs.items() for cat, b in cats.items()}
     assert table["columns"][:4] == ["rank", "device", "category", "bytes"] and got == want
+
+
+class _FakeApi:
+    """wandb.Api() over the sweep's offline runs (read back from their .wandb files): the network replaced."""
+
+    def __init__(self, sweep: str):
+        from types import SimpleNamespace
+
+        from memopt.logging import read_wandb_offline
+
+        self.runs_ = []
+        for job, s in summaries(sweep).items():
+            if os.path.isdir(os.path.join(sweep, job, "wandb")):
+                w = read_wandb_offline(os.path.join(sweep, job))
+                rid = next(d for d in os.listdir(os.path.join(sweep, job, "wandb")) if d.startswith("offline-run-"))
+                self.runs_.append(SimpleNamespace(id=rid.rsplit("-", 1)[-1], name=f"job{job}", group=w["group"], state="finished",
+                                                  summary=w["summary"], config=w["config"],
+                                                  scan_history=lambda h=w["history"]: iter(h)))
+        self.asked = []
+
+    def runs(self, path, filters):
+        self.asked.append((path, filters))
+        return [r for r in self.runs_ if r.group == filters["group"]]
+
+
+def test_report_from_a_wandb_group(sweep, tmp_path):
+    from memopt.report import gather, write_report
+
+    path, _, _ = sweep
+    api = _FakeApi(path)
+    runs = gather(["wandb:someone/memopt/sw"], api=api)
+    assert api.asked == [("someone/memopt", {"group": "sw"})]
+    ok = {j: s for j, s in _jobs(path).items() if s["status"] == "ok"}
+    assert sorted(r.job for r in runs) == sorted(f"job{j}" for j in ok)
+    paths = write_report(runs, str(tmp_path), ["wandb:someone/memopt/sw"])
+    with open(paths["html"]) as f:
+        rows = {r["job"][0]: r for r in table_by_header(Tables(f.read()), "run", "tokens/s")}
+    for job, s in ok.items():
+        row = rows[f"job{job}"]
+        assert float(row["final loss"][1]) == s["final_loss"] and float(row["tokens/s"][1]) == s["tokens_per_s"]
+        assert int(row["device peak MiB"][1]) == device_peak_total(s)
+        assert row["strategy"][0] == ("+".join(s["strategy"]) or "plain") and row["engine"][0] == s["engine"]
+    with open(os.path.join(str(tmp_path), "figures", "loss.png"), "rb") as f:
+        assert f.read(8) == PNG_MAGIC
