@@ -10,13 +10,14 @@ def load_model(path: str, device: str = "cpu"):
 
     import torch
 
-    from memopt.models.gpt import GPT, GPTConfig
+    from memopt.models import ModelConfig, model_class
 
     if os.path.isdir(path):
         path = os.path.join(path, "model.pt")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}: a finished run directory holds model.pt")
     ckpt = torch.load(path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**ckpt["model_config"])).to(device)
+    cfg = ModelConfig(**ckpt["model_config"])
+    model = model_class(cfg)(cfg).to(device)
     model.load_state_dict(ckpt["state_dict"])
     return model.eval()

@@ -37,7 +37,7 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
 def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dict]:
     """Run several jobs (overrides, run_dir) in one launch of ``nproc`` local ranks, in order."""
     from memopt.config import to_dataclass, validate
-    from memopt.dist import launch
+    from memopt.parallel import launch
     from memopt.worker import run_many
 
     containers = []

@@ -1,7 +1,7 @@
 """``python -m memopt.train``: compose the config, validate it, run the loop.
 
-Thin on purpose: everything that decides what happens lives in config.py (rules), compose.py
-(strategy order) and trainer.py (the loop). A run that fails writes ``summary.json`` with its status;
+Thin on purpose: everything that decides what happens lives in config.py (rules), compose.py and
+the engines (strategy order) and trainer.py (the loop). A run that fails writes ``summary.json`` with its status;
 in a multirun the failure is recorded and the sweep goes on.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import json
 
 from memopt.config import ConfigError, register_configs, to_dataclass, validate
-from memopt.dist import under_launcher
+from memopt.parallel import under_launcher
 from memopt.logging import write_json
 
 register_configs()
@@ -102,7 +102,7 @@ def run(cfg: DictConfig) -> dict:
 
 def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -> dict:
     """Start ``nproc`` local ranks; on failure record which rank failed and why, then re-raise."""
-    from memopt.dist import RankFailure, launch
+    from memopt.parallel import RankFailure, launch
     from memopt.worker import run_rank
 
     try:
@@ -124,16 +124,17 @@ def _shared_run_dir(typed, run_dir: str) -> str:
     """Under an external launcher, adopt rank 0's Hydra directory (others remove their own)."""
     import shutil
 
-    import torch
+    import torch.distributed as dist
 
-    from memopt import dist
+    from memopt.parallel.launch import join
     from memopt.trainer import resolve_device
 
-    ctx = dist.setup(resolve_device(typed.trainer.device))
-    shared = ctx.broadcast_object(run_dir)
-    if shared != run_dir and ctx.rank != 0:
+    join(resolve_device(typed.trainer.device))
+    box = [run_dir]
+    dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    if shared != run_dir and dist.get_rank() != 0:
         shutil.rmtree(run_dir, ignore_errors=True)
-    del torch
     return shared
 
 

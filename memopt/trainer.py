@@ -1,7 +1,8 @@
 """The one training loop: data -> forward -> backward -> step -> metrics, records and checkpoint.
 
-Strategies never appear here by name: they act through what ``compose.build`` returns (the model's
-own forward, the precision's autocast and loss scale, the optimizer's step). The same clock and the
+Strategies never appear here by name: they act through the engine ``engines.build_engine`` returns
+(the model's own forward, the precision's autocast and loss scale, the optimizer's step). Data is
+sharded over the data-parallel dimension of the mesh (``dims.dp``); run records gather every rank. The same clock and the
 same memory tracker wrap every engine, so numbers are comparable by construction.
 """
 from __future__ import annotations
@@ -12,17 +13,18 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import nullcontext
-
 import torch
 
+from memopt import engines
 from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
+from memopt.errors import ConfigError
 from memopt.logging import RunLogger, atomic_write_bytes
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
-from memopt.memory.tracker import MemoryTracker
-from memopt.models.gpt import count_params, flops_per_token
-from memopt.optim import lr_at
+from memopt.memory.tracker import MemoryTracker, NullTracker
+from memopt.models import model_class
+from memopt.optim.schedule import lr_at
+from memopt.parallel import setup
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,8 +40,6 @@ def peak_rss_bytes() -> int:
 
 
 def classify_failure(exc: BaseException) -> str:
-    from memopt.errors import ConfigError
-
     if isinstance(exc, ConfigError):
         return "refused"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
@@ -49,12 +49,10 @@ def classify_failure(exc: BaseException) -> str:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, group: str | None = None):
-        from memopt import dist
-
         self.cfg, self.run_dir = cfg, run_dir
         self.device = resolve_device(cfg.trainer.device)
-        self.ctx = dist.setup(self.device)
-        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.dims = setup(self.device, cfg.parallel)
+        self.rank, self.world = self.dims.rank, self.dims.world_size
         self.resolved_config = resolved_config or {}
         self.group = group or cfg.logger.group or cfg.experiment
         self.summary: dict = {}
@@ -67,15 +65,16 @@ class Trainer:
         run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
         self.summary = {
             "status": "failed", "engine": cfg.engine.name, "strategy": strategies, "model": cfg.model.name,
-            "params": count_params(cfg.model), "world_size": self.world, "seed": cfg.seed,
+            "params": model_class(cfg.model).num_params(cfg.model), "world_size": self.world, "seed": cfg.seed,
+            "parallel": self.dims.summary(),
         }
         self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0)
-        tracker = None
+        tracker = NullTracker()
         try:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
-            tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else None
-            with tracker if tracker is not None else nullcontext():
+            tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else NullTracker()
+            with tracker:
                 self._train(tracker)
             self.summary["status"] = "ok"
         except BaseException as exc:  # recorded, then re-raised for the caller to decide
@@ -85,30 +84,28 @@ class Trainer:
             raise
         finally:
             if "peak_bytes" not in self.summary:  # failed before the ranks could exchange peaks
-                if tracker is not None:
+                if tracker.enabled:
                     self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
                 self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
             self.logger.finish(self.summary)
         return self.summary
 
     # ------------------------------------------------------------------------------------------
-    def _train(self, tracker: MemoryTracker | None) -> None:
-        from memopt.engines import build_engine
-
-        cfg, t = self.cfg, self.cfg.trainer
+    def _train(self, tracker) -> None:
+        cfg, t, dp = self.cfg, self.cfg.trainer, self.dims.dp
         data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
         hw = resolve_hardware(cfg.hardware, self.device)
         torch.manual_seed(cfg.seed + self.rank)  # dropout streams; weights are seeded per parameter
-        engine = build_engine(cfg, self.device, self.ctx, tracker)
+        engine = engines.build_engine(cfg, self.device, self.dims, tracker)
         engine.model.train()
 
-        tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * cfg.model.seq_len
-        fpt = flops_per_token(cfg.model)
+        tokens_per_step = t.micro_batch_size * t.grad_accum * dp.size * cfg.model.seq_len
+        fpt = model_class(cfg.model).flops_per_token(cfg.model)
         peak = peak_tflops_for(hw, engine.compute_dtype_name)
         self.summary.update(flops_per_token=fpt, tokens_per_step=tokens_per_step, hardware=hw.name,
                             peak_tflops_per_device=peak)
         eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if t.eval_every and len(data.val) > cfg.model.seq_len else []
-        cat = (lambda name: tracker.category(name)) if tracker is not None else (lambda name: nullcontext())
+        cat = tracker.category
 
         bar = None
         if t.progress_bar and self.rank == 0:
@@ -122,7 +119,7 @@ class Trainer:
             lr = lr_at(step, cfg.optim, t.max_steps)
             loss_sum = torch.zeros((), device=self.device)
             for micro in range(t.grad_accum):
-                x, y = data.micro_batch(step, micro, self.rank, self.world, t.micro_batch_size, t.grad_accum)
+                x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
                 with cat("other"):
                     x, y = x.to(self.device), y.to(self.device)
                 loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
@@ -132,11 +129,11 @@ class Trainer:
                 result = engine.step(lr)
             self._sync()
             optim_times.append(time.perf_counter() - t1)  # the optimizer step alone (after the backward)
-            self.ctx.all_reduce_(loss_sum)  # global-batch mean: every rank's micro-batches weigh the same
+            dp.all_reduce_(loss_sum)  # global-batch mean: every data-parallel rank's micro-batches weigh the same
             self._sync()
             dt = time.perf_counter() - t0
             step_times.append(dt)
-            loss_val = loss_sum.item() / (t.grad_accum * self.world)
+            loss_val = loss_sum.item() / (t.grad_accum * dp.size)
             losses.append(loss_val)
 
             is_last = step == t.max_steps - 1
@@ -153,7 +150,7 @@ class Trainer:
                 step_metrics = getattr(engine, "step_metrics", None)
                 if step_metrics is not None:  # engine-specific placement (the chunk engine's chunks on device, ...)
                     rec["chunk"] = step_metrics()
-                if tracker is not None:
+                if tracker.enabled:
                     rec["peak_bytes"] = {d: v["total"] for d, v in tracker.peaks().items()}
                     rec["live_bytes"] = {d: tracker.live_bytes(d) for d in tracker.live}
                 self.logger.log(rec)
@@ -178,11 +175,11 @@ class Trainer:
             if self.rank == 0:
                 self.save_checkpoint(state)
         # every rank's peaks reach rank 0's summary
-        mine = {"peaks": tracker.peaks() if tracker is not None else None, "rss": peak_rss_bytes()}
+        mine = {"peaks": tracker.peaks() if tracker.enabled else None, "rss": peak_rss_bytes()}
         if self.device.type == "cuda":
             mine["cuda"] = torch.cuda.max_memory_allocated(self.device)
-        everyone = self.ctx.gather_objects(mine)
-        if tracker is not None:
+        everyone = self.dims.world.gather_objects(mine)
+        if tracker.enabled:
             self.summary["peak_bytes"] = {str(r): o["peaks"] for r, o in enumerate(everyone)}
         self.summary["peak_rss_bytes"] = {str(r): o["rss"] for r, o in enumerate(everyone)}
         if self.device.type == "cuda":

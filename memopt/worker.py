@@ -17,8 +17,8 @@ def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | Non
     import torch
     from omegaconf import OmegaConf
 
-    from memopt import dist
     from memopt.config import TrainConfig
+    from memopt.parallel import teardown
     from memopt.trainer import Trainer
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container))
@@ -30,7 +30,7 @@ def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | Non
         _maybe_inject_fault()
         summary = Trainer(cfg, run_dir, cfg_container, group=group).run()
     finally:
-        dist.teardown()
+        teardown()
     return summary if int(os.environ.get("RANK", "0")) == 0 else None
 
 
@@ -40,8 +40,8 @@ def run_many(jobs: list[tuple[dict, str]]) -> list[dict] | None:
     import torch
     from omegaconf import OmegaConf
 
-    from memopt import dist
     from memopt.config import TrainConfig
+    from memopt.parallel import teardown
     from memopt.trainer import Trainer
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -53,5 +53,5 @@ def run_many(jobs: list[tuple[dict, str]]) -> list[dict] | None:
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
             out.append(Trainer(cfg, run_dir, container).run())
     finally:
-        dist.teardown()
+        teardown()
     return out if int(os.environ.get("RANK", "0")) == 0 else None

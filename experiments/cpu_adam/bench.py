@@ -29,7 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from memopt.strategies.cpu_adam import CPUAdamW, kernel_error, kernel_simd_width, load_kernel  # noqa: E402
+from memopt.optim.cpu_adam import CPUAdamW, kernel_error, kernel_simd_width, load_kernel  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 BYTES = 28  # read p, g, m, v (16) + write p, m, v (12)

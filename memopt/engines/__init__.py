@@ -1,18 +1,61 @@
-"""Engines: who implements the selected strategies. ``memopt`` (compose.py) and the baselines."""
+"""Engines: who implements the selected strategies. One module or package per engine, one line each
+in ``ENGINES`` (imported on use, so DeepSpeed is imported only by the runs that need it).
+
+``engine=memopt|deepspeed|fsdp2`` names the engine; with ``engine=memopt`` a strategy that names an
+engine of its own (``chunk`` -> the chunk engine) selects that one (``resolve``).
+"""
+from __future__ import annotations
+
+import importlib
+
+from memopt.engines.base import refuse_unsupported
+from memopt.errors import ConfigError
+from memopt.parallel.dims import expected_world, resolve_sizes
+from memopt.strategies.base import selected
+
+ENGINES = {
+    "memopt": "memopt.engines.memopt",
+    "chunk": "memopt.engines.chunk",
+    "deepspeed": "memopt.engines.deepspeed",
+    "fsdp2": "memopt.engines.fsdp2",
+}
+PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk is chosen by its strategy
 
 
-def build_engine(cfg, device, ctx, tracker):
-    """The engine named by ``engine.name`` with the selected strategies applied."""
-    if cfg.engine.name == "memopt":
-        from memopt.compose import build
+def resolve(cfg) -> str:
+    """The engine that runs ``cfg``: ``engine.name``, or the engine a selected strategy names."""
+    name = cfg.engine.name
+    if name not in PUBLIC:
+        raise ConfigError(f"engine.name={name!r} is not one of: {', '.join(PUBLIC)}")
+    if name == "memopt":
+        own = {s.engine for s, _ in selected(cfg) if s.engine is not None}
+        if len(own) > 1:
+            raise ConfigError(f"the selected strategies need different engines ({', '.join(sorted(own))}); select one")
+        if own:
+            return own.pop()
+    return name
 
-        return build(cfg, device, ctx, tracker)
-    if cfg.engine.name == "deepspeed":
-        from memopt.engines.deepspeed import build as build_deepspeed
 
-        return build_deepspeed(cfg, device, ctx, tracker)
-    if cfg.engine.name == "fsdp2":
-        from memopt.engines.fsdp2 import build as build_fsdp2
+def engine_module(cfg):
+    return importlib.import_module(ENGINES[resolve(cfg)])
 
-        return build_fsdp2(cfg, device, ctx, tracker)
-    raise ValueError(f"engine.name={cfg.engine.name!r} is not available; use engine=memopt, deepspeed or fsdp2")
+
+def validate(cfg) -> None:
+    """The engine's support of the selected strategies and of the parallel dimensions, then its own rules."""
+    mod = engine_module(cfg)
+    sizes = resolve_sizes(cfg.parallel, expected_world(cfg))
+    for dim in ("dp_replicate", "ep", "tp"):
+        if sizes[dim] > 1 and dim not in mod.PARALLEL:
+            raise ConfigError(
+                f"parallel.{dim}={sizes[dim]} is not supported by {mod.LABEL} (engine={cfg.engine.name}): it uses "
+                f"the {', '.join(mod.PARALLEL)} dimension only; set parallel.{dim}=1"
+                + (" (replicate x shard is built for engine=fsdp2: HSDP)" if dim == "dp_replicate" else ""))
+    if hasattr(mod, "validate"):
+        mod.validate(cfg)  # its own refusals, the unsupported strategies included
+    else:
+        refuse_unsupported(cfg, cfg.engine.name, mod.LABEL, mod.SUPPORTS)
+
+
+def build_engine(cfg, device, dims, tracker):
+    """The engine that implements the selected strategies, built."""
+    return engine_module(cfg).build(cfg, device, dims, tracker)

@@ -1,12 +1,17 @@
-"""The interface the training loop drives; every engine (memopt, DeepSpeed, FSDP2) implements it,
-so the loop, the clock and the memory tracker are shared by construction."""
-from __future__ import annotations
+"""The interface the training loop drives; every engine (memopt, chunk, DeepSpeed, FSDP2) implements
+it, so the loop, the clock and the memory tracker are shared by construction.
 
-from contextlib import nullcontext
+An engine is a module (or package) with ``NAME``, ``LABEL`` (for messages), ``SUPPORTS`` (the strategy
+names it implements; None: every strategy that names no engine of its own), ``PARALLEL`` (the mesh
+dimensions it can use; the others must have size 1), ``validate(cfg)`` (its own refusals; optional)
+and ``build(cfg, device, dims, tracker) -> Engine``, plus one line in ``memopt.engines.ENGINES``.
+"""
+from __future__ import annotations
 
 import torch
 
-from memopt.optim import StepResult
+from memopt.errors import ConfigError
+from memopt.optim.step import StepResult
 
 
 class Engine:
@@ -51,7 +56,7 @@ class PrecisionEngine(Engine):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.eval()
         try:
-            with category(self.tracker, "temp"), self.precision.autocast(self.device):
+            with self.tracker.category("temp"), self.precision.autocast(self.device):
                 _, loss = self.model(x, y)
             return float(loss.float().item())
         finally:
@@ -70,9 +75,12 @@ class PrecisionEngine(Engine):
         return self.precision.name
 
 
-def retained(tracker):
-    return tracker.retained("activations") if tracker is not None else nullcontext()
-
-
-def category(tracker, name: str):
-    return tracker.category(name) if tracker is not None else nullcontext()
+def refuse_unsupported(cfg, name: str, label: str, supports) -> None:
+    """ConfigError naming the first selected strategy that engine ``name`` does not implement."""
+    if supports is None:
+        return
+    other = [n for n in cfg.strategy.selected() if n not in supports]
+    if other:
+        raise ConfigError(
+            f"strategy {other[0]} has no {label} equivalent: engine={name} implements {', '.join(supports)}; "
+            f"drop +strategy={other[0]} or use engine=memopt")

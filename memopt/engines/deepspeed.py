@@ -31,7 +31,7 @@ What is translated, and how (memopt strategy -> DeepSpeed config):
                        default bf16 form). DeepSpeed reduces the gradients of Linear weights in
                        bf16 under torch_autocast (memopt reduces them in fp32): a rounding-level
                        difference, within the bf16 tolerance.
-    ckpt, act_offload  the model's own checkpointing: memopt's ``apply_checkpointing`` with the same
+    ckpt, act_offload  the model's own checkpointing: memopt's ``ckpt`` strategy with the same
                        policy, installed on the GPT before DeepSpeed wraps it. DeepSpeed's
                        ``activation_checkpointing`` (partition_activations, cpu_checkpointing) only
                        applies to models calling ``deepspeed.checkpointing.checkpoint`` and fails on
@@ -96,25 +96,25 @@ full fp32 model.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
 
 import torch
 
-from memopt.engines.base import Engine, category, retained
+from memopt.compose import materialize, model_on_meta
+from memopt.engines.base import Engine, refuse_unsupported
 from memopt.errors import ConfigError
-from memopt.optim import StepResult
+from memopt.optim.step import StepResult
+from memopt.strategies.precision import Precision
+from memopt.strategies.zero import selected_stage
 
-SUPPORTED = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+NAME, LABEL = "deepspeed", "DeepSpeed"
+SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+PARALLEL = ("dp_shard",)  # DeepSpeed's data-parallel world; MiCS/hpZ (replicate x shard) are not translated
 LOOP_OWNED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
               "gradient_accumulation_steps", "gradient_clipping")
-
-
-def _stage(cfg) -> tuple[str, int]:
-    from memopt.compose import selected_stage
-
-    return selected_stage(cfg)
 
 
 def validate(cfg) -> None:
@@ -122,11 +122,7 @@ def validate(cfg) -> None:
     if cfg.engine.name != "deepspeed":
         return
     s = cfg.strategy
-    other = [n for n in s.selected() if n not in SUPPORTED]
-    if other:
-        raise ConfigError(
-            f"strategy {other[0]} has no DeepSpeed equivalent: engine=deepspeed implements "
-            f"{', '.join(SUPPORTED)}; drop +strategy={other[0]} or use engine=memopt")
+    refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
     if s.fp16 is not None:
         f = s.fp16
         if f.params != "fp16":
@@ -142,7 +138,7 @@ def validate(cfg) -> None:
             raise ConfigError(
                 f"strategy.fp16.growth_factor={f.growth_factor} / strategy.fp16.backoff_factor={f.backoff_factor}: "
                 "DeepSpeed's dynamic loss scaler only multiplies/divides by 2; use 2.0 / 0.5 with engine=deepspeed")
-    name, stage = _stage(cfg)
+    name, stage, _ = selected_stage(cfg)
     if s.fp16 is not None and stage == 0:
         raise ConfigError(
             f"strategy fp16 with {'strategy ddp' if s.ddp is not None else 'no ZeRO stage'} and engine=deepspeed: "
@@ -177,16 +173,13 @@ def _elements(mb: float, dtype: torch.dtype) -> int:
 
 def ds_config(cfg, world_size: int, block_numel: int) -> dict:
     """The DeepSpeed config translated from the selected memopt strategies (see the module docstring)."""
-    from memopt.strategies.precision import Precision
-
     s, t, o = cfg.strategy, cfg.trainer, cfg.optim
-    precision = Precision.from_strategies(s.fp16, s.bf16)
-    name, stage = _stage(cfg)
-    scfg = getattr(s, name, None)
+    precision = Precision.of(cfg)
+    name, stage, scfg = selected_stage(cfg)
     zero: dict = {"stage": stage}
     if stage in (1, 2):
-        n = _elements(getattr(scfg, "bucket_mb", 25.0), precision.param_dtype)
-        zero.update(reduce_bucket_size=n, allgather_bucket_size=n, overlap_comm=bool(getattr(scfg, "overlap_comm", False)),
+        n = _elements(scfg.bucket_mb, precision.param_dtype)
+        zero.update(reduce_bucket_size=n, allgather_bucket_size=n, overlap_comm=stage == 2 and scfg.overlap_comm,
                     contiguous_gradients=True, reduce_scatter=True)
     elif stage == 3:
         zero.update(reduce_bucket_size=block_numel, stage3_prefetch_bucket_size=block_numel if scfg.prefetch else 0,
@@ -246,25 +239,20 @@ def _prepare_environment(device: torch.device, fp16: bool) -> None:
             acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
 
 
-def build(cfg, device: torch.device, ctx=None, tracker=None) -> "DeepSpeedEngine":
-    from memopt.compose import materialize, model_on_meta
-    from memopt.dist import DistContext
-    from memopt.strategies.precision import Precision
-
+def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
     validate(cfg)
-    s, ctx = cfg.strategy, ctx or DistContext()
+    s = cfg.strategy
     _prepare_environment(device, s.fp16 is not None)
     import deepspeed
 
-    model = model_on_meta(cfg, device, tracker)
+    model = model_on_meta(cfg, device, dims, tracker)
     # the single-process weights on every rank (fp32; DeepSpeed casts to fp16/bf16 itself)
     materialize(model, device, torch.float32, cfg.seed, tracker)
     # memopt's zero3 unit: one transformer block (or the root group: embeddings, ln_f, tied head)
     in_blocks = {id(p) for p in model.blocks.parameters()}
     root_numel = sum(p.numel() for p in {id(p): p for p in model.parameters() if id(p) not in in_blocks}.values())
     block_numel = max(sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0, root_numel, 1)
-    world = ctx.world_size if ctx.enabled else 1
-    config = ds_config(cfg, world, block_numel)
+    config = ds_config(cfg, dims.dp.size, block_numel)
 
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():  # distinct parameters (the tied head appears once)
@@ -274,19 +262,19 @@ def build(cfg, device: torch.device, ctx=None, tracker=None) -> "DeepSpeedEngine
     o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     offload = s.cpu_offload is not None
-    with category(tracker, "optim"):
+    with tracker.category("optim"):
         if offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, adamw_mode=True)
         else:
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-    with category(tracker, "other"):
+    with tracker.category("other"):
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                      dist_init_required=False)
     _undo_priming_step(engine.optimizer, optimizer)
-    precision = Precision.from_strategies(s.fp16, s.bf16)
-    out = DeepSpeedEngine(engine, optimizer, precision, device, ctx, tracker, stage=config["zero_optimization"]["stage"],
+    precision = Precision.of(cfg)
+    out = DeepSpeedEngine(engine, optimizer, precision, device, dims, tracker, stage=config["zero_optimization"]["stage"],
                           offload=offload)
     out._prime_optimizer_state()
     out._retag()
@@ -311,10 +299,10 @@ def _undo_priming_step(wrapper, base_optimizer) -> None:
 
 
 class DeepSpeedEngine(Engine):
-    def __init__(self, ds, base_optimizer, precision, device, ctx, tracker, stage: int, offload: bool):
+    def __init__(self, ds, base_optimizer, precision, device, dims, tracker, stage: int, offload: bool):
         self.ds, self.base_optimizer, self.precision = ds, base_optimizer, precision
         self.model = ds.module
-        self.device, self.ctx, self.tracker, self.stage, self.offload = device, ctx, tracker, stage, offload
+        self.device, self.dims, self.tracker, self.stage, self.offload = device, dims, tracker, stage, offload
 
     # ---- memory accounting ------------------------------------------------------------------------
     def _masters(self) -> list[torch.Tensor]:
@@ -331,7 +319,7 @@ class DeepSpeedEngine(Engine):
         exactly these values), so they are counted as ``optim`` like memopt's."""
         opt, tr = self.base_optimizer, self.tracker
         host = self.offload and tr is not None
-        with category(tr, "optim"), (tr.host_scope() if host else _null()):
+        with tr.category("optim"), (tr.host_scope() if host else contextlib.nullcontext()):
             for p in self._masters():
                 st = opt.state[p]
                 if len(st):
@@ -380,7 +368,7 @@ class DeepSpeedEngine(Engine):
 
     def _retag_grads(self) -> None:
         """Gradient partitions and DeepSpeed's reduction buckets (created in the first backward)."""
-        if self.tracker is None:
+        if not self.tracker.enabled:  # nothing to re-tag: skip walking DeepSpeed's attributes
             return
         zo = self.ds.optimizer
         host = "host" if self.offload else None
@@ -393,9 +381,9 @@ class DeepSpeedEngine(Engine):
 
     # ---- the Engine interface ---------------------------------------------------------------------
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
-        with retained(self.tracker):
+        with self.tracker.retained("activations"):
             _, loss = self.ds(x, y)
-        with category(self.tracker, "temp"):
+        with self.tracker.category("temp"):
             self.ds.backward(loss)  # divides by gradient_accumulation_steps and applies the loss scale
             self._retag_grads()
             if micro != n_micro - 1:
@@ -428,19 +416,17 @@ class DeepSpeedEngine(Engine):
         return math.sqrt(float(torch.stack(grads).sum())) if grads else None
 
     def _retag_after_step(self) -> None:
-        tr = self.tracker
-        if tr is not None:
-            host = "host" if self.offload else None
-            for st in self.base_optimizer.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor) and v.numel() > 1:
-                        tr.register(v, "optim", device=host)
+        host = "host" if self.offload else None
+        for st in self.base_optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    self.tracker.register(v, "optim", device=host)
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> float:
         self.ds.eval()
         try:
-            with category(self.tracker, "temp"):
+            with self.tracker.category("temp"):
                 _, loss = self.ds(x, y)
                 if self.stage == 3:  # no backward follows: release what the forward gathered or prefetched
                     self.ds.empty_partition_cache()
@@ -472,10 +458,3 @@ class DeepSpeedEngine(Engine):
     def compute_dtype_name(self) -> str:
         return self.precision.name
 
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

@@ -30,7 +30,7 @@ Mapping (memopt strategy -> FSDP2):
                  ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
                  "cpu_offload" label would be meaningless.
     ckpt, act_offload, flash_attn
-                 the model's own code (memopt's ``apply_checkpointing`` / attention swap), installed
+                 the model's own code (memopt's ``ckpt`` strategy / attention slot), installed
                  before sharding; the recomputation runs each block through its module call, so
                  FSDP2's pre-forward hook re-gathers a resharded block.
 
@@ -40,7 +40,8 @@ overlaps with its own streams on CUDA; it has no byte-sized buckets, so ``zero2.
 
 Optimizer: ``torch.optim.AdamW`` (foreach) over the DTensor shards with two groups (weight decay
 on ndim >= 2 parameters only), the ``lr_at`` learning rate written into the param groups every
-step, and the DTensor-aware ``torch.nn.utils.clip_grad_norm_`` (global norm over all shards).
+step, and memopt's shared step sequence (``memopt.optim.step``: overflow vote, unscale, global
+norm from the local shards' squared norms summed over dp_shard, clip).
 Gradient accumulation reduce-scatters every micro-batch (as memopt's zero2/zero3).
 
 Memory accounting: the tracker's dispatch mode sees DTensor ops from the outside only, so the
@@ -57,11 +58,15 @@ from __future__ import annotations
 
 import torch
 
-from memopt.engines.base import PrecisionEngine, category, retained
+from memopt.compose import model_on_meta
+from memopt.engines.base import PrecisionEngine, refuse_unsupported
 from memopt.errors import ConfigError
-from memopt.optim import StepResult
+from memopt.optim.step import StepResult, StepSequence
+from memopt.strategies.precision import Precision
 
-SUPPORTED = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+NAME, LABEL = "fsdp2", "FSDP2"
+SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+PARALLEL = ("dp_replicate", "dp_shard")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
 
 
 def _cuda_device(cfg) -> bool:
@@ -81,11 +86,7 @@ def validate(cfg) -> None:
                 "(that is zero2: +strategy=zero2 with engine=fsdp2); for "
                 f"{'sharded optimizer states with replicated gradients' if n == 'zero1' else 'plain data parallelism'} "
                 "use engine=memopt or engine=deepspeed")
-    other = [n for n in s.selected() if n not in SUPPORTED]
-    if other:
-        raise ConfigError(
-            f"strategy {other[0]} has no FSDP2 equivalent: engine=fsdp2 implements {', '.join(SUPPORTED)}; "
-            f"drop +strategy={other[0]} or use engine=memopt")
+    refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
     if s.zero2 is None and s.zero3 is None:
         raise ConfigError("engine=fsdp2 needs a sharding strategy: +strategy=zero3 (reshard_after_forward=True) "
                           "or +strategy=zero2 (reshard_after_forward=False)")
@@ -105,24 +106,28 @@ def _ensure_process_group(device: torch.device) -> None:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def build(cfg, device: torch.device, ctx=None, tracker=None) -> "FSDP2Engine":
+def _mesh(dims, device: torch.device):
+    """FSDP2's mesh: the dp_shard dimension, or (dp_replicate, dp_shard) for HSDP."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    rep = dims.sizes["dp_replicate"]
+    if rep > 1:
+        return init_device_mesh(device.type, (rep, dims.dp_shard.size), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return dims.dp_shard.mesh if dims.dp_shard.mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def build(cfg, device: torch.device, dims, tracker) -> "FSDP2Engine":
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from memopt.compose import model_on_meta
-    from memopt.dist import DistContext
-    from memopt.models.gpt import init_tensor
-    from memopt.strategies.precision import Precision
-
     validate(cfg)
-    s, ctx = cfg.strategy, ctx or DistContext()
+    s = cfg.strategy
     _ensure_process_group(device)
-    precision = Precision.from_strategies(s.fp16, s.bf16)
-    model = model_on_meta(cfg, device, tracker)
+    precision = Precision.of(cfg)
+    model = model_on_meta(cfg, device, dims, tracker)
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = _mesh(dims, device)
     low = precision.param_dtype if precision.param_dtype != torch.float32 else None
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
     off = CPUOffloadPolicy(pin_memory=bool(s.cpu_offload.pin_memory)) if s.cpu_offload is not None else OffloadPolicy()
@@ -133,11 +138,11 @@ def build(cfg, device: torch.device, ctx=None, tracker=None) -> "FSDP2Engine":
 
     # materialise the shards and fill them with the single-process values (each rank slices its own)
     param_device = torch.device("cpu") if s.cpu_offload is not None else device
-    with category(tracker, "params"):
+    with tracker.category("params"):
         model.to_empty(device=param_device)
-    with torch.no_grad(), category(tracker, "temp"):
+    with torch.no_grad(), tracker.category("temp"):
         for name, p in model.named_parameters():  # distinct parameters: the tied head appears once
-            full = init_tensor(name, tuple(p.shape), cfg.seed, cfg.model).to(p.dtype)
+            full = model.init_tensor(name, tuple(p.shape), cfg.seed).to(p.dtype)
             shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(shard.to_local())
 
@@ -148,7 +153,7 @@ def build(cfg, device: torch.device, ctx=None, tracker=None) -> "FSDP2Engine":
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-    return FSDP2Engine(model, optimizer, precision, device, ctx, tracker, cfg.optim.grad_clip)
+    return FSDP2Engine(model, optimizer, precision, device, dims, tracker, cfg.optim.grad_clip)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -156,17 +161,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDP2Engine(PrecisionEngine):
-    def __init__(self, model, optimizer, precision, device, ctx, tracker, grad_clip: float):
+    def __init__(self, model, optimizer, precision, device, dims, tracker, grad_clip: float):
         self.model, self.optimizer, self.precision = model, optimizer, precision
-        self.device, self.ctx, self.tracker, self.grad_clip = device, ctx, tracker, grad_clip
+        self.device, self.dims, self.tracker, self.grad_clip = device, dims, tracker, grad_clip
         self.params = list(model.parameters())
-        with category(tracker, "optim"):  # Adam's moments, created now as torch would on the first step
+        with tracker.category("optim"):  # Adam's moments, created now as torch would on the first step
             for p in self.params:
                 st = optimizer.state[p]
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if tracker is not None:
+        if tracker.enabled:
             for p in self.params:
                 tracker.register(_local(p), "params")
                 for k in ("exp_avg", "exp_avg_sq"):
@@ -206,11 +211,11 @@ class FSDP2Engine(PrecisionEngine):
                     wrap(fp, name)
 
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
-        with retained(self.tracker), self.precision.autocast(self.device):
+        with self.tracker.retained("activations"), self.precision.autocast(self.device):
             _, loss = self.model(x, y)
-        with category(self.tracker, "temp"):
+        with self.tracker.category("temp"):
             ((loss / n_micro) * self.precision.loss_scale).backward()
-        if self.tracker is not None:
+        if self.tracker.enabled:
             for p in self.params:
                 if p.grad is not None:
                     self.tracker.register(_local(p.grad), "grads")
@@ -218,32 +223,31 @@ class FSDP2Engine(PrecisionEngine):
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        import torch.distributed as dist
-
-        scale = self.precision.loss_scale
+        """The shared step sequence over the local shards (FSDP2 averaged the gradients already), then AdamW."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        dev = grads[0].device if grads else self.device
+        seq = StepSequence(self.precision, self.grad_clip, self.dims.dp_shard, summed_over=1, device=dev)
+        bad = None
         if self.precision.scaler is not None:
-            bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else self.device)
+            bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            overflow = bool(bad.item())
-            self.precision.scaler.update(overflow)
-            if overflow:
-                self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(True, float("nan"), scale)
-            if scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / scale)
-        with_grad = [p for p in self.params if p.grad is not None]
-        clip = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(with_grad, clip, foreach=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if seq.skip(bad):
+            self.optimizer.zero_grad(set_to_none=True)
+            return seq.skipped()
+        if seq.inv != 1.0:
+            torch._foreach_mul_(grads, seq.inv)
+        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        for g in grads:  # shards are disjoint: the squared norms of the local shards sum to the global one
+            sq = sq + g.float().pow(2).sum()
+        norm, coef = seq.clip(sq, sharded=True)
+        if coef is not None:
+            torch._foreach_mul_(grads, coef)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(False, float(norm), scale)
+        return seq.done(norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -49,6 +49,8 @@ class _Info:
 class MemoryTracker(TorchDispatchMode):
     """Counts live storage bytes; use as a context manager around the work to measure."""
 
+    enabled = True
+
     def __init__(self, compute_device: torch.device | str = "cpu"):
         super().__init__()
         self.compute_device = torch.device(compute_device)
@@ -217,3 +219,41 @@ class MemoryTracker(TorchDispatchMode):
     @property
     def compute_key(self) -> str:
         return self._compute_key
+
+
+class NullTracker:
+    """The tracker's interface, doing nothing (``trainer.track_memory=false``): engines and strategies
+    always get a tracker and never test for None."""
+
+    enabled = False
+    live: dict = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def category(self, name: str):
+        return contextlib.nullcontext()
+
+    def retained(self, name: str = "activations", transient: str = "_forward"):
+        return contextlib.nullcontext()
+
+    def host_scope(self):
+        return contextlib.nullcontext()
+
+    def register(self, t, category: str, device: str | None = None) -> None:
+        pass
+
+    def register_module(self, module) -> None:
+        pass
+
+    def register_optimizer(self, optimizer) -> None:
+        pass
+
+    def live_bytes(self, device: str | None = None, category: str | None = None) -> int:
+        return 0
+
+    def peaks(self) -> dict:
+        return {}

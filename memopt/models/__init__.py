@@ -1,4 +1,19 @@
-"""Model definitions: the dense GPT (gpt.py)."""
+"""Models: the interface (base.py) and its implementations, registered by ``model.arch``.
+
+Adding a model: a module implementing ``memopt.models.base.Model`` and one line in ``MODELS``.
+"""
+from memopt.errors import ConfigError
+from memopt.models.base import Model, ModelConfig
 from memopt.models.gpt import GPT, GPTConfig, count_params, flops_per_token
 
-__all__ = ["GPT", "GPTConfig", "count_params", "flops_per_token"]
+MODELS: dict[str, type[Model]] = {"gpt": GPT}
+
+
+def model_class(cfg: ModelConfig) -> type[Model]:
+    """The implementation of ``cfg.arch``; ConfigError naming the options otherwise."""
+    if cfg.arch not in MODELS:
+        raise ConfigError(f"model.arch={cfg.arch!r} is not one of: {', '.join(MODELS)}")
+    return MODELS[cfg.arch]
+
+
+__all__ = ["GPT", "GPTConfig", "MODELS", "Model", "ModelConfig", "count_params", "flops_per_token", "model_class"]

@@ -1,16 +1,16 @@
 """A GPT-2 style decoder in one readable file.
 
 Pre-LayerNorm blocks, learned or rotary positions, tied input/output embeddings, GELU MLP and
-causal self-attention whose core is pluggable (``sdpa``, ``naive`` or the Triton ``flash`` kernel).
+causal self-attention whose core is pluggable (``sdpa``, ``naive``; the Triton kernel through its slot).
 
 Shape legend used in the comments: B batch, T sequence length, C d_model, H heads, D head dim
 (C = H * D), V vocabulary.
 
-Why the structure looks the way it does:
+It implements the model interface of ``memopt/models/base.py``:
 - ``GPT.blocks`` is a ``ModuleList`` so that activation checkpointing, ZeRO-3 gathering and the chunk
-  engine can hook one block at a time.
-- ``CausalSelfAttention.core`` is its own module (``AttentionCore``) so that selective checkpointing
-  can recompute only the attention scores/softmax, and FlashAttention can replace it.
+  engine can hook one block at a time; the stack runs through ``block_runner`` (checkpointing's slot).
+- Slots: ``attention_core`` (``CausalSelfAttention.core``, its own module so that selective
+  checkpointing can recompute only the scores/softmax and FlashAttention can replace it) and ``mlp``.
 - Weights are created on any device (``meta`` included) and filled by ``init_weights(seed)``: each
   parameter's values depend only on the seed and the parameter's name, never on the order or
   the rank that materialises it, so every partitioning starts from the single-process weights.
@@ -19,39 +19,16 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memopt.errors import ConfigError
+from memopt.models.base import Model, ModelConfig
 
-@dataclass
-class GPTConfig:
-    """Architecture hyper-parameters (the ``model`` config group)."""
 
-    name: str = "gpt_tiny"
-    n_layer: int = 2  # transformer blocks
-    n_head: int = 4  # attention heads
-    d_model: int = 128  # residual width C
-    d_ff: int | None = None  # MLP hidden width; None means 4 * d_model
-    seq_len: int = 128  # maximum (and training) context length T
-    vocab_size: int = 256  # V; 256 covers the byte-level tokenizer
-    dropout: float = 0.0  # dropout on attention probs, residual branches and embeddings
-    pos_emb: str = "learned"  # learned | rope
-    attention: str = "sdpa"  # sdpa | naive | flash
-    bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them)
-    tie_embeddings: bool = True  # lm_head shares the token embedding matrix
-    init_std: float = 0.02  # GPT-2 init; residual projections get init_std / sqrt(2 * n_layer)
-    ln_eps: float = 1e-5
-
-    @property
-    def ff(self) -> int:
-        return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+GPTConfig = ModelConfig  # the GPT reads every field of the common model config
 
 
 def count_params(cfg: GPTConfig) -> int:
@@ -95,15 +72,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(D) + causal mask) v, without parameters.
 
-    ``impl`` chooses the kernel: ``sdpa`` (PyTorch's fused attention), ``naive`` (explicit (T, T)
-    score matrix: the reference, and what FlashAttention saves memory against) or ``flash``
-    (memopt's Triton kernel).
+    ``impl`` chooses the kernel: ``sdpa`` (PyTorch's fused attention) or ``naive`` (explicit (T, T)
+    score matrix: the reference, and what FlashAttention saves memory against). The Triton kernel
+    replaces this module through the ``attention_core`` slot (``+strategy=flash_attn``).
     """
 
     def __init__(self, impl: str, dropout: float):
         super().__init__()
-        if impl not in ("sdpa", "naive", "flash"):
-            raise ValueError(f"model.attention={impl!r} is not one of: sdpa, naive, flash")
+        if impl not in ("sdpa", "naive"):
+            raise ValueError(f"model.attention={impl!r} is not one of: sdpa, naive")
         self.impl = impl
         self.dropout = dropout
 
@@ -112,12 +89,6 @@ class AttentionCore(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.impl == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        if self.impl == "flash":
-            if p > 0:
-                raise ValueError("model.attention=flash does not implement attention dropout; set model.dropout=0")
-            from memopt.kernels.flash_attn import flash_attn
-
-            return flash_attn(q, k, v, causal=True)
         T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -179,12 +150,13 @@ class Block(nn.Module):
         return x
 
 
-class GPT(nn.Module):
+class GPT(Model):
+    SLOTS = {"attention_core": "attn.core", "mlp": "mlp"}
+
     def __init__(self, cfg: GPTConfig):
-        super().__init__()
+        super().__init__(cfg)
         if cfg.pos_emb not in ("learned", "rope"):
             raise ValueError(f"model.pos_emb={cfg.pos_emb!r} is not one of: learned, rope")
-        self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)  # (V, C)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None  # (T, C)
         self.drop = nn.Dropout(cfg.dropout)
@@ -206,7 +178,7 @@ class GPT(nn.Module):
         else:
             rope = rope_cache(T, self.cfg.head_dim, idx.device)
         x = self.drop(x)
-        x = self.run_blocks(x, rope)  # (B, T, C)
+        x = self.block_runner(self.blocks, x, rope)  # (B, T, C)
         x = self.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
@@ -214,27 +186,44 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
-    def run_blocks(self, x: torch.Tensor, rope) -> torch.Tensor:
-        """The block stack; activation checkpointing replaces this method to group blocks."""
-        for block in self.blocks:
-            x = block(x, rope)  # (B, T, C)
-        return x
+    # ---- the model interface (memopt.models.base) ---------------------------------------------
+    @classmethod
+    def num_params(cls, cfg: GPTConfig) -> int:
+        return count_params(cfg)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Fill every parameter from (seed, parameter name) alone.
+    @classmethod
+    def flops_per_token(cls, cfg: GPTConfig) -> float:
+        return flops_per_token(cfg)
 
-        GPT-2 init: normal(0, init_std) for matrices and embeddings, init_std / sqrt(2 L) for the
-        residual output projections, zeros for biases, ones for LayerNorm weights. Values are drawn
-        on the CPU in float32 with a per-parameter generator, then copied to the parameter's device
-        and dtype, so they are identical on every device, rank and partitioning.
-        """
-        for name, p in self.named_parameters():
-            p.copy_(init_tensor(name, tuple(p.shape), seed, self.cfg))
+    @classmethod
+    def validate(cls, cfg: GPTConfig) -> None:
+        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")
+        if cfg.d_model % cfg.n_head:
+            raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.n_head={cfg.n_head}")
+        if cfg.pos_emb not in ("learned", "rope"):
+            raise ConfigError(f"model.pos_emb={cfg.pos_emb!r} is not one of: learned, rope")
+        if cfg.pos_emb == "rope" and cfg.head_dim % 2:
+            raise ConfigError(f"model.pos_emb=rope needs an even head dim; d_model/n_head = {cfg.head_dim}")
+        if cfg.attention not in ("sdpa", "naive"):
+            hint = " (FlashAttention is a strategy: +strategy=flash_attn checks the head dim and the device)" \
+                if cfg.attention == "flash" else ""
+            raise ConfigError(f"model.attention={cfg.attention!r} is not one of: sdpa, naive{hint}")
+
+    def init_tensor(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """GPT-2 init from (seed, name): see ``init_tensor``."""
+        return init_tensor(name, shape, seed, self.cfg)
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: GPTConfig) -> torch.Tensor:
-    """The initial value of parameter ``name`` (a float32 CPU tensor); see ``GPT.init_weights``."""
+    """The initial value of parameter ``name`` (a float32 CPU tensor).
+
+    GPT-2 init: normal(0, init_std) for matrices and embeddings, init_std / sqrt(2 L) for the
+    residual output projections, zeros for biases, ones for LayerNorm weights. Values are drawn on
+    the CPU in float32 with a per-parameter generator seeded from (seed, name), then copied to the
+    parameter's device and dtype, so they are identical on every device, rank and partitioning.
+    """
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias":
         return torch.zeros(shape)

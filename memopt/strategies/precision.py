@@ -9,10 +9,12 @@ Two forms, chosen by ``params``:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from memopt.errors import ConfigError
+from memopt.strategies.base import Strategy, register
 
 
 @dataclass
@@ -90,21 +92,16 @@ class Precision:
 
     @classmethod
     def from_strategies(cls, fp16: Fp16Config | None, bf16: Bf16Config | None) -> "Precision":
-        if fp16 is not None and bf16 is not None:
-            raise ValueError("strategy fp16 and strategy bf16 are mutually exclusive: choose one (+strategy=fp16 or +strategy=bf16)")
+        """The dtypes and scaler of the selected precision strategy (validated by ``Fp16`` / ``Bf16``)."""
         if fp16 is not None:
-            if fp16.params not in ("fp16", "fp32"):
-                raise ValueError(f"strategy.fp16.params={fp16.params!r} is not one of: fp16, fp32")
-            if fp16.init_scale <= 0 or fp16.min_scale <= 0 or not 0 < fp16.backoff_factor < 1 or fp16.growth_factor <= 1:
-                raise ValueError("strategy.fp16 needs init_scale > 0, min_scale > 0, 0 < backoff_factor < 1, growth_factor > 1")
-            if fp16.growth_interval < 1 or fp16.hysteresis < 1:
-                raise ValueError("strategy.fp16.growth_interval and strategy.fp16.hysteresis must be >= 1")
             return cls(_DTYPES[fp16.params], torch.float16, DynamicLossScaler(fp16))
         if bf16 is not None:
-            if bf16.params not in ("bf16", "fp32"):
-                raise ValueError(f"strategy.bf16.params={bf16.params!r} is not one of: bf16, fp32")
             return cls(_DTYPES[bf16.params], torch.bfloat16, None)
         return cls()
+
+    @classmethod
+    def of(cls, cfg) -> "Precision":
+        return cls.from_strategies(getattr(cfg.strategy, "fp16", None), getattr(cfg.strategy, "bf16", None))
 
     def autocast(self, device: torch.device):
         """Context manager for the forward pass."""
@@ -115,9 +112,26 @@ class Precision:
         return self.scaler.scale if self.scaler is not None else 1.0
 
 
-def grads_finite(grads: list[torch.Tensor]) -> bool:
-    """True when no gradient holds inf or NaN (one reduction over all of them)."""
-    if not grads:
-        return True
-    total = torch.stack([g.float().abs().amax() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]).sum()
-    return bool(math.isfinite(total.item()))
+_GROUP_WHY = "both set the parameter and compute dtype; choose one (+strategy=fp16 or +strategy=bf16)"
+
+
+@register
+class Fp16(Strategy):
+    name, Config, phase, group, group_why = "fp16", Fp16Config, "precision", "precision", _GROUP_WHY
+
+    def validate(self, f: Fp16Config, cfg) -> None:
+        if f.params not in ("fp16", "fp32"):
+            raise ConfigError(f"strategy.fp16.params={f.params!r} is not one of: fp16, fp32")
+        if f.init_scale <= 0 or f.min_scale <= 0 or not 0 < f.backoff_factor < 1 or f.growth_factor <= 1:
+            raise ConfigError("strategy.fp16 needs init_scale > 0, min_scale > 0, 0 < backoff_factor < 1, growth_factor > 1")
+        if f.growth_interval < 1 or f.hysteresis < 1:
+            raise ConfigError("strategy.fp16.growth_interval and strategy.fp16.hysteresis must be >= 1")
+
+
+@register
+class Bf16(Strategy):
+    name, Config, phase, group, group_why = "bf16", Bf16Config, "precision", "precision", _GROUP_WHY
+
+    def validate(self, b: Bf16Config, cfg) -> None:
+        if b.params not in ("bf16", "fp32"):
+            raise ConfigError(f"strategy.bf16.params={b.params!r} is not one of: bf16, fp32")

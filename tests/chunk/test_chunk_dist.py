@@ -143,18 +143,19 @@ def built_state(container: dict):
     its full fp32 state (a collective with 2 ranks) and whether res_check ran and passed."""
     from omegaconf import OmegaConf
 
-    from memopt import dist
-    from memopt.compose import build
     from memopt.config import TrainConfig
+    from memopt.engines import build_engine
+    from memopt.memory.tracker import NullTracker
+    from memopt.parallel import setup, teardown
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
     device = torch.device("cpu")
-    ctx = dist.setup(device)
+    dims = setup(device, cfg.parallel)
     try:
-        engine = build(cfg, device, ctx, None)
+        engine = build_engine(cfg, device, dims, NullTracker())
         return engine.full_state_dict(), getattr(getattr(engine, "mgr", None), "res_check_passed", False)
     finally:
-        dist.teardown()
+        teardown()
 
 
 def test_release_after_init_and_res_check_give_the_serial_init():
@@ -162,7 +163,7 @@ def test_release_after_init_and_res_check_give_the_serial_init():
     remote ones are freed; res_check gathers and compares) is bit-identical to the 1-rank chunk
     engine's init and to the plain memopt engine's."""
     from memopt.api import compose_config
-    from memopt.dist import launch
+    from memopt.parallel import launch
     from omegaconf import OmegaConf
 
     def container(extra):
@@ -187,7 +188,7 @@ def test_res_check_names_a_parameter_that_differs():
     """A rank whose chunk is corrupted after init (one element of one parameter) makes res_check fail
     with the parameter's name."""
     from memopt.api import compose_config
-    from memopt.dist import RankFailure, launch
+    from memopt.parallel import RankFailure, launch
     from omegaconf import OmegaConf
 
     cfg = compose_config([*BASE[:2], "logger=none", "+strategy=chunk", "strategy.chunk.release_after_init=true",
@@ -199,7 +200,7 @@ def test_res_check_names_a_parameter_that_differs():
 def corrupt_then_build(container: dict):
     """(Runs in each rank.) Rank 1 adds 1 to the first element of its first parameter right after
     init; res_check, which runs next in the build, must catch it."""
-    import memopt.strategies.chunk.engine as engine
+    import memopt.engines.chunk.engine as engine
 
     orig = engine.init_chunks
 
@@ -222,31 +223,33 @@ def frozen_run(container: dict):
     state, the comm counters and whether any remote payload is left after the backward."""
     from omegaconf import OmegaConf
 
-    from memopt import dist
     from memopt.config import TrainConfig
+    from memopt.engines.chunk import build_chunk_engine
+    from memopt.memory.tracker import NullTracker
     from memopt.models.gpt import GPT
-    from memopt.strategies.chunk import build_chunk_engine
+    from memopt.parallel import setup, teardown
     from memopt.strategies.precision import Precision
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
     device = torch.device("cpu")
-    ctx = dist.setup(device)
+    dims = setup(device, cfg.parallel)
+    ctx = dims.world
     try:
         with torch.device("meta"):
             model = GPT(cfg.model)
         for n, p in model.named_parameters():
             if n.startswith(FROZEN):
                 p.requires_grad_(False)
-        engine = build_chunk_engine(cfg, device, ctx, None, model, Precision())
+        engine = build_chunk_engine(cfg, device, dims, NullTracker(), model, Precision())
         mgr = engine.mgr
         g = torch.Generator().manual_seed(0)
-        per = 4 // ctx.world_size
+        per = 4 // ctx.size
         leftover, losses = [], []
         for _ in range(3):
             x = torch.randint(0, 256, (4, 32), generator=g)
             mine = x[ctx.rank * per: (ctx.rank + 1) * per]
             loss = engine.forward_backward(mine, mine.roll(1, 1), 0, 1)
-            losses.append(float(ctx.all_reduce_(loss.reshape(1).clone())) / ctx.world_size)
+            losses.append(float(ctx.all_reduce_(loss.reshape(1).clone())) / ctx.size)
             assert not any(c.has_grad for c in mgr.chunks if not c.trainable)
             leftover.append(sum(c.where is not None and not c.cached for c in mgr.chunks if not c.local))
             engine.step(1e-2)
@@ -254,14 +257,14 @@ def frozen_run(container: dict):
         reduces = mgr.comm.stats.reduces if mgr.comm else 0
         return engine.full_state_dict(), leftover, units, reduces, losses
     finally:
-        dist.teardown()
+        teardown()
 
 
 def test_frozen_parameters_on_two_ranks():
     """Frozen chunks are gathered for the forward and the backward and released after it, never
     reduced, never updated; the losses follow the one-rank run of the same batch."""
     from memopt.api import compose_config
-    from memopt.dist import launch
+    from memopt.parallel import launch
     from memopt.models.gpt import init_tensor
     from omegaconf import OmegaConf
 

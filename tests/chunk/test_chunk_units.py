@@ -6,9 +6,10 @@ import itertools
 import pytest
 import torch
 
-from memopt.strategies.chunk.chunk import DEVICE, HOST, Chunk, TensorInfo, TensorState
-from memopt.strategies.chunk.manager import ALIGN, ChunkManager, pack_sizes, search_chunk_size
-from memopt.strategies.chunk.tracer import MemTracer
+from memopt.engines.chunk.chunk import DEVICE, HOST, Chunk, TensorInfo, TensorState
+from memopt.engines.chunk.manager import ALIGN, ChunkManager, pack_sizes, search_chunk_size
+from memopt.engines.chunk.tracer import MemTracer
+from memopt.memory.tracker import NullTracker
 
 
 def test_search_minimises_padding_over_the_candidates():
@@ -52,8 +53,8 @@ def test_chunk_moves_whole_and_the_tracker_sees_it():
 
 
 def _manager(n_chunks=4, budget=2 * 32, warm=True):
-    tracer = MemTracer(torch.device("cpu"))
-    mgr = ChunkManager(torch.device("cpu"), None, torch.float32, 8, device_budget=budget, warmup_budget=budget,
+    tracer = MemTracer(torch.device("cpu"), NullTracker())
+    mgr = ChunkManager(torch.device("cpu"), NullTracker(), torch.float32, 8, device_budget=budget, warmup_budget=budget,
                        static=False, tracer=tracer)
     params = [torch.nn.Parameter(torch.empty(0)) for _ in range(n_chunks)]
     mgr.pack([(f"p{i}", p, (8,), []) for i, p in enumerate(params)])
@@ -94,7 +95,7 @@ def test_belady_evicts_the_chunk_used_farthest_in_the_future():
 
 
 def test_pinned_chunks_are_never_evicted_and_overflow_is_diagnosed():
-    from memopt.strategies.chunk.manager import ChunkOutOfMemoryError
+    from memopt.engines.chunk.manager import ChunkOutOfMemoryError
 
     mgr, infos = _manager(budget=2 * 32)
     mgr.phase = "fwd"
@@ -105,9 +106,9 @@ def test_pinned_chunks_are_never_evicted_and_overflow_is_diagnosed():
 
 
 def test_frozen_parameters_live_in_chunks_without_optimizer_state():
-    from memopt.dist import DistContext
+    from memopt.engines.chunk import build_chunk_engine
     from memopt.models.gpt import GPT, init_tensor
-    from memopt.strategies.chunk import build_chunk_engine
+    from memopt.parallel import ParallelDims
     from memopt.strategies.precision import Precision
     from tests.conftest import typed
 
@@ -118,7 +119,7 @@ def test_frozen_parameters_live_in_chunks_without_optimizer_state():
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
-    engine = build_chunk_engine(cfg, torch.device("cpu"), DistContext(), None, model, Precision())
+    engine = build_chunk_engine(cfg, torch.device("cpu"), ParallelDims(), NullTracker(), model, Precision())
     mgr = engine.mgr
     assert all(not c.trainable for c in mgr.chunks if any(t.name in frozen for t in c.tensors))
     assert all(c.trainable for c in mgr.chunks if any(t.name not in frozen for t in c.tensors))

@@ -11,6 +11,7 @@ import torch
 
 from memopt.memory.tracker import MemoryTracker
 from memopt.models.gpt import AttentionCore
+from memopt.strategies.flash_attn import FlashCore
 from tests.conftest import REPO, losses, train
 
 TINY = ["model.n_layer=2", "model.seq_len=32", "model.d_model=64", "model.n_head=2", "trainer.micro_batch_size=2",
@@ -32,7 +33,7 @@ def test_flash_follows_sdpa_trajectory(tmp_path):
 def test_tracker_sees_linear_attention_activations(impl, lo, hi):
     """Retained bytes of one attention core at N=64 and N=256 (head dim 32): x4 for the kernel,
     between x6 and x16 for the explicit score matrix (its O(N) terms weigh at N=64)."""
-    core = AttentionCore(impl, 0.0)
+    core = FlashCore() if impl == "flash" else AttentionCore(impl, 0.0)
 
     def retained(n: int) -> int:
         g = torch.Generator().manual_seed(n)

@@ -1,4 +1,4 @@
-"""memopt.strategies.cpu_adam.CPUAdamW: both paths (the compiled C++ kernel and the torch fallback)
+"""memopt.optim.cpu_adam.CPUAdamW: both paths (the compiled C++ kernel and the torch fallback)
 against an independent float64 AdamW, against torch.optim.AdamW, and their bookkeeping.
 
 Tolerance against the float64 reference. Both paths compute in fp32 (unit roundoff
@@ -27,8 +27,8 @@ import textwrap
 import pytest
 import torch
 
-from memopt.strategies import cpu_adam
-from memopt.strategies.cpu_adam import CPUAdamW
+from memopt.optim import cpu_adam
+from memopt.optim.cpu_adam import CPUAdamW
 
 U32 = 2.0**-24
 SIZES = [1, 7, 1000, 4099, 70001]  # 4099, 70001: not multiples of 8/16/64/128; 70001 spans 3 chunks
@@ -257,7 +257,7 @@ def test_fallback_when_kernel_cannot_build(tmp_path):
     """No usable compiler: impl='auto' warns and runs the torch path, impl='cpp' raises clearly."""
     code = textwrap.dedent("""
         import warnings, torch
-        from memopt.strategies import cpu_adam
+        from memopt.optim import cpu_adam
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             opt = cpu_adam.CPUAdamW([torch.zeros(5)])
@@ -289,7 +289,7 @@ def test_other_simd_paths(tmp_path, cflags, width):
         import sys, torch
         sys.path.insert(0, {os.path.join(REPO, 'tests', 'unit')!r})
         import test_cpu_adam as t
-        from memopt.strategies import cpu_adam
+        from memopt.optim import cpu_adam
         assert cpu_adam.kernel_available(), cpu_adam.kernel_error()
         w = cpu_adam.kernel_simd_width()
         if {width} == 8 and w != 8:

@@ -106,17 +106,18 @@ def test_gradient_clipping_matches_reference():
     (eps=1 makes Adam sensitive to the gradient's scale, so a missing clip would show)."""
     from types import SimpleNamespace
 
-    from memopt.dist import DistContext
-    from memopt.optim import ShardedAdamW
+    from memopt.engines.memopt.flat import FlatGroup
+    from memopt.memory.tracker import NullTracker
+    from memopt.optim.adamw import ShardedAdamW
+    from memopt.parallel import Dim
     from memopt.strategies.precision import Precision
-    from memopt.strategies.zero import FlatGroup
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
     ref = torch.nn.Linear(6, 4)
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    group = FlatGroup("g", [(n, p, tuple(p.shape)) for n, p in model.named_parameters()], DistContext(), torch.float32,
-                      torch.device("cpu"), stage=0, tracker=None)
+    group = FlatGroup("g", [(n, p, tuple(p.shape)) for n, p in model.named_parameters()], Dim("dp"), torch.float32,
+                      torch.device("cpu"), stage=0, tracker=NullTracker())
     group.materialize(lambda n, shape: init[n])
     grads = [torch.randn_like(p) for p in model.parameters()]
     group.ensure_grad_buffer()  # what the first gradient's hook does in a backward
@@ -126,7 +127,7 @@ def test_gradient_clipping_matches_reference():
     group.finish_sync()
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
     cfg = SimpleNamespace(lr=0.1, betas=(0.9, 0.95), eps=1.0, weight_decay=0.0, grad_clip=0.5)
-    res = ShardedAdamW([group], cfg, Precision(), DistContext()).step(lr=0.1)
+    res = ShardedAdamW([group], cfg, Precision(), Dim("dp"), NullTracker()).step(lr=0.1)
     assert res.grad_norm == pytest.approx(norm, rel=1e-6)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1.0, weight_decay=0.0)
     for p, g in zip(ref.parameters(), grads):

@@ -66,7 +66,7 @@ class TensorInfo:
 class Chunk:
     """One chunk: ``numel`` elements of ``dtype`` on the device, on the host or nowhere."""
 
-    def __init__(self, index: int, kind: str, numel: int, dtype: torch.dtype, device: torch.device, tracker=None,
+    def __init__(self, index: int, kind: str, numel: int, dtype: torch.dtype, device: torch.device, tracker,
                  trainable: bool = True, with_grad: bool = False):
         self.index, self.kind, self.numel, self.dtype, self.device = index, kind, numel, dtype, device
         self.tracker, self.trainable, self.with_grad = tracker, trainable, with_grad
@@ -128,14 +128,13 @@ class Chunk:
     # ---- storage ----------------------------------------------------------------------------
     def _scope(self, where: str):
         stack = contextlib.ExitStack()
-        if self.tracker is not None:
-            stack.enter_context(self.tracker.category("chunks"))
-            if where == HOST:
-                stack.enter_context(self.tracker.host_scope())
+        stack.enter_context(self.tracker.category("chunks"))
+        if where == HOST:
+            stack.enter_context(self.tracker.host_scope())
         return stack
 
     def _register(self, t: torch.Tensor | None, where: str) -> None:
-        if self.tracker is not None and t is not None:
+        if t is not None and self.tracker.enabled:
             self.tracker.register(t, "chunks", device="host" if where == HOST else self.tracker.compute_key)
 
     def _buffer(self, attr: str, where: str) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """``ChunkEngine``: the training loop's interface over the chunk manager, hooks, tracer and optimizer.
 
-``build_chunk_engine`` is called by ``compose.build`` when ``strategy.chunk`` is selected, after the
-model was built on ``meta`` with flash attention / checkpointing applied and the precision resolved.
-It packs the parameters into chunks (on the host), fills them from the seed with the same
+``build`` is the engine registry's entry (``engine=memopt`` with ``+strategy=chunk``): it builds the
+model on ``meta`` with the model-phase strategies applied (``compose.model_on_meta``), resolves the
+precision and calls ``build_chunk_engine``, which packs the parameters into chunks (on the host), fills them from the seed with the same
 per-parameter initialisation as every other engine, installs the hooks and builds the optimizer.
 
 Life of a run: the first optimizer step (all its micro-steps) is the warm-up: chunks are limited to
@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from memopt.engines.base import PrecisionEngine, category, retained
+from memopt.compose import materialize_params, model_on_meta
+from memopt.engines.base import PrecisionEngine
+from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
-from memopt.models.gpt import init_tensor
-from memopt.optim import StepResult
-from memopt.strategies.chunk.chunk import DEVICE, HOST
-from memopt.strategies.chunk.comm import ChunkComm
-from memopt.strategies.chunk.hooks import ChunkHooks
-from memopt.strategies.chunk.hybrid_adam import ChunkAdam
-from memopt.strategies.chunk.manager import ChunkManager, ChunkOutOfMemoryError, search_chunk_size
-from memopt.strategies.chunk.tracer import MemTracer
+from memopt.optim.step import StepResult
+from memopt.engines.chunk.chunk import DEVICE, HOST
+from memopt.engines.chunk.comm import ChunkComm
+from memopt.engines.chunk.hooks import ChunkHooks
+from memopt.engines.chunk.hybrid_adam import ChunkAdam
+from memopt.engines.chunk.manager import ChunkManager, ChunkOutOfMemoryError, search_chunk_size
+from memopt.engines.chunk.tracer import MemTracer
 from memopt.strategies.precision import Precision
 
 GiB = 2**30
@@ -37,10 +38,16 @@ def device_capacity_bytes(cfg, device: torch.device) -> int:
     return host_memory_bytes()
 
 
-def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -> "ChunkEngine":
-    from memopt.compose import _materialize_params
-    from memopt.errors import ConfigError
+NAME, LABEL = "chunk", "the chunk engine"
+SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+PARALLEL = ("dp_shard",)  # chunks are partitioned over dp_shard; the other dimensions must be 1
 
+
+def build(cfg, device, dims, tracker) -> "ChunkEngine":
+    return build_chunk_engine(cfg, device, dims, tracker, model_on_meta(cfg, device, dims, tracker), Precision.of(cfg))
+
+
+def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) -> "ChunkEngine":
     s = cfg.strategy
     ccfg = s.chunk
     capacity = device_capacity_bytes(cfg, device)
@@ -61,13 +68,13 @@ def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -
                 named.append(seen[id(p)])
     chunk_size = ccfg.chunk_size or search_chunk_size(
         [[n.numel() for _, n, _, _ in named if n.requires_grad], [n.numel() for _, n, _, _ in named if not n.requires_grad]])
-    _materialize_params(model, device, precision.param_dtype)
+    materialize_params(model, device, precision.param_dtype)
     named = [(name, model.get_parameter(name), shape, aliases) for name, _, shape, aliases in named]
 
     tracer = MemTracer(device, tracker, async_monitor=ccfg.async_mem_monitor, interval_ms=ccfg.monitor_interval_ms)
     mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer)
-    if ctx is not None and ctx.enabled:
-        mgr.comm = ChunkComm(ctx.rank, ctx.world_size, ccfg.mem_saving_comm, ccfg.mem_cache, tracker)
+    if dims.dp_shard.enabled:
+        mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, tracker)
     else:
         idle = [n for n in ("mem_saving_comm", "release_after_init", "res_check") if getattr(ccfg, n)]
         if idle:
@@ -89,17 +96,18 @@ def build_chunk_engine(cfg, device, ctx, tracker, model, precision: Precision) -
             f"chunk engine out of host memory at build: this rank's chunks need up to {host_need / GiB:.2f} GiB on the "
             f"host (params, grads, fp32 master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB "
             "(host RAM x strategy.chunk.overall_cpu_mem_ratio)")
-    init_chunks(mgr, cfg, tracker, everything=ccfg.release_after_init)
+    init = lambda name, shape: model.init_tensor(name, shape, cfg.seed)  # noqa: E731
+    init_chunks(mgr, init, tracker, everything=ccfg.release_after_init)
     if ccfg.res_check and mgr.comm is not None:
-        check_init(mgr, cfg)
+        check_init(mgr, init)
     hooks = ChunkHooks(model, mgr)
-    optimizer = ChunkAdam(mgr, cfg.optim, precision, tracker, hybrid=s.hybrid_adam, margin_use_ratio=ccfg.margin_use_ratio,
+    optimizer = ChunkAdam(mgr, cfg.optim, precision, dims.dp_shard, tracker, hybrid=s.hybrid_adam, margin_use_ratio=ccfg.margin_use_ratio,
                           cpu_impl=ccfg.cpu_adam_impl)
-    return ChunkEngine(model, mgr, hooks, optimizer, precision, device, ctx, tracker)
+    return ChunkEngine(model, mgr, hooks, optimizer, precision, device, dims, tracker)
 
 
-def init_chunks(mgr: ChunkManager, cfg, tracker, everything: bool) -> None:
-    """Fill the chunks from the seed (every parameter is ``init_tensor(name, seed)``, whatever the rank).
+def init_chunks(mgr: ChunkManager, init, tracker, everything: bool) -> None:
+    """Fill the chunks from the seed (every parameter is ``init(name, shape)``, whatever the rank).
 
     Each rank fills its own chunks. ``release_after_init`` (PatrickStar's option for a serial-equal
     init) allocates and fills every chunk, remote ones included, then frees the remote ones: the
@@ -108,16 +116,16 @@ def init_chunks(mgr: ChunkManager, cfg, tracker, everything: bool) -> None:
         if not (c.local or everything):
             continue
         c.allocate(HOST)  # zero-filled, padding included
-        with category(tracker, "temp"):
+        with tracker.category("temp"):
             for t in c.tensors:
-                c.view_of(t).copy_(init_tensor(t.name, t.shape, cfg.seed, cfg.model).reshape(-1))
+                c.view_of(t).copy_(init(t.name, t.shape).reshape(-1))
     for c in mgr.chunks:
         if not c.local:
             c.release()
 
 
 @torch.no_grad()
-def check_init(mgr: ChunkManager, cfg) -> None:
+def check_init(mgr: ChunkManager, init) -> None:
     """``res_check``: gather every chunk from its owner and compare each parameter, bit for bit, with the
     serial (one-rank) initialisation; every rank raises, naming the parameters, if one differs."""
     bad = []
@@ -125,7 +133,7 @@ def check_init(mgr: ChunkManager, cfg) -> None:
     for u in mgr.comm.units:
         mgr.gather([u], ("init", "res_check"))
         for t in u.tensors:
-            want = init_tensor(t.name, t.shape, cfg.seed, cfg.model).to(mgr.dtype).reshape(-1)
+            want = init(t.name, t.shape).to(mgr.dtype).reshape(-1)
             if not torch.equal(t.chunk.view_of(t), want.to(t.chunk.data.device)):
                 bad.append(t.name)
         mgr.comm.release(u)
@@ -134,7 +142,7 @@ def check_init(mgr: ChunkManager, cfg) -> None:
     mgr.comm.cache.clear()
     mgr.phase = "idle"
     everyone = [None] * mgr.comm.world
-    torch.distributed.all_gather_object(everyone, bad)
+    torch.distributed.all_gather_object(everyone, bad, group=mgr.comm.group)
     wrong = sorted({n for b in everyone for n in b})
     if wrong:
         raise RuntimeError(f"strategy.chunk.res_check: the distributed initialisation differs from the serial one for "
@@ -144,9 +152,9 @@ def check_init(mgr: ChunkManager, cfg) -> None:
 
 class ChunkEngine(PrecisionEngine):
     def __init__(self, model, mgr: ChunkManager, hooks: ChunkHooks, optimizer: ChunkAdam, precision: Precision,
-                 device, ctx, tracker):
+                 device, dims, tracker):
         self.model, self.mgr, self.hooks, self.optimizer, self.precision = model, mgr, hooks, optimizer, precision
-        self.device, self.ctx, self.tracker = device, ctx, tracker
+        self.device, self.dims, self.tracker = device, dims, tracker
         self.history: list[dict] = []  # step_metrics() of every step (tests and reports read it)
         self._last: dict = {}
 
@@ -155,10 +163,10 @@ class ChunkEngine(PrecisionEngine):
         mgr.begin_forward()
         mgr.phase = "fwd"
         try:
-            with retained(self.tracker), self.precision.autocast(self.device):
+            with self.tracker.retained("activations"), self.precision.autocast(self.device):
                 _, loss = self.model(x, y)
             mgr.phase = "bwd"
-            with category(self.tracker, "temp"):
+            with self.tracker.category("temp"):
                 ((loss / n_micro) * self.precision.loss_scale).backward()
         finally:
             mgr.phase = "idle"
@@ -236,7 +244,7 @@ class ChunkEngine(PrecisionEngine):
         self.mgr.begin_forward()
         self.mgr.phase = "eval"
         try:
-            with category(self.tracker, "temp"), self.precision.autocast(self.device):
+            with self.tracker.category("temp"), self.precision.autocast(self.device):
                 _, loss = self.model(x, y)
             return float(loss.float().item())
         finally:

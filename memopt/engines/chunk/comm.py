@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from memopt.strategies.chunk.chunk import DEVICE, Chunk
+from memopt.engines.chunk.chunk import DEVICE, Chunk
 
 
 @dataclass(eq=False)
@@ -79,8 +79,10 @@ class CommStats:
 
 
 class ChunkComm:
-    def __init__(self, rank: int, world_size: int, mem_saving_comm: bool, mem_cache: int, tracker=None):
-        self.rank, self.world, self.mem_saving, self.cache_size = rank, world_size, mem_saving_comm, mem_cache
+    def __init__(self, dim, mem_saving_comm: bool, mem_cache: int, tracker):
+        """``dim``: the parallel dimension the chunks are partitioned over (``dims.dp_shard``)."""
+        self.rank, self.world, self.group = dim.rank, dim.size, dim.group
+        self.mem_saving, self.cache_size = mem_saving_comm, mem_cache
         self.tracker = tracker
         self.units: list[CommUnit] = []
         self.cache: collections.deque[CommUnit] = collections.deque()
@@ -114,10 +116,7 @@ class ChunkComm:
                         c.unit = u
 
     def _temp(self):
-        stack = contextlib.ExitStack()
-        if self.tracker is not None:
-            stack.enter_context(self.tracker.category("temp"))
-        return stack
+        return self.tracker.category("temp")
 
     # ---- collectives ----------------------------------------------------------------------------
     def gather(self, u: CommUnit) -> None:
@@ -130,9 +129,9 @@ class ChunkComm:
                 c.cached = False
         if len(u.chunks) == 1:
             c = u.chunks[0]
-            dist.broadcast(c.data, src=c.owner)
+            dist.broadcast(c.data, group=self.group, group_src=c.owner)
         else:
-            dist.all_gather([c.data for c in u.chunks], u.chunks[self.rank].data)
+            dist.all_gather([c.data for c in u.chunks], u.chunks[self.rank].data, group=self.group)
         u.gathered = True
         self.stats.gathers += 1
         self.stats.sent_bytes += sum(c.payload_bytes for c in u.chunks)
@@ -141,12 +140,12 @@ class ChunkComm:
         """Sum the unit's gradient companions into their owners' (resident, allocated), then release."""
         if len(u.chunks) == 1:
             c = u.chunks[0]
-            dist.reduce(c.grad, dst=c.owner)
+            dist.reduce(c.grad, group=self.group, group_dst=c.owner)
         else:
             own = u.chunks[self.rank]
             with self._temp():
                 out = torch.empty_like(own.grad)
-            dist.reduce_scatter(out, [c.grad for c in u.chunks])
+            dist.reduce_scatter(out, [c.grad for c in u.chunks], group=self.group)
             own.grad.copy_(out)
             del out
         u.reduced = True

@@ -1,4 +1,4 @@
-"""Ranks: launching local workers, the process group, and the few collectives the loop needs.
+"""Ranks: launching local workers and joining the process group (the groups themselves: dims.py).
 
 ``trainer.nproc_per_node=N`` makes ``python -m memopt.train`` start N local workers through
 PyTorch's elastic launch API (the machinery behind ``torchrun``): a worker that crashes brings
@@ -10,55 +10,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass
-class DistContext:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce_(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.enabled:
-            dist.all_reduce(t, op=op)
-        return t
-
-    def gather_objects(self, obj) -> list:
-        """Every rank's ``obj``, in rank order (on every rank)."""
-        if not self.enabled:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj):
-        if not self.enabled:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
-
-# torch 2.13 names the single-tensor collectives *_single (the *_tensor names are deprecated aliases)
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from memopt.parallel.dims import ParallelConfig, ParallelDims, build_dims
 
 
 def under_launcher() -> bool:
@@ -66,15 +23,18 @@ def under_launcher() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def setup(device: torch.device) -> DistContext:
-    """Join the process group described by the launcher's environment (no-op for one process)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistContext()
-    if not dist.is_initialized():
+def join(device: torch.device) -> None:
+    """Join the process group described by the launcher's environment (none for one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
-    return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def setup(device: torch.device, parallel: ParallelConfig | None = None) -> ParallelDims:
+    """Join the process group and return this rank's ``ParallelDims`` for ``parallel`` (default: all
+    data-parallel)."""
+    join(device)
+    return build_dims(parallel or ParallelConfig(), device.type)
 
 
 def teardown() -> None:

@@ -30,7 +30,7 @@ import torch
 
 
 class MemTracer:
-    def __init__(self, device: torch.device, tracker=None, device_chunk_bytes=None, async_monitor: bool = False,
+    def __init__(self, device: torch.device, tracker, device_chunk_bytes=None, async_monitor: bool = False,
                  interval_ms: float = 1.0):
         self.device, self.tracker = device, tracker
         self._chunk_bytes = device_chunk_bytes or (lambda: 0)
@@ -46,7 +46,7 @@ class MemTracer:
         self._stop = threading.Event()
         self._thread = None
         self._hooked = False
-        if tracker is not None:
+        if tracker.enabled:
             self._hook_tracker()
         if async_monitor:
             self._thread = threading.Thread(target=_monitor, args=(weakref.ref(self), interval_ms / 1000.0, self._stop),
@@ -80,7 +80,7 @@ class MemTracer:
     def sample(self) -> int:
         """Non-model bytes on the compute device now."""
         t = self.tracker
-        if t is not None:
+        if t.enabled:
             with t._lock:
                 live = dict(t.live.get(t.compute_key, {}))
             return max(0, sum(b for c, b in live.items() if c != "chunks"))

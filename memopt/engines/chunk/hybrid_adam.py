@@ -22,23 +22,20 @@ of them on the host); the companions are freed afterwards.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-import torch.distributed as dist
 
-from memopt.optim import StepResult
-from memopt.strategies.chunk.chunk import DEVICE, HOST, Chunk
-from memopt.strategies.chunk.manager import ChunkManager
+from memopt.engines.chunk.chunk import DEVICE, HOST, Chunk
+from memopt.engines.chunk.manager import ChunkManager
+from memopt.optim.cpu_adam import CPUAdamW
+from memopt.optim.step import StepResult, StepSequence
 from memopt.strategies.precision import Precision
 
 
 class ChunkAdam:
-    def __init__(self, mgr: ChunkManager, cfg, precision: Precision, tracker=None, hybrid=None, margin_use_ratio: float = 0.8,
+    def __init__(self, mgr: ChunkManager, cfg, precision: Precision, dim, tracker, hybrid=None, margin_use_ratio: float = 0.8,
                  cpu_impl: str = "auto"):
-        from memopt.strategies.cpu_adam import CPUAdamW
-
-        self.mgr, self.cfg, self.precision, self.tracker = mgr, cfg, precision, tracker
+        self.mgr, self.cfg, self.precision, self.dim, self.tracker = mgr, cfg, precision, dim, tracker
         self.hybrid, self.margin_use_ratio = hybrid, margin_use_ratio
         self.step_count = 0
         self.groups: list[tuple[Chunk, Chunk, Chunk, Chunk]] = []  # (param, master, exp_avg, exp_avg_sq)
@@ -59,10 +56,9 @@ class ChunkAdam:
 
     def _cat(self, name: str, host: bool = False):
         stack = contextlib.ExitStack()
-        if self.tracker is not None:
-            stack.enter_context(self.tracker.category(name))
-            if host:
-                stack.enter_context(self.tracker.host_scope())
+        stack.enter_context(self.tracker.category(name))
+        if host:
+            stack.enter_context(self.tracker.host_scope())
         return stack
 
     # ---- placement ----------------------------------------------------------------------------
@@ -102,14 +98,14 @@ class ChunkAdam:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        scale = self.precision.loss_scale
         comm = self.mgr.comm
-        world = comm.world if comm is not None else 1
+        # gradients are sums over ranks: mean, and unscale, in one factor
+        seq = StepSequence(self.precision, self.cfg.grad_clip, self.dim, summed_over=self.dim.size, device=self.mgr.device)
         # the step is a traced moment: room for one fp32 chunk (+ its square) per device-side group
         dev_groups = [g for g in self.groups if g[1].where == DEVICE]
         extra = 2 * self.groups[0][1].payload_bytes if dev_groups else 0
         self.mgr.ensure([], ("step", "adam"), extra=extra)
-        inv = 1.0 / (scale * world)  # gradients are sums over ranks: mean, and unscale, in one factor
+        inv = seq.inv
         # pass 1: overflow check and squared norm (host groups keep their fp32 gradient; device
         # groups recompute it in pass 2 so that one chunk-sized temporary exists at a time)
         host_grads: dict[int, torch.Tensor] = {}
@@ -130,20 +126,11 @@ class ChunkAdam:
             if not on_dev:
                 host_grads[i] = x
             del x
-        if comm is not None:  # every rank owns part of the gradient: global overflow flag and norm
-            with self._cat("temp"):  # (on the compute device: NCCL reduces device tensors only)
-                flag = torch.tensor([float(overflow), sq.item()], dtype=torch.float64, device=self.mgr.device)
-            dist.all_reduce(flag)
-            overflow, sq = bool(flag[0].item() > 0), flag[1].to(torch.float32).cpu()
-        if self.precision.scaler is not None:
-            self.precision.scaler.update(overflow)
-            if overflow:
-                host_grads.clear()
-                self.zero_grad()
-                return StepResult(True, float("nan"), scale)
-        norm = math.sqrt(sq.item())
-        clip = self.cfg.grad_clip
-        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
+        if seq.skip(overflow):  # every rank owns part of the gradient: the vote and the norm are global
+            host_grads.clear()
+            self.zero_grad()
+            return seq.skipped()
+        norm, coef = seq.clip(sq, sharded=comm is not None)
         self.step_count += 1
         wd = self.cfg.weight_decay
         b1, b2 = self.cfg.betas
@@ -178,7 +165,7 @@ class ChunkAdam:
         for c, master, _, _ in self.groups:
             c.data.copy_(master.data)
         self.zero_grad()
-        return StepResult(False, norm, scale)
+        return seq.done(norm)
 
     def zero_grad(self) -> None:
         for c in self.mgr.chunks:

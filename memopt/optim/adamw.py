@@ -1,7 +1,7 @@
 """The optimizer step every memopt strategy shares, over the owned ranges of flat groups.
 
-unscale (loss scale and data-parallel averaging) -> overflow check (all ranks agree) -> global
-gradient-norm clip -> decoupled weight decay -> Adam -> copy the fp32 master back into the
+overflow vote -> unscale (loss scale and data-parallel averaging) -> global gradient-norm clip (the
+shared ``StepSequence``) -> decoupled weight decay -> Adam -> copy the fp32 master back into the
 parameters' dtype -> all-gather the updated shards (zero1/zero2).
 
 fp32 master weights exist only where they differ from the parameters: with fp32 parameters the
@@ -9,46 +9,21 @@ owned slice of the parameters is updated in place; with fp16/bf16 parameters (or
 fp32 master copy of the owned slice is kept (counted as ``optim`` bytes, as in the ZeRO paper).
 With ``cpu_offload`` the master, the Adam moments and the step live on the host and run on
 ``CPUAdamW``; gradients are copied to the host and updated parameters copied back.
-The learning-rate schedule (linear warm-up, cosine decay) lives here so every engine uses it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from memopt.dist import DistContext, all_gather_single, reduce_scatter_single
-from memopt.memory.tracker import MemoryTracker
+from memopt.optim.step import StepResult, StepSequence
+from memopt.parallel import Dim
 from memopt.strategies.precision import Precision
-from memopt.strategies.zero import FlatGroup
-
-
-def lr_at(step: int, cfg, max_steps: int) -> float:
-    """Learning rate for 0-based ``step``: linear warm-up then cosine decay to lr * min_lr_ratio."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    span = max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-@dataclass
-class StepResult:
-    skipped: bool
-    grad_norm: float
-    loss_scale: float
 
 
 def _ctx(tracker, category: str, host: bool = False):
-    import contextlib
-
-    if tracker is None:
-        return contextlib.nullcontext()
+    """The tracker's category (and host scope for offloaded bytes) for new storages."""
     stack = contextlib.ExitStack()
     stack.enter_context(tracker.category(category))
     if host:
@@ -62,8 +37,8 @@ SLICE = 1 << 20  # elements of a low-precision gradient converted to fp32 at a t
 class ShardedAdamW:
     """AdamW over the owned range of every flat group (everything, for one rank or ddp)."""
 
-    def __init__(self, groups: list[FlatGroup], cfg, precision: Precision, ctx: DistContext,
-                 tracker: MemoryTracker | None = None, offload: bool = False, pin_memory: bool = True):
+    def __init__(self, groups: list, cfg, precision: Precision, ctx: Dim, tracker, offload: bool = False,
+                 pin_memory: bool = True):
         self.groups, self.cfg, self.precision, self.ctx, self.tracker = groups, cfg, precision, ctx, tracker
         self.offload = offload
         self.step_count = 0
@@ -85,7 +60,7 @@ class ShardedAdamW:
             self.decay_segments.append([(a, b) for a, b, ndim in g.owned_segments() if ndim >= 2])
         self._cpu_adam = None
         if offload:  # the host Adam owns its moments (allocated eagerly, counted as host optim bytes)
-            from memopt.strategies.cpu_adam import CPUAdamW
+            from memopt.optim.cpu_adam import CPUAdamW
 
             with _ctx(tracker, "optim", host=True):
                 self._cpu_adam = CPUAdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
@@ -98,24 +73,22 @@ class ShardedAdamW:
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        scale = self.precision.loss_scale
         grads = [g.grad_shard for g in self.groups]
         for i, g in enumerate(grads):
             if g is None:  # a group without gradients (frozen): zeros keep Adam's math uniform
-                with _ctx(self.tracker, "grads"):
+                with self.tracker.category("grads"):
                     grads[i] = torch.zeros_like(self.groups[i].full if self.groups[i].stage != 3 else self.groups[i].shard, dtype=torch.float32)[: self.master[i].numel()]
-        # overflow check, agreed by every rank
-        if self.precision.scaler is not None:
-            bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        dev = grads[0].device if grads else torch.device("cpu")
+        seq = StepSequence(self.precision, self.cfg.grad_clip, self.ctx, summed_over=self.ctx.size, device=dev)
+        bad = None
+        if self.precision.scaler is not None:  # overflow check, agreed by every rank
+            bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-            self.ctx.all_reduce_(bad, op=dist.ReduceOp.MAX)
-            overflow = bool(bad.item())
-            self.precision.scaler.update(overflow)
-            if overflow:
-                self.zero_grad()
-                return StepResult(True, float("nan"), scale)
-        inv = 1.0 / (scale * (self.ctx.world_size if self.ctx.enabled else 1))
+        if seq.skip(bad):
+            self.zero_grad()
+            return seq.skipped()
+        inv = seq.inv
         # fp32 gradients are scaled in place; low-precision ones (ddp/zero1 views of an fp16/bf16
         # buffer) are converted to fp32 SLICE elements at a time, once for the norm and again for
         # the update, so that no fp32 copy of the gradients exists (the temporary is a few MiB,
@@ -142,11 +115,7 @@ class ShardedAdamW:
                     x = g
                 sq = sq + x.pow(2).sum()
                 del x
-        if self.ctx.enabled and any(gr.sharded for gr in self.groups):
-            self.ctx.all_reduce_(sq)
-        norm = math.sqrt(sq.item())
-        clip = self.cfg.grad_clip
-        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
+        norm, coef = seq.clip(sq, sharded=any(gr.sharded for gr in self.groups))
         if coef is not None and f32:
             torch._foreach_mul_(f32, coef)
 
@@ -181,7 +150,7 @@ class ShardedAdamW:
                     del x
         self._write_back()
         self.zero_grad()
-        return StepResult(False, norm, scale)
+        return seq.done(norm)
 
     def _decay(self, lr: float) -> None:
         wd = self.cfg.weight_decay
@@ -206,7 +175,7 @@ class ShardedAdamW:
             if g.sharded and g.stage in (1, 2):
                 with _ctx(self.tracker, "temp"):
                     mine = dst.clone()
-                all_gather_single(g.full, mine)
+                self.ctx.all_gather(g.full, mine)
 
     def zero_grad(self) -> None:
         for g in self.groups:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from memopt.strategies.chunk.chunk import TensorState
-from memopt.strategies.chunk.manager import ChunkManager
+from memopt.engines.chunk.chunk import TensorState
+from memopt.engines.chunk.manager import ChunkManager
 
 
 class _PreBackward(torch.autograd.Function):

@@ -29,8 +29,8 @@ import math
 
 import torch
 
-from memopt.strategies.chunk.chunk import DEVICE, HOST, Chunk, TensorInfo, TensorState
-from memopt.strategies.chunk.tracer import MemTracer
+from memopt.engines.chunk.chunk import DEVICE, HOST, Chunk, TensorInfo, TensorState
+from memopt.engines.chunk.tracer import MemTracer
 
 ALIGN = 1024  # chunk sizes the search considers are multiples of this many elements
 

@@ -1,7 +1,7 @@
-"""Typed configs of the chunk engine (PatrickStar) and its two add-ons.
-
-``+strategy=chunk`` selects the engine (``strategy.chunk``), ``+strategy=static_partition`` and
-``+strategy=hybrid_adam`` pull it in through their own defaults lists. The ratio names and defaults
+"""``+strategy=chunk`` (PatrickStar's chunk memory manager) and its add-ons ``static_partition`` and
+``hybrid_adam``: their typed options and rules. The engine that implements them is
+``memopt/engines/chunk/`` (chosen when ``engine=memopt`` and ``chunk`` is selected); the
+``hybrid_adam`` / ``hybrid_adam_bf16`` presets pull ``chunk`` in through their defaults lists. The ratio names and defaults
 are PatrickStar's ``mem_tracer`` settings (its optimization-options page).
 
 Budgets, in the order they are derived:
@@ -27,6 +27,9 @@ fraction of ``D`` so that a test can shrink the whole device with one number.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from memopt.errors import ConfigError
+from memopt.strategies.base import Strategy, register
 
 
 @dataclass
@@ -67,30 +70,44 @@ class HybridAdamConfig:
     max_device_chunks: int | None = None  # optional cap on the optimizer chunk groups kept on the device
 
 
-def validate(chunk: ChunkConfig | None, static: StaticPartitionConfig | None, hybrid: HybridAdamConfig | None) -> None:
-    """Field rules; raise ValueError naming the field (config.validate turns it into a ConfigError)."""
-    if chunk is None:
-        for name, v in (("static_partition", static), ("hybrid_adam", hybrid)):
-            if v is not None:
-                raise ValueError(f"strategy {name} needs strategy chunk (the chunk engine): use +strategy=[chunk,{name}]"
-                                 + (" or the +strategy=hybrid_adam preset" if name == "hybrid_adam" else ""))
-        return
-    if chunk.chunk_size is not None and chunk.chunk_size < 0:
-        raise ValueError(f"strategy.chunk.chunk_size={chunk.chunk_size} must be > 0 (or null/0 to search a size)")
-    if chunk.device_budget_gb is not None and chunk.device_budget_gb <= 0:
-        raise ValueError(f"strategy.chunk.device_budget_gb={chunk.device_budget_gb} must be > 0 (or null)")
-    for name in ("warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio", "overall_cpu_mem_ratio", "margin_use_ratio"):
-        v = getattr(chunk, name)
-        if not 0 < v <= 1:
-            raise ValueError(f"strategy.chunk.{name}={v} must be in (0, 1]")
-    if chunk.mem_cache < 0:
-        raise ValueError(f"strategy.chunk.mem_cache={chunk.mem_cache} must be >= 0")
-    if chunk.monitor_interval_ms <= 0:
-        raise ValueError(f"strategy.chunk.monitor_interval_ms={chunk.monitor_interval_ms} must be > 0")
-    if chunk.cpu_adam_impl not in ("auto", "cpp", "torch"):
-        raise ValueError(f"strategy.chunk.cpu_adam_impl={chunk.cpu_adam_impl!r} is not one of: auto, cpp, torch")
-    if chunk.res_check and not chunk.release_after_init:
-        raise ValueError("strategy.chunk.res_check=true needs strategy.chunk.release_after_init=true "
-                         "(it checks that distributed init equals serial init)")
-    if hybrid is not None and hybrid.max_device_chunks is not None and hybrid.max_device_chunks < 0:
-        raise ValueError(f"strategy.hybrid_adam.max_device_chunks={hybrid.max_device_chunks} must be >= 0 (or null)")
+@register
+class Chunk(Strategy):
+    name, Config, phase, order, engine = "chunk", ChunkConfig, "partition", -1, "chunk"
+    excludes = ("cpu_offload",)
+    excludes_why = "the chunk engine is its own partitioner and keeps optimizer states on the host itself"
+    group, group_why = "partition", "the chunk engine is its own partitioner (and keeps optimizer states on the host)"
+
+    def validate(self, chunk: ChunkConfig, cfg) -> None:
+        if chunk.chunk_size is not None and chunk.chunk_size < 0:
+            raise ConfigError(f"strategy.chunk.chunk_size={chunk.chunk_size} must be > 0 (or null/0 to search a size)")
+        if chunk.device_budget_gb is not None and chunk.device_budget_gb <= 0:
+            raise ConfigError(f"strategy.chunk.device_budget_gb={chunk.device_budget_gb} must be > 0 (or null)")
+        for name in ("warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio", "overall_cpu_mem_ratio", "margin_use_ratio"):
+            v = getattr(chunk, name)
+            if not 0 < v <= 1:
+                raise ConfigError(f"strategy.chunk.{name}={v} must be in (0, 1]")
+        if chunk.mem_cache < 0:
+            raise ConfigError(f"strategy.chunk.mem_cache={chunk.mem_cache} must be >= 0")
+        if chunk.monitor_interval_ms <= 0:
+            raise ConfigError(f"strategy.chunk.monitor_interval_ms={chunk.monitor_interval_ms} must be > 0")
+        if chunk.cpu_adam_impl not in ("auto", "cpp", "torch"):
+            raise ConfigError(f"strategy.chunk.cpu_adam_impl={chunk.cpu_adam_impl!r} is not one of: auto, cpp, torch")
+        if chunk.res_check and not chunk.release_after_init:
+            raise ConfigError("strategy.chunk.res_check=true needs strategy.chunk.release_after_init=true "
+                              "(it checks that distributed init equals serial init)")
+
+
+@register
+class StaticPartition(Strategy):
+    name, Config, phase, engine = "static_partition", StaticPartitionConfig, "offload", "chunk"
+    requires, requires_why = ("chunk",), "the chunk engine"
+
+
+@register
+class HybridAdam(Strategy):
+    name, Config, phase, engine = "hybrid_adam", HybridAdamConfig, "offload", "chunk"
+    requires, requires_why = ("chunk",), "the chunk engine; or the +strategy=hybrid_adam preset"
+
+    def validate(self, hybrid: HybridAdamConfig, cfg) -> None:
+        if hybrid.max_device_chunks is not None and hybrid.max_device_chunks < 0:
+            raise ConfigError(f"strategy.hybrid_adam.max_device_chunks={hybrid.max_device_chunks} must be >= 0 (or null)")

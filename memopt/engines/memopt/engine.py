@@ -1,0 +1,87 @@
+"""``engine=memopt``: memopt's own implementation of precision, ddp / ZeRO 1-3 and ZeRO-Offload.
+
+The second half of the composition order (the first is ``memopt.compose.model_on_meta``):
+
+    precision (parameter dtype, autocast, loss scaler)
+    -> partitioner (flat groups over the dp_shard dimension; one rank is ddp with W=1)
+    -> materialise and initialise from the seed (every rank holds the single-process weights)
+    -> optimizer (fp32 master where needed; cpu_offload puts it and Adam on the host)
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from memopt.compose import materialize_params, model_on_meta
+from memopt.engines.base import PrecisionEngine
+from memopt.engines.memopt.flat import FlatGroup, plan_groups
+from memopt.engines.memopt.partitioner import Partitioner
+from memopt.optim.adamw import ShardedAdamW
+from memopt.optim.step import StepResult
+from memopt.strategies.precision import Precision
+from memopt.strategies.zero import selected_stage
+
+NAME = LABEL = "memopt"
+SUPPORTS = None  # every strategy that names no engine of its own (the chunk family names "chunk")
+PARALLEL = ("dp_shard",)  # mesh dimensions it partitions over; the others must be 1
+
+
+def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
+    model = model_on_meta(cfg, device, dims, tracker)
+    precision = Precision.of(cfg)
+    name, stage, opts = selected_stage(cfg)
+    part_dim = dims.dp_shard
+    if stage >= 1 and not part_dim.enabled:
+        warnings.warn(f"strategy {name} on one rank partitions nothing: it runs as plain data parallelism with "
+                      "world size 1 (launch several ranks with trainer.nproc_per_node=N or torchrun)", stacklevel=2)
+    plan = plan_groups(model, stage, getattr(opts, "bucket_mb", 0.0), precision.param_dtype)
+    materialize_params(model, device, precision.param_dtype)
+    groups = []
+    for gname, members in plan:
+        live = [(n, model.get_parameter(n), tuple(meta.shape)) for n, meta in members]
+        g = FlatGroup(gname, live, part_dim, precision.param_dtype, device, stage, tracker)
+        g.materialize(lambda n, shape: model.init_tensor(n, shape, cfg.seed))
+        groups.append(g)
+    tracker.register_module(model)
+    part = Partitioner(model, groups, stage, part_dim, overlap=opts.overlap_comm, prefetch=stage == 3 and opts.prefetch)
+    off = cfg.strategy.cpu_offload
+    optimizer = ShardedAdamW(groups, cfg.optim, precision, part_dim, tracker, offload=off is not None,
+                             pin_memory=off is not None and off.pin_memory)
+    return MemoptEngine(model, part, optimizer, precision, device, dims, tracker)
+
+
+class MemoptEngine(PrecisionEngine):
+    def __init__(self, model, partitioner: Partitioner, optimizer: ShardedAdamW, precision: Precision,
+                 device: torch.device, dims, tracker):
+        self.model, self.part, self.optimizer, self.precision = model, partitioner, optimizer, precision
+        self.device, self.dims, self.tracker = device, dims, tracker
+
+    def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
+        last = micro == n_micro - 1
+        self.part.sync_this_backward = last or self.part.stage >= 2
+        with self.tracker.retained("activations"), self.precision.autocast(self.device):
+            _, loss = self.model(x, y)
+        self.part.in_backward = True
+        try:
+            with self.tracker.category("temp"):
+                ((loss / n_micro) * self.precision.loss_scale).backward()
+        finally:
+            self.part.in_backward = False
+        if last:
+            self.part.finish_backward()
+        elif self.part.stage >= 2:
+            self.part.after_micro_backward()
+        return loss.detach()
+
+    def step(self, lr: float) -> StepResult:
+        return self.optimizer.step(lr)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        for g in self.part.groups:
+            g.gather()
+        try:
+            return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+        finally:
+            for g in self.part.groups:
+                g.release()

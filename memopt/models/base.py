@@ -1,0 +1,119 @@
+"""The model interface: everything strategies, engines and the trainer may rely on, for any model.
+
+torchtitan's model spec is the anchor: a model says how many parameters and FLOPs it has, how each
+parameter is initialised, which modules repeat, and which parts strategies may replace. Nothing
+outside ``memopt/models/`` names a model's attributes.
+
+    blocks                   ``nn.ModuleList`` of the repeated units, in forward order (checkpoint
+                             segments, ZeRO-3 groups, FSDP2 units, chunk order)
+    block_runner             slot: ``block_runner(blocks, x, *extra) -> x`` runs the stack; activation
+                             checkpointing replaces it. ``extra`` is model-specific (GPT: rotary tables)
+    slot(i, name)            replaceable parts of block i, named in ``SLOTS`` ("attention_core": q,k,v -> y
+    set_slot(i, name, m)     without parameters; "mlp": x -> x), for FlashAttention, selective
+                             checkpointing and MoE
+    init_tensor(name, shape, seed)   a parameter's initial value from (seed, name) alone, so every
+                             partitioning starts from the single-process weights
+    num_params(cfg), flops_per_token(cfg)   from the config alone (classmethods)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters (the ``model`` config group); ``arch`` picks the implementation."""
+
+    name: str = "gpt_tiny"
+    arch: str = "gpt"  # a key of memopt.models.MODELS
+    n_layer: int = 2  # transformer blocks
+    n_head: int = 4  # attention heads
+    d_model: int = 128  # residual width C
+    d_ff: int | None = None  # MLP hidden width; None means 4 * d_model
+    seq_len: int = 128  # maximum (and training) context length T
+    vocab_size: int = 256  # V; 256 covers the byte-level tokenizer
+    dropout: float = 0.0  # dropout on attention probs, residual branches and embeddings
+    pos_emb: str = "learned"  # learned | rope
+    attention: str = "sdpa"  # sdpa | naive (FlashAttention is a strategy: +strategy=flash_attn)
+    bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them)
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix
+    init_std: float = 0.02  # GPT-2 init; residual projections get init_std / sqrt(2 * n_layer)
+    ln_eps: float = 1e-5
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def run_sequential(blocks, x: torch.Tensor, *extra) -> torch.Tensor:
+    """The default ``block_runner``: each block in turn."""
+    for block in blocks:
+        x = block(x, *extra)
+    return x
+
+
+class Model(nn.Module):
+    """Base class of memopt's models (see the module docstring for the contract)."""
+
+    SLOTS: ClassVar[dict[str, str]] = {}  # slot name -> attribute path inside a block
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.block_runner = run_sequential  # subclasses register their modules (``blocks`` included) in forward order
+
+    # ---- from the config alone ---------------------------------------------------------------
+    @classmethod
+    def num_params(cls, cfg: ModelConfig) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def flops_per_token(cls, cfg: ModelConfig) -> float:
+        """Training FLOPs per token (forward + backward), recomputation not counted."""
+        raise NotImplementedError
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig) -> None:
+        """Shape rules; raise ConfigError naming the fields."""
+
+    # ---- initialisation ----------------------------------------------------------------------
+    def init_tensor(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The initial value of parameter ``name``: a float32 CPU tensor that depends on (seed, name) only."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        for name, p in self.named_parameters():
+            p.copy_(self.init_tensor(name, tuple(p.shape), seed))
+
+    # ---- slots -------------------------------------------------------------------------------
+    def slot(self, i: int, name: str) -> nn.Module:
+        return self.blocks[i].get_submodule(self._slot_path(name))
+
+    def set_slot(self, i: int, name: str, module: nn.Module) -> None:
+        parent, _, leaf = self._slot_path(name).rpartition(".")
+        setattr(self.blocks[i].get_submodule(parent) if parent else self.blocks[i], leaf, module)
+
+    def _slot_path(self, name: str) -> str:
+        if name not in self.SLOTS:
+            raise KeyError(f"{type(self).__name__} has no slot {name!r}; slots: {', '.join(self.SLOTS)}")
+        return self.SLOTS[name]
+
+    def block_params(self) -> list[list[str]]:
+        """Parameter names of each block (first name of tied parameters), then the rest as one last list."""
+        owner: dict[int, int] = {}
+        for i, b in enumerate(self.blocks):
+            for p in b.parameters():
+                owner.setdefault(id(p), i)
+        out: list[list[str]] = [[] for _ in range(len(self.blocks) + 1)]
+        for name, p in self.named_parameters():
+            out[owner.get(id(p), len(self.blocks))].append(name)
+        return out
