@@ -74,4 +74,4 @@ def ratios(runs: list[Run], baselines: dict[str, Run]) -> list[Ratio]:
                          peak_device=_div(r.peaks("device").get("total"), b.peaks("device").get("total")),
                          peak_host=_div(r.peaks(HOST).get("total"), b.peaks(HOST).get("total")),
                          loss_delta=loss[0] - loss[1] if None not in loss else None))
-    return out
+    return out if any(q.run is not q.base for q in out) else []  # one run against itself says nothing

@@ -14,15 +14,15 @@ QUICK = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=1", "
          "trainer.save_checkpoint=false", "trainer.throughput_warmup_steps=1"]
 
 
-def env() -> dict:
-    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=REPO)
+def env(**extra: str) -> dict:
+    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=REPO, **extra)
     e.pop("WANDB_API_KEY", None)
     return e
 
 
-def run_module(module: str, args: list[str], cwd: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+def run_module(module: str, args: list[str], cwd: str, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def summaries(sweep: str) -> dict[str, dict]:
