@@ -37,12 +37,13 @@ def make_wandb_report(runs: list[Run], out_dir: str) -> str:
 
     spec = wr.build_spec(runs)
     path = wr.write_spec(spec, out_dir)
+    later = f"publish it later with:\n  {wr.publish_command(path, runs)}"
     if wandb_mode("auto") == "online":
         try:
             return f"W&B report: {wr.publish(spec)}"
         except Exception as e:  # no package, no network: the spec is on disk
-            return f"W&B report not published ({type(e).__name__}: {e}); spec in {path}; publish with:\n  {wr.publish_command(path, runs)}"
-    return f"W&B report spec written to {path} (no W&B credentials); publish it later with:\n  {wr.publish_command(path, runs)}"
+            return f"W&B report not published ({type(e).__name__}: {e}); spec in {path}; {later}"
+    return f"W&B report spec written to {path} (no W&B credentials); {later}"
 
 
 def gather(sources: list[str], api=None) -> list[Run]:
