@@ -12,6 +12,7 @@ from memopt.report.baseline import Ratio
 from memopt.report.collect import CATEGORIES, HOST, Run
 
 MiB = 2**20
+DASHES = ("-", "--", ":", "-.")
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868", "activations": "#c44e52",
           "temp": "#8172b3", "chunks": "#937860", "other": "#999999"}
 
@@ -96,9 +97,10 @@ def loss_curves(runs: list[Run], path: str) -> str | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in runs:
+    for i, r in enumerate(runs):  # strategies keep the math, so curves often coincide: vary the dashes
         recs = [m for m in r.metrics if "loss" in m]
-        (line,) = ax.plot([m["step"] for m in recs], [m["loss"] for m in recs], label=r.label, linewidth=1.2)
+        (line,) = ax.plot([m["step"] for m in recs], [m["loss"] for m in recs], label=r.label, linewidth=1.4,
+                          linestyle=DASHES[i % len(DASHES)])
         val = [m for m in r.metrics if isinstance(m.get("val_loss"), (int, float))]
         if val:
             ax.plot([m["step"] for m in val], [m["val_loss"] for m in val], "o", color=line.get_color(), markersize=4)
