@@ -42,7 +42,7 @@ def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dic
 
     containers = []
     for overrides, run_dir in jobs:
-        cfg = compose_config(overrides)
+        cfg = compose_config([*overrides, f"trainer.nproc_per_node={nproc}"])  # the world the jobs run in
         validate(to_dataclass(cfg))
         containers.append((OmegaConf.to_container(cfg, resolve=True), run_dir))
     return launch(nproc, run_many, containers)[0]

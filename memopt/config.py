@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from memopt import engines
-from memopt.data import DataConfig
+from memopt.data import BYTE_VOCAB, DataConfig
 from memopt.errors import ConfigError
 from memopt.memory.hardware import HardwareConfig
 from memopt.models import ModelConfig, model_class
@@ -131,6 +131,16 @@ def validate(cfg: TrainConfig) -> None:
     _one_of("optim.schedule", o.schedule, ("cosine", "constant"))
     if o.lr <= 0 or o.grad_clip < 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0 and optim.grad_clip={o.grad_clip} >= 0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two values in [0, 1) (e.g. [0.9,0.95])")
+    for name, value, ok, want in (("eps", o.eps, o.eps > 0, "> 0"), ("weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+                                  ("min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+                                  ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0")):
+        if not ok:
+            raise ConfigError(f"optim.{name}={value} must be {want}")
+    if cfg.model.vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte-level vocabulary of "
+                          f"data={cfg.data.name} ({BYTE_VOCAB} token ids); use model.vocab_size>={BYTE_VOCAB}")
     _one_of("logger.name", cfg.logger.name, ("wandb", "none"))
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     validate_strategies(cfg)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 
+BYTE_VOCAB = 256  # token ids of every corpus: one UTF-8 byte each
+
 @dataclass
 class DataConfig:
     """The ``data`` config group."""
@@ -54,7 +56,7 @@ def load_tokens(cfg: DataConfig, seed: int = 0) -> torch.Tensor:
             raise DataError(f"data.path={cfg.path!r}: not valid UTF-8 ({e})") from None
     elif cfg.name == "synthetic":
         g = torch.Generator().manual_seed(seed + 12345)
-        return torch.randint(0, 256, (cfg.synthetic_tokens,), generator=g, dtype=torch.uint8)
+        return torch.randint(0, BYTE_VOCAB, (cfg.synthetic_tokens,), generator=g, dtype=torch.uint8)
     else:
         raise DataError(f"data.name={cfg.name!r} is not one of: pydoc, text_file, synthetic")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -109,10 +109,12 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
         results = launch(nproc, run_rank, resolved, run_dir, group)
     except RankFailure as e:
         path = os.path.join(run_dir, "summary.json")
-        summary = {}
+        from memopt.sweep import job_identity
+
+        summary = job_identity(OmegaConf.create(resolved))  # a rank that died before its Trainer wrote nothing
         if os.path.exists(path):
             with open(path) as f:
-                summary = json.load(f)
+                summary.update(json.load(f))
         summary.update(status=summary.get("status") if summary.get("status") in ("oom", "refused") else "failed",
                        error=str(e), failed_rank=e.rank)
         write_json(path, summary)

@@ -13,7 +13,6 @@ With ``cpu_offload`` the master, the Adam moments and the step live on the host 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 

@@ -86,6 +86,13 @@ def test_several_strategies_append():
         (["model.n_head=3"], ["model.d_model=128", "model.n_head=3"]),
         (["trainer.micro_batch_size=0"], ["trainer.micro_batch_size"]),
         (["+strategy=fp16", "strategy.fp16.params=int8"], ["strategy.fp16.params", "int8"]),
+        (["optim.betas=[1.5,2.0]"], ["optim.betas=[1.5, 2.0]", "[0, 1)"]),
+        (["optim.min_lr_ratio=-0.5"], ["optim.min_lr_ratio=-0.5", "[0, 1]"]),
+        (["optim.eps=0"], ["optim.eps=0", "> 0"]),
+        (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", ">= 0"]),
+        (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
+        (["model.attention=flash"], ["model.attention='flash'", "+strategy=flash_attn"]),
+        (["model.arch=llama"], ["model.arch='llama'", "gpt"]),
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):

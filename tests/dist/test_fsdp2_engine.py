@@ -42,7 +42,10 @@ MATRIX = {
     "zero3_fp16": (["+strategy=[zero3,fp16]", *FP16, "trainer.max_steps=4"], "fp16"),
     "zero2_fp16_autocast": (["+strategy=[zero2,fp16]", *FP16, "strategy.fp16.params=fp32", "trainer.max_steps=4"], "fp16"),
     "zero3_fp16_overflow": (["+strategy=[zero3,fp16]", "strategy.fp16.init_scale=1048576", "trainer.max_steps=4"], "fp16"),
+    "zero3_hsdp": (["+strategy=zero3", "trainer.max_steps=4"], "fp32"),
 }
+# overrides for the FSDP2 job only: HSDP (2 replicas of an unsharded model) against memopt's zero3 over 2 ranks
+FSDP2_ONLY = {"zero3_hsdp": ["parallel.dp_replicate=2"]}
 
 
 def records(run_dir):
@@ -57,7 +60,8 @@ def results(tmp_path_factory):
     for name, (over, _) in MATRIX.items():
         for engine in ("fsdp2", "memopt"):
             keys.append((name, engine))
-            jobs.append((BASE + [f"engine={engine}", *over], str(root / name / engine)))
+            extra = FSDP2_ONLY.get(name, []) if engine == "fsdp2" else []
+            jobs.append((BASE + [f"engine={engine}", *over, *extra], str(root / name / engine)))
     return root, dict(zip(keys, run_jobs_on_ranks(2, jobs)))
 
 
@@ -80,6 +84,11 @@ def test_fsdp2_follows_memopt(results, name):
         assert [(r["loss_scale"], r["skipped_steps"]) for r in got] == [(r["loss_scale"], r["skipped_steps"]) for r in ref]
     if name == "zero3_fp16_overflow":
         assert [r["skipped_steps"] for r in got] == [1, 2, 3, 4]
+    if name == "zero3_hsdp":  # replicate x shard = 2 x 1 on the mesh: every rank holds the whole model
+        assert s["parallel"]["dp"] == 2 and s["parallel"]["dp_shard"] == 1
+        sharded = summaries[("zero3_hsdp", "memopt")]["peak_bytes"]["0"]["cpu"]["params"]
+        n = s["params"] * 4  # fp32 parameter bytes of the whole model (from the config)
+        assert peaks["params"] >= n > sharded
 
 
 def test_full_state_dict_matches_memopt(results):

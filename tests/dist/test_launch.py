@@ -34,6 +34,7 @@ def test_a_crashing_rank_stops_the_job_and_is_named(tmp_path):
     assert "rank 1 failed" in p.stderr and "injected fault" in p.stderr
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "failed" and s["failed_rank"] == 1 and "injected fault" in s["error"]
+    assert s["engine"] == "memopt" and s["strategy"] == [] and s["world_size"] == 2  # what the job was asked to run
 
 
 def test_runs_unchanged_under_torchrun(tmp_path):

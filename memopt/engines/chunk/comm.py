@@ -42,7 +42,6 @@ moment needs room. 0 turns the cache off.
 from __future__ import annotations
 
 import collections
-import contextlib
 from dataclasses import dataclass
 
 import torch
