@@ -29,6 +29,22 @@ def model_on_meta(cfg, device: torch.device, dims, tracker) -> Model:
     return model
 
 
+def num_params(cfg) -> int:
+    """Parameters of the composed model (the model's count, changed by model-phase strategies such as moe)."""
+    n = model_class(cfg.model).num_params(cfg.model)
+    for strategy, opts in selected(cfg, "model"):
+        n = strategy.num_params(n, opts, cfg)
+    return n
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token of the composed model (moe: only the active experts count)."""
+    f = model_class(cfg.model).flops_per_token(cfg.model)
+    for strategy, opts in selected(cfg, "model"):
+        f = strategy.flops_per_token(f, opts, cfg)
+    return f
+
+
 def materialize_params(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, storage: bool = False) -> None:
     """Replace meta parameters by parameters on ``device`` (ties kept): empty ones that the engine
     gives storage later, or (``storage``) full-size uninitialised ones."""

@@ -15,14 +15,13 @@ import time
 import traceback
 import torch
 
-from memopt import engines
+from memopt import compose, engines
 from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
 from memopt.errors import ConfigError
 from memopt.logging import RunLogger, atomic_write_bytes
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
-from memopt.models import model_class
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
 
@@ -65,7 +64,7 @@ class Trainer:
         run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
         self.summary = {
             "status": "failed", "engine": cfg.engine.name, "strategy": strategies, "model": cfg.model.name,
-            "params": model_class(cfg.model).num_params(cfg.model), "world_size": self.world, "seed": cfg.seed,
+            "params": compose.num_params(cfg), "world_size": self.world, "seed": cfg.seed,
             "parallel": self.dims.summary(),
         }
         self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0)
@@ -100,7 +99,7 @@ class Trainer:
         engine.model.train()
 
         tokens_per_step = t.micro_batch_size * t.grad_accum * dp.size * cfg.model.seq_len
-        fpt = model_class(cfg.model).flops_per_token(cfg.model)
+        fpt = compose.flops_per_token(cfg)  # model-phase strategies included (moe: active experts only)
         peak = peak_tflops_for(hw, engine.compute_dtype_name)
         self.summary.update(flops_per_token=fpt, tokens_per_step=tokens_per_step, hardware=hw.name,
                             peak_tflops_per_device=peak)
@@ -150,6 +149,7 @@ class Trainer:
                 step_metrics = getattr(engine, "step_metrics", None)
                 if step_metrics is not None:  # engine-specific placement (the chunk engine's chunks on device, ...)
                     rec["chunk"] = step_metrics()
+                rec.update(engine.model.step_metrics())  # statistics of the model's parts (MoE routing: "moe"), nested
                 if tracker.enabled:
                     rec["peak_bytes"] = {d: v["total"] for d, v in tracker.peaks().items()}
                     rec["live_bytes"] = {d: tracker.live_bytes(d) for d in tracker.live}

@@ -75,6 +75,14 @@ class PrecisionEngine(Engine):
         return self.precision.name
 
 
+def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:
+    """The objective to differentiate: the language-model loss plus the model's auxiliary loss terms
+    (``Model.aux_loss``: MoE load balancing, router z-loss), which engines keep out of the reported loss.
+    Without such terms it is ``loss`` itself (no extra operation, so dense runs are unchanged)."""
+    aux = model.aux_loss()
+    return loss if aux is None else loss + aux.to(loss.dtype)
+
+
 def refuse_unsupported(cfg, name: str, label: str, supports) -> None:
     """ConfigError naming the first selected strategy that engine ``name`` does not implement."""
     if supports is None:

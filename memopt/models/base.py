@@ -13,7 +13,11 @@ outside ``memopt/models/`` names a model's attributes.
                              checkpointing and MoE
     init_tensor(name, shape, seed)   a parameter's initial value from (seed, name) alone, so every
                              partitioning starts from the single-process weights
-    num_params(cfg), flops_per_token(cfg)   from the config alone (classmethods)
+    num_params(cfg), flops_per_token(cfg)   from the config alone (classmethods); mlp_params(cfg, d_ff)
+                             the parameters of one block's dense ``mlp`` slot (MoE counts its experts)
+    aux_loss()               loss terms the model's parts added in the last training forward (MoE load
+                             balancing, router z-loss); engines add them to the loss they differentiate
+    step_metrics()           statistics the parts kept since the last call (MoE routing), logged per step
 """
 from __future__ import annotations
 
@@ -81,6 +85,11 @@ class Model(nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def mlp_params(cls, cfg: ModelConfig, d_ff: int | None = None) -> int:
+        """Parameters of one block's dense MLP with hidden width ``d_ff`` (None: the model's)."""
+        raise NotImplementedError
+
+    @classmethod
     def validate(cls, cfg: ModelConfig) -> None:
         """Shape rules; raise ConfigError naming the fields."""
 
@@ -93,6 +102,28 @@ class Model(nn.Module):
     def init_weights(self, seed: int) -> None:
         for name, p in self.named_parameters():
             p.copy_(self.init_tensor(name, tuple(p.shape), seed))
+
+    # ---- what the model's parts add to the objective and to the run records ------------------
+    # A part (module) may define ``take_aux_loss() -> Tensor | None`` (its weighted loss term of the
+    # last training forward, handed out once) and carry ``stats``, an object with ``report() -> dict``
+    # shared by the parts of one kind (nested metrics, reset on report). Models without such parts
+    # return None / {} and their runs are unchanged.
+    def aux_loss(self) -> torch.Tensor | None:
+        """The sum of the parts' loss terms of the last training forward; None when there are none.
+        Call once per training forward: engines differentiate ``loss + aux_loss()`` and record ``loss``."""
+        terms = [t for m in self.modules() if hasattr(m, "take_aux_loss") and (t := m.take_aux_loss()) is not None]
+        return sum(terms[1:], terms[0]) if terms else None
+
+    def step_metrics(self) -> dict:
+        """The parts' statistics since the last call, merged (MoE: ``{"moe": {...}}``); {} without any.
+        Parts may average over data-parallel ranks: call on every rank."""
+        out, seen = {}, set()
+        for m in self.modules():
+            stats = getattr(m, "stats", None)
+            if stats is not None and hasattr(stats, "report") and id(stats) not in seen:
+                seen.add(id(stats))
+                out.update(stats.report())
+        return out
 
     # ---- slots -------------------------------------------------------------------------------
     def slot(self, i: int, name: str) -> nn.Module:

@@ -37,11 +37,17 @@ def count_params(cfg: GPTConfig) -> int:
     b = 1 if cfg.bias else 0
     ln = C * (1 + b)
     attn = C * 3 * C + b * 3 * C + C * C + b * C
-    mlp = C * F_ + b * F_ + F_ * C + b * C
+    mlp = mlp_params(cfg)
     block = 2 * ln + attn + mlp
     emb = V * C + (T * C if cfg.pos_emb == "learned" else 0)
     head = 0 if cfg.tie_embeddings else V * C
     return L * block + emb + ln + head
+
+
+def mlp_params(cfg: GPTConfig, d_ff: int | None = None) -> int:
+    """Parameters of one block's MLP (fc and proj, with their biases) of hidden width d_ff (None: cfg.ff)."""
+    C, F_, b = cfg.d_model, d_ff if d_ff is not None else cfg.ff, 1 if cfg.bias else 0
+    return C * F_ + b * F_ + F_ * C + b * C
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
@@ -196,6 +202,10 @@ class GPT(Model):
         return flops_per_token(cfg)
 
     @classmethod
+    def mlp_params(cls, cfg: GPTConfig, d_ff: int | None = None) -> int:
+        return mlp_params(cfg, d_ff)
+
+    @classmethod
     def validate(cls, cfg: GPTConfig) -> None:
         for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
             if getattr(cfg, name) < 1:
@@ -220,7 +230,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: GPTConfig) ->
     """The initial value of parameter ``name`` (a float32 CPU tensor).
 
     GPT-2 init: normal(0, init_std) for matrices and embeddings, init_std / sqrt(2 L) for the
-    residual output projections, zeros for biases, ones for LayerNorm weights. Values are drawn on
+    residual output projections (every ``proj`` of attention and MLP, MoE experts' included), zeros for biases, ones for LayerNorm weights. Values are drawn on
     the CPU in float32 with a per-parameter generator seeded from (seed, name), then copied to the
     parameter's device and dtype, so they are identical on every device, rank and partitioning.
     """
@@ -230,7 +240,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, cfg: GPTConfig) ->
     if ".ln" in "." + name:  # LayerNorm weights: blocks.i.ln1/ln2, ln_f
         return torch.ones(shape)
     std = cfg.init_std
-    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+    if name.endswith(".proj.weight") and (".attn." in name or ".mlp." in name):  # mlp.experts.<e>.proj too
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     return torch.randn(shape, generator=g) * std

@@ -67,6 +67,16 @@ class Strategy:
         """Model-phase strategies: change ``model`` (on meta) in place."""
         raise NotImplementedError(f"strategy {self.name} has no model step (phase {self.phase})")
 
+    # A model-phase strategy that changes the architecture (moe) also changes what the model's
+    # classmethods count from the config; ``memopt.compose`` folds these in, in registry order.
+    def num_params(self, n: int, opts, cfg) -> int:
+        """The model's parameter count once this strategy is applied (``n``: the count before it)."""
+        return n
+
+    def flops_per_token(self, f: float, opts, cfg) -> float:
+        """Training FLOPs per token once this strategy is applied (``f``: the count before it)."""
+        return f
+
 
 _REGISTRY: dict[str, Strategy] = {}
 

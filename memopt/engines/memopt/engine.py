@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine
+from memopt.engines.base import PrecisionEngine, with_aux_loss
 from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
 from memopt.optim.adamw import ShardedAdamW
@@ -62,10 +62,11 @@ class MemoptEngine(PrecisionEngine):
         self.part.sync_this_backward = last or self.part.stage >= 2
         with self.tracker.retained("activations"), self.precision.autocast(self.device):
             _, loss = self.model(x, y)
+        objective = with_aux_loss(self.model, loss)
         self.part.in_backward = True
         try:
             with self.tracker.category("temp"):
-                ((loss / n_micro) * self.precision.loss_scale).backward()
+                ((objective / n_micro) * self.precision.loss_scale).backward()
         finally:
             self.part.in_backward = False
         if last:
