@@ -81,7 +81,7 @@ def route(logits: torch.Tensor, top_k: int, cap: int | None):
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Switch / GShard auxiliary loss E * sum_e f_e P_e (f from the first choices)."""
     E = probs.size(-1)
-    f = F.one_hot(experts[:, 0], E).float().mean(0)  # (E,) fraction of tokens whose first choice is e
+    f = F.one_hot(experts[:, 0], E).to(probs.dtype).mean(0)  # (E,) fraction of tokens whose first choice is e
     P = probs.mean(0)  # (E,) mean router probability
     return E * (f * P).sum()
 
@@ -174,8 +174,9 @@ class MoE(nn.Module):
         B, T, C = x.shape
         S, E, k = B * T, self.num_experts, self.top_k
         xs = x.reshape(S, C)  # (S, C)
+        rdt = torch.promote_types(xs.dtype, torch.float32)  # fp32 for fp16/bf16/fp32 (float64 stays: tests)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(xs.float(), self.router.weight.float())  # (S, E) fp32
+            logits = F.linear(xs.to(rdt), self.router.weight.to(rdt))  # (S, E) fp32
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         cap = capacity(S, E, k, factor, self.min_capacity) if self.drop_tokens else None
         probs, experts, weights, position, keep, load = route(logits, k, cap)
