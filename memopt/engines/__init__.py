@@ -11,7 +11,7 @@ import importlib
 from memopt.engines.base import refuse_unsupported
 from memopt.errors import ConfigError
 from memopt.parallel.dims import expected_world, resolve_sizes
-from memopt.strategies.base import selected
+from memopt.strategies.base import registry, selected
 
 ENGINES = {
     "memopt": "memopt.engines.memopt",
@@ -50,6 +50,12 @@ def validate(cfg) -> None:
                 f"parallel.{dim}={sizes[dim]} is not supported by {mod.LABEL} (engine={cfg.engine.name}): it uses "
                 f"the {', '.join(mod.PARALLEL)} dimension only; set parallel.{dim}=1"
                 + (" (replicate x shard is built for engine=fsdp2: HSDP)" if dim == "dp_replicate" else ""))
+    for dim in ("ep", "tp"):  # model-parallel dimensions: some selected strategy must split work over them
+        if sizes[dim] > 1 and not any(dim in s.uses for s, _ in selected(cfg)):
+            users = [n for n, s in registry().items() if dim in s.uses]
+            raise ConfigError(f"parallel.{dim}={sizes[dim]} is not supported without a strategy that splits work over "
+                              f"it (" + (", ".join(f"+strategy={u}" for u in users) or "none is built") +
+                              f"); set parallel.{dim}=1")
     if hasattr(mod, "validate"):
         mod.validate(cfg)  # its own refusals, the unsupported strategies included
     else:

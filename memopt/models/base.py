@@ -125,6 +125,18 @@ class Model(nn.Module):
                 out.update(stats.report())
         return out
 
+    def param_dims(self) -> dict[str, str]:
+        """Parameter name -> the data-parallel dimension (a ``ParallelDims`` name) that averages its
+        gradients and partitions its states, for the parameters of modules that set ``dp_dim``
+        (expert-parallel MoE experts: ``edp``, the ranks holding the same experts); the others are
+        absent and use the engine's own dimension (``dp_shard``)."""
+        out: dict[str, str] = {}
+        for prefix, mod in self.named_modules():
+            dim = getattr(mod, "dp_dim", None)
+            if dim:
+                out.update({n: dim for n, _ in mod.named_parameters(prefix=prefix)})
+        return out
+
     # ---- slots -------------------------------------------------------------------------------
     def slot(self, i: int, name: str) -> nn.Module:
         return self.blocks[i].get_submodule(self._slot_path(name))

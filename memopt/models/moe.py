@@ -163,6 +163,8 @@ class MoE(nn.Module):
         first = (ep.rank if ep is not None else 0) * self.local
         self.router = nn.Linear(d_model, num_experts, bias=False)  # (E, C)
         self.experts = nn.ModuleDict({str(e): Expert(d_model, d_ff, bias, dropout) for e in range(first, first + self.local)})
+        if P > 1:  # each expert lives on the ranks of its edp group only: data-parallel over those
+            self.experts.dp_dim = "edp"
         self._aux: torch.Tensor | None = None  # the weighted loss term of the last training forward
         self._pending: tuple | None = None  # its statistics, committed when the term is taken
 

@@ -103,7 +103,10 @@ class ShardedAdamW:
             torch._foreach_mul_(f32, inv)
         # global norm over the owned ranges (padding is zero); sum over ranks when sharded
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        other = [i for i, gr in enumerate(self.groups) if gr.ctx is not self.ctx]  # over another dimension (experts: edp)
         for i, g in enumerate(grads):
+            if i in other:
+                continue
             for sl in slices(i):
                 if low[i]:
                     with _ctx(self.tracker, "temp"):
@@ -114,7 +117,10 @@ class ShardedAdamW:
                     x = g
                 sq = sq + x.pow(2).sum()
                 del x
-        norm, coef = seq.clip(sq, sharded=any(gr.sharded for gr in self.groups))
+        sharded = any(gr.sharded for gr in self.groups)
+        if other:
+            sq, sharded = self._norm_over_dims(sq, grads, other, inv), True
+        norm, coef = seq.clip(sq, sharded=sharded)
         if coef is not None and f32:
             torch._foreach_mul_(f32, coef)
 
@@ -151,6 +157,21 @@ class ShardedAdamW:
         self.zero_grad()
         return seq.done(norm)
 
+    def _norm_over_dims(self, sq: torch.Tensor, grads: list, other: list[int], inv: float) -> torch.Tensor:
+        """This rank's share of the squared norm when groups live on different dimensions (``sq``: the
+        groups over ``self.ctx``). Every element must count once in the sum over ``self.ctx``'s ranks:
+        a sharded group's owned slice is unique; a replicated group is held by every rank of its own
+        dimension, so its share is divided by that dimension's size (experts held only by their
+        expert-parallel rank then add up over ep)."""
+        if not any(self.groups[i].sharded for i in range(len(grads)) if i not in other):
+            sq = sq / self.ctx.size
+        for i in other:
+            g, gr = grads[i], self.groups[i]
+            x = g.float() * inv if g.dtype != torch.float32 else g  # fp32 gradients are already unscaled
+            part = x.pow(2).sum()
+            sq = sq + (part if gr.sharded else part / gr.ctx.size)
+        return sq
+
     def _decay(self, lr: float) -> None:
         wd = self.cfg.weight_decay
         if wd:
@@ -174,7 +195,7 @@ class ShardedAdamW:
             if g.sharded and g.stage in (1, 2):
                 with _ctx(self.tracker, "temp"):
                     mine = dst.clone()
-                self.ctx.all_gather(g.full, mine)
+                g.ctx.all_gather(g.full, mine)
 
     def zero_grad(self) -> None:
         for g in self.groups:

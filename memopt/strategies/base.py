@@ -59,6 +59,7 @@ class Strategy:
     excludes: ClassVar[tuple[str, ...]] = ()
     excludes_why: ClassVar[str] = ""
     engine: ClassVar[Optional[str]] = None
+    uses: ClassVar[tuple[str, ...]] = ()  # parallel dimensions besides data parallelism it splits work over (moe: ep)
 
     def validate(self, opts, cfg) -> None:
         """Rules on its own fields and against the model / trainer; raise ConfigError naming field and fix."""

@@ -47,6 +47,7 @@ def moe_blocks(opts: MoEConfig, n_layer: int) -> list[int]:
 @register
 class MoEStrategy(Strategy):
     name, Config, phase, order = "moe", MoEConfig, "model", 0
+    uses = ("ep",)  # experts are split over parallel.ep
 
     def validate(self, c: MoEConfig, cfg) -> None:
         p = "strategy.moe"

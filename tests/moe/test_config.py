@@ -61,3 +61,16 @@ def test_moe_blocks_and_init_names():
     resid = init_tensor("blocks.3.mlp.experts.3.proj.weight", (128, 512), 0, cfg.model).std()
     fc = init_tensor("blocks.3.mlp.experts.3.fc.weight", (512, 128), 0, cfg.model).std()
     assert resid == pytest.approx(0.02 / (2 * 4) ** 0.5, rel=0.02) and fc == pytest.approx(0.02, rel=0.02)
+
+
+def test_expert_parallel_refusals():
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 is not supported without a strategy .*\+strategy=moe"):
+        typed(["trainer.nproc_per_node=2", "parallel.ep=2", "trainer.save_checkpoint=false"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 with zero3 is not built"):
+        typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2", "+strategy=zero3", "trainer.save_checkpoint=false"])
+    with pytest.raises(ConfigError, match="trainer.save_checkpoint=false"):
+        typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 is not supported by"):
+        typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2", "+strategy=chunk", "trainer.save_checkpoint=false"])
+    cfg = typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2", "+strategy=zero2", "trainer.save_checkpoint=false"])
+    assert cfg.parallel.ep == 2

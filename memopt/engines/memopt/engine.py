@@ -14,17 +14,32 @@ import warnings
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, with_aux_loss
+from memopt.engines.base import PrecisionEngine, refuse_unsupported, with_aux_loss
 from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
+from memopt.errors import ConfigError
 from memopt.optim.adamw import ShardedAdamW
+from memopt.parallel.dims import expected_world, resolve_sizes
 from memopt.optim.step import StepResult
 from memopt.strategies.precision import Precision
 from memopt.strategies.zero import selected_stage
 
 NAME = LABEL = "memopt"
 SUPPORTS = None  # every strategy that names no engine of its own (the chunk family names "chunk")
-PARALLEL = ("dp_shard",)  # mesh dimensions it partitions over; the others must be 1
+PARALLEL = ("dp_shard", "ep")  # mesh dimensions it uses (ep: experts' groups over edp); the others must be 1
+
+
+def validate(cfg) -> None:
+    """What is not built with expert parallelism (parallel.ep > 1) yet, refused with the reason."""
+    refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
+    ep = resolve_sizes(cfg.parallel, expected_world(cfg))["ep"]
+    if ep > 1 and selected_stage(cfg)[1] == 3:
+        raise ConfigError(f"parallel.ep={ep} with zero3 is not built in engine=memopt: zero3 gathers one flat group "
+                          "per block over dp_shard, and parameters over edp would need their own gathers; use zero1/zero2 "
+                          "or parallel.ep=1")
+    if ep > 1 and cfg.trainer.save_checkpoint:
+        raise ConfigError(f"parallel.ep={ep}: the checkpoint is written from rank 0's weights, which hold only its own "
+                          "experts (gathering them over ep is not built); set trainer.save_checkpoint=false")
 
 
 def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
@@ -35,12 +50,13 @@ def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
     if stage >= 1 and not part_dim.enabled:
         warnings.warn(f"strategy {name} on one rank partitions nothing: it runs as plain data parallelism with "
                       "world size 1 (launch several ranks with trainer.nproc_per_node=N or torchrun)", stacklevel=2)
-    plan = plan_groups(model, stage, getattr(opts, "bucket_mb", 0.0), precision.param_dtype)
+    plan = plan_groups(model, stage, getattr(opts, "bucket_mb", 0.0), precision.param_dtype, model.param_dims())
     materialize_params(model, device, precision.param_dtype)
     groups = []
-    for gname, members in plan:
+    for gname, members, dim in plan:  # dim: another data-parallel dimension (MoE experts: edp), else part_dim
         live = [(n, model.get_parameter(n), tuple(meta.shape)) for n, meta in members]
-        g = FlatGroup(gname, live, part_dim, precision.param_dtype, device, stage, tracker)
+        g = FlatGroup(gname, live, part_dim if dim is None else getattr(dims, dim), precision.param_dtype, device,
+                      stage, tracker)
         g.materialize(lambda n, shape: model.init_tensor(n, shape, cfg.seed))
         groups.append(g)
     tracker.register_module(model)

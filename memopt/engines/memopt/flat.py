@@ -219,18 +219,35 @@ class FlatGroup:
                 p.grad = None
 
 
-def plan_groups(model, stage: int, bucket_mb: float, dtype: torch.dtype) -> list[tuple[str, list]]:
-    """Split the model's distinct parameters into (name, [(param_name, param)]) groups."""
+def plan_groups(model, stage: int, bucket_mb: float, dtype: torch.dtype,
+                param_dims: dict[str, str] | None = None) -> list[tuple[str, list, str | None]]:
+    """Split the model's distinct parameters into (name, [(param_name, param)], dim) groups.
+
+    ``param_dims`` (``Model.param_dims()``) names another data-parallel dimension for some
+    parameters (MoE experts: ``edp``): they get groups of their own, planned the same way after the
+    others and named ``<dim>_<group>``; dim None is the engine's own dimension. Without such
+    parameters the plan is the one-dimension plan."""
+    param_dims = param_dims or {}
     named, seen = [], set()
     for name, p in model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
             named.append((name, p))
+    plan = [(g, members, None) for g, members in _plan(model, stage, bucket_mb, dtype,
+                                                        [(n, p) for n, p in named if n not in param_dims])]
+    for dim in sorted(set(param_dims.values())):
+        mine = [(n, p) for n, p in named if param_dims.get(n) == dim]
+        plan += [(f"{dim}_{g}", members, dim) for g, members in _plan(model, stage, bucket_mb, dtype, mine)]
+    return plan
+
+
+def _plan(model, stage: int, bucket_mb: float, dtype: torch.dtype, named: list) -> list[tuple[str, list]]:
+    """Groups of the parameters ``named`` (zero3: by block, then the root; else size buckets)."""
     if stage == 3:  # one group per block, then the root (model.block_params(): blocks, then the rest)
         by_name = dict(named)
         *blocks, root = model.block_params()
-        groups = [(f"block{i}", [(n, by_name[n]) for n in names]) for i, names in enumerate(blocks)]
-        groups.append(("root", [(n, by_name[n]) for n in root]))
+        groups = [(f"block{i}", [(n, by_name[n]) for n in names if n in by_name]) for i, names in enumerate(blocks)]
+        groups.append(("root", [(n, by_name[n]) for n in root if n in by_name]))
         return [g for g in groups if g[1]]
     limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=dtype).element_size()))
     groups, cur, size = [], [], 0

@@ -49,7 +49,7 @@ class Partitioner:
         g = self._group_of[id(p)]
         g.ready += 1
         if g.ready == sum(q.requires_grad for q in g.params):
-            g.sync_grads(async_op=self.overlap and self.ctx.enabled)
+            g.sync_grads(async_op=self.overlap and g.ctx.enabled)  # the group's own dimension (experts: edp)
             if g.pending and self.stage >= 2:
                 self._inflight.append(g)
                 while len(self._inflight) > self.max_inflight:

@@ -1,0 +1,58 @@
+"""Expert parallelism on 2 gloo ranks (parallel.ep=2): each rank holds half of the experts, tokens
+travel by all_to_all, expert parameters are data-parallel over edp (size 1 here) and the rest over
+dp. The trajectory must follow the single process (ep=1) that sees the same micro-batches in the
+same grouping: micro-batch 4 x grad_accum 2 on one rank is rank 0's and rank 1's micro-batch 4 (the
+capacity and the router losses are per micro-batch of a rank, so both runs drop the same tokens).
+Tolerance 1e-5 relative (fp32): only the order of the gradient sums differs.
+
+Per-rank parameter bytes from the tracker: dense parameters in full plus half of the experts
+(fp32, padding of the flat groups to the dimension size at most a few elements)."""
+from __future__ import annotations
+
+import pytest
+
+from memopt import compose
+from memopt.api import run_jobs_on_ranks
+from tests.conftest import losses, train, typed
+
+STEPS = 4
+BASE = ["model=moe_tiny", "model.seq_len=64", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+        "trainer.eval_every=0", "optim.lr=3e-3", "optim.warmup_steps=1", "logger=none", "trainer.progress_bar=false",
+        "trainer.save_checkpoint=false", "trainer.micro_batch_size=4"]
+MATRIX = {"ddp": ["+strategy=ddp"], "zero1": ["+strategy=zero1"], "zero2": ["+strategy=zero2", "strategy.zero2.bucket_mb=0.5"]}
+
+
+def rel_err(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    jobs = [(BASE + ["parallel.ep=2", *extra], str(root / name)) for name, extra in MATRIX.items()]
+    summaries = run_jobs_on_ranks(2, jobs)
+    train(BASE + ["trainer.grad_accum=2"], str(root / "ref"))
+    return {name: (s, losses(str(root / name))) for name, s in zip(MATRIX, summaries)}, losses(str(root / "ref"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_ep2_follows_single_process(results, name):
+    runs, ref = results
+    summary, got = runs[name]
+    assert summary["status"] == "ok" and summary["parallel"]["ep"] == 2 and summary["parallel"]["edp"] == 1
+    assert len(got) == STEPS
+    assert rel_err(got, ref) <= 1e-5, f"{name}: {rel_err(got, ref):.2e} {got} {ref}"
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_of_the_experts(results):
+    summary, _ = results[0]["ddp"]
+    cfg = typed(BASE)
+    o = cfg.strategy.moe
+    total = compose.num_params(cfg)
+    experts = 2 * o.num_experts * (2 * 128 * 512 + 512 + 128)  # 2 MoE blocks x E experts (fc, proj, biases)
+    want = 4 * (total - experts // 2)
+    for rank in ("0", "1"):
+        got = summary["peak_bytes"][rank]["cpu"]["params"]
+        assert want <= got <= want + 4 * 8, (rank, got, want)
