@@ -1,4 +1,5 @@
-"""Formatting shared by the benchmark scripts: MiB, markdown tables, the header line naming the machine."""
+"""Shared by the benchmark scripts: MiB, markdown tables, the header line naming the machine, and
+where the runs go (W&B group per benchmark, run directories under outputs/bench/<name>/)."""
 from __future__ import annotations
 
 import datetime
@@ -21,14 +22,50 @@ def table(head: list, rows: list[list]) -> str:
 
 
 def machine_line() -> str:
-    """``date: ... machine: <CPU model>, <cores> cores, CUDA|CPU only  torch <version>``."""
+    """``date: ... machine: <CPU model> (family f model m; <SIMD flags>), <cores> cores, CUDA|CPU only  torch <version>``.
+
+    The CPU family/model and SIMD flags are there because the same model name covers CPUs whose
+    bf16/fp16 matmuls differ by 10x or more (AVX-512 BF16 vs an AVX2 fallback)."""
     import torch
 
     cpu = platform.processor() or platform.machine()
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            for line in f:
+                k, _, v = line.partition(":")
+                k = k.strip()
+                if not line.strip():
+                    break  # the first processor is enough
+                info.setdefault(k, v.strip())
+    except OSError:
         pass
+    cpu = info.get("model name", cpu)
+    if info:
+        flags = set(info.get("flags", "").split())
+        simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags] or ["no avx2"]
+        cpu += f" (family {info.get('cpu family', '?')} model {info.get('model', '?')}; {', '.join(simd)})"
     return (f"date: {datetime.date.today().isoformat()}  machine: {cpu}, {os.cpu_count()} cores, "
             f"{'CUDA' if torch.cuda.is_available() else 'CPU only'}  torch {torch.__version__}")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wandb_overrides(name: str) -> list[str]:
+    """Log every job of benchmark ``name`` to W&B in the group ``bench-<name>``: online with
+    credentials, offline otherwise (the run directory then holds ``wandb/offline-run-*``). The
+    trainer logs on rank 0 after a step's clock has stopped, so this does not enter the timings."""
+    return ["logger=wandb", f"logger.group=bench-{name}"]
+
+
+def bench_dir(name: str) -> str:
+    """A fresh directory for this invocation's runs, ``outputs/bench/<name>/<date>_<time>`` under the
+    repository (git-ignored; kept, so that offline W&B runs can be synced afterwards)."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path = os.path.join(REPO, "outputs", "bench", name, stamp)
+    n = 1
+    while os.path.exists(path):  # two invocations within a second
+        n += 1
+        path = os.path.join(REPO, "outputs", "bench", name, f"{stamp}-{n}")
+    os.makedirs(path)
+    return path

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from experiments.common import bench_dir, machine_line, wandb_overrides  # noqa: E402
 from memopt.api import run_jobs_on_ranks  # noqa: E402
 
 CONFIGS = {
@@ -35,11 +35,11 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--model", default="gpt_small")
     args = ap.parse_args()
-    base = [f"model={args.model}", "data=synthetic", "logger=none", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
+    base = [f"model={args.model}", "data=synthetic", *wandb_overrides("zero"), f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
             f"trainer.micro_batch_size={args.micro_batch}", "trainer.progress_bar=false", "trainer.save_checkpoint=false",
             "trainer.throughput_warmup_steps=1"]
-    with tempfile.TemporaryDirectory() as tmp:
-        summaries = run_jobs_on_ranks(args.nproc, [(base + extra, os.path.join(tmp, n.replace("+", "_"))) for n, extra in CONFIGS.items()])
+    tmp = bench_dir("zero")
+    summaries = run_jobs_on_ranks(args.nproc, [(base + extra, os.path.join(tmp, n.replace("+", "_"))) for n, extra in CONFIGS.items()])
     head = ["config", "rank"] + [f"{c} MiB" for c in CATS] + ["host MiB", "tokens/s", "total vs ddp", "speed vs ddp"]
     rows = [head]
     ref_total = {r: summaries[0]["peak_bytes"][r]["cpu" if "cpu" in summaries[0]["peak_bytes"][r] else next(iter(summaries[0]["peak_bytes"][r]))]["total"] for r in summaries[0]["peak_bytes"]}
@@ -52,6 +52,7 @@ def main() -> None:
                         [f"{devs.get('host', {}).get('total', 0) / 2**20:.1f}", f"{s['tokens_per_s']:,.0f}",
                          f"{cats['total'] / ref_total[rank]:.2f}", f"{s['tokens_per_s'] / ref_tok:.2f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    print(machine_line())
     print(f"model={args.model} ranks={args.nproc} micro_batch={args.micro_batch} steps={args.steps}")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
