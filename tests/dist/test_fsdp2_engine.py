@@ -86,9 +86,7 @@ def test_fsdp2_follows_memopt(results, name):
         assert [r["skipped_steps"] for r in got] == [1, 2, 3, 4]
     if name == "zero3_hsdp":  # replicate x shard = 2 x 1 on the mesh: every rank holds the whole model
         assert s["parallel"]["dp"] == 2 and s["parallel"]["dp_shard"] == 1
-        sharded = summaries[("zero3_hsdp", "memopt")]["peak_bytes"]["0"]["cpu"]["params"]
-        n = s["params"] * 4  # fp32 parameter bytes of the whole model (from the config)
-        assert peaks["params"] >= n > sharded
+        assert peaks["params"] >= s["params"] * 4  # the whole model's fp32 bytes (count from the config) on each rank
 
 
 def test_full_state_dict_matches_memopt(results):
