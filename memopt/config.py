@@ -9,6 +9,7 @@ engine for theirs; each names the fields and the fix.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     _one_of("trainer.mode", t.mode, ("train",))
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    if t.device == "cuda" and not _cuda_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available here; use trainer.device=cpu or auto")
+    cores = os.cpu_count() or 1
+    if t.device != "cuda" and not _cuda_available() and t.nproc_per_node > cores:
+        warnings.warn(f"trainer.nproc_per_node={t.nproc_per_node} CPU ranks on {cores} cores: each rank gets a fraction "
+                      f"of a core and steps slow down accordingly (use at most {cores})", stacklevel=2)
     for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "nproc_per_node"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 1")
@@ -145,6 +152,12 @@ def validate(cfg: TrainConfig) -> None:
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     validate_strategies(cfg)
     engines.validate(cfg)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def to_dataclass(cfg: DictConfig) -> TrainConfig:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memopt.errors import ConfigError
+
 
 BYTE_VOCAB = 256  # token ids of every corpus: one UTF-8 byte each
 
@@ -29,8 +31,9 @@ class DataConfig:
     synthetic_tokens: int = 1_000_000  # corpus length for name=synthetic (uniform random bytes)
 
 
-class DataError(ValueError):
-    """A data config that cannot produce batches (missing or empty file, unknown corpus)."""
+class DataError(ConfigError):
+    """A data config that cannot produce batches (missing or empty file, unknown corpus): found
+    before the model is built, so the run is ``refused`` like any other bad input."""
 
 
 def load_tokens(cfg: DataConfig, seed: int = 0) -> torch.Tensor:

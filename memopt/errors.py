@@ -1,4 +1,7 @@
-"""Error types shared across memopt."""
+"""Error types and run statuses shared across memopt."""
+
+# Every run ends with one status in summary.json and one process exit code (README, "Run records").
+EXIT_CODES = {"ok": 0, "failed": 1, "refused": 2, "oom": 3, "diverged": 4, "interrupted": 130}
 
 
 class ConfigError(ValueError):

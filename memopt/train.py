@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import json
 
 from memopt.config import ConfigError, register_configs, to_dataclass, validate
+from memopt.errors import EXIT_CODES
 from memopt.parallel import under_launcher
 from memopt.logging import write_json
 
@@ -92,12 +93,26 @@ def run(cfg: DictConfig) -> dict:
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
-        print(f"memopt: run failed ({type(e).__name__}: {e}); summary in {run_dir}/summary.json", file=sys.stderr)
+        import traceback
+
+        traceback.print_exc()
+        status = _recorded_status(run_dir)
+        print(f"memopt: run {status} ({type(e).__name__}: {e}); summary in {run_dir}/summary.json", file=sys.stderr)
         if multirun:
-            return {"status": "failed", "error": str(e)}
-        raise
+            return {"status": status, "error": str(e)}
+        raise SystemExit(EXIT_CODES[status]) from None
     print(f"\nmemopt run finished in {run_dir}\n{summary_table(summary)}", file=sys.stderr)
     return summary
+
+
+def _recorded_status(run_dir: str) -> str:
+    """The status the failed run wrote into its summary.json (``failed`` when it wrote none)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            status = json.load(f).get("status")
+    except (OSError, ValueError):
+        status = None
+    return status if status in EXIT_CODES and status != "ok" else "failed"
 
 
 def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -> dict:

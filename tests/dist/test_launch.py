@@ -30,7 +30,7 @@ def test_nproc_per_node_runs_ranks_into_one_directory(tmp_path):
 def test_a_crashing_rank_stops_the_job_and_is_named(tmp_path):
     d = tmp_path / "r"
     p = run([f"hydra.run.dir={d}", "trainer.nproc_per_node=2", *QUICK], str(tmp_path), {"MEMOPT_FAULT_RANK": "1"})
-    assert p.returncode != 0
+    assert p.returncode == 1  # memopt.errors.EXIT_CODES["failed"]
     assert "rank 1 failed" in p.stderr and "injected fault" in p.stderr
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "failed" and s["failed_rank"] == 1 and "injected fault" in s["error"]

@@ -1,0 +1,49 @@
+"""Every failure path writes summary.json with its status, and the process exits with that status's
+code (memopt.errors.EXIT_CODES): here the refusals before allocation (2); a crashing rank (1) is in
+tests/dist/test_launch.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memopt.errors import EXIT_CODES
+from tests.conftest import REPO
+
+QUICK = ["logger=none", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress_bar=false",
+         "trainer.micro_batch_size=2", "model.seq_len=32"]
+
+
+def run(tmp_path, args, env_extra=None):
+    d = tmp_path / "r"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    env.pop("TRITON_INTERPRET", None)
+    env.update(env_extra or {})
+    p = subprocess.run([sys.executable, "-m", "memopt.train", f"hydra.run.dir={d}", *QUICK, *args], cwd=str(tmp_path),
+                       env=env, capture_output=True, text=True, timeout=600)
+    return p, json.loads((d / "summary.json").read_text())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused_before_allocating(tmp_path):
+    p, s = run(tmp_path, ["trainer.device=cuda"])
+    assert p.returncode == EXIT_CODES["refused"] == 2
+    assert s["status"] == "refused" and "trainer.device=cuda" in s["error"] and s["engine"] == "memopt"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="flash_attn runs on CUDA")
+def test_flash_attn_on_cpu_without_the_interpreter_is_refused(tmp_path):
+    p, s = run(tmp_path, ["+strategy=flash_attn"])
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert s["status"] == "refused" and "flash_attn" in s["error"]
+
+
+def test_an_empty_data_file_is_refused(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    p, s = run(tmp_path, ["data=text_file", f"data.path={empty}"])
+    assert p.returncode == 2 and s["status"] == "refused" and "empty" in s["error"]
+
