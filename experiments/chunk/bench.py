@@ -30,11 +30,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import machine_line, mib, table  # noqa: E402
+from experiments.common import bench_dir, machine_line, mib, table, wandb_overrides  # noqa: E402
 from memopt.api import run_job  # noqa: E402
 
 DTYPES = {
@@ -63,13 +62,13 @@ def main() -> None:
     ap.add_argument("--no-deepspeed", action="store_true")
     args = ap.parse_args()
     d = DTYPES[args.dtype]
-    base = [f"model={args.model}", "data=synthetic", "logger=none", f"trainer.max_steps={args.steps}",
+    base = [f"model={args.model}", "data=synthetic", *wandb_overrides("chunk"), f"trainer.max_steps={args.steps}",
             "trainer.eval_every=0", f"trainer.micro_batch_size={args.micro_batch}", "trainer.progress_bar=false",
             "trainer.save_checkpoint=false", f"trainer.throughput_warmup_steps={args.warmup}", "trainer.log_every=1"]
     if args.dtype == "fp16":
         base.append("strategy.fp16.init_scale=1024")
 
-    tmp = tempfile.mkdtemp(prefix="memopt-chunk-bench-")
+    tmp = bench_dir("chunk")
     results: dict[str, list[tuple[dict, str]]] = {}
 
     def run(name: str, extra: list[str], rep: int) -> tuple[dict, str]:
