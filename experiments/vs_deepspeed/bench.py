@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import machine_line, mib, table  # noqa: E402
+from experiments.common import bench_dir, machine_line, mib, table, wandb_overrides  # noqa: E402
 from memopt.api import run_jobs_on_ranks  # noqa: E402
 
 CONFIGS = {
@@ -61,25 +60,25 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     engines = args.engines.split(",")
     configs = args.configs.split(",")
-    base = [f"model={args.model}", "data=synthetic", "logger=none", f"trainer.max_steps={args.steps}",
+    base = [f"model={args.model}", "data=synthetic", *wandb_overrides("vs_deepspeed"), f"trainer.max_steps={args.steps}",
             "trainer.eval_every=0", f"trainer.micro_batch_size={args.micro_batch}", "trainer.progress_bar=false",
             "trainer.save_checkpoint=false", f"trainer.throughput_warmup_steps={args.warmup}",
             f"trainer.log_every={args.steps}"]
     keys, jobs = [], []
     load0 = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.repeats):
-            for i, config in enumerate(configs):
-                k = (i + rep) % len(engines)
-                order = engines[k:] + engines[:k]  # rotate who goes first, per configuration and repeat
-                for engine in order:
-                    if not applies(engine, config, cuda):
-                        continue
-                    over = CONFIGS[config] + DTYPES[args.dtype]
-                    keys.append((config, engine))
-                    jobs.append((base + [f"engine={engine}"] + over, os.path.join(tmp, f"{rep}-{config}-{engine}")))
-        print(f"running {len(jobs)} jobs on 2 ranks ...", file=sys.stderr)
-        results = run_jobs_on_ranks(2, jobs)
+    tmp = bench_dir("vs_deepspeed")
+    for rep in range(args.repeats):
+        for i, config in enumerate(configs):
+            k = (i + rep) % len(engines)
+            order = engines[k:] + engines[:k]  # rotate who goes first, per configuration and repeat
+            for engine in order:
+                if not applies(engine, config, cuda):
+                    continue
+                over = CONFIGS[config] + DTYPES[args.dtype]
+                keys.append((config, engine))
+                jobs.append((base + [f"engine={engine}"] + over, os.path.join(tmp, f"{rep}-{config}-{engine}")))
+    print(f"running {len(jobs)} jobs on 2 ranks ...", file=sys.stderr)
+    results = run_jobs_on_ranks(2, jobs)
     load1 = os.getloadavg()[0]
     summaries, spread = {}, {}
     for key, s in zip(keys, results):
