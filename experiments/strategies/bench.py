@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from experiments.common import bench_dir, machine_line, wandb_overrides  # noqa: E402
 from memopt.api import run_job  # noqa: E402
 
 CONFIGS = {
@@ -38,16 +38,16 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_small")
     ap.add_argument("--attention", default="sdpa")
     args = ap.parse_args()
-    base = [f"model={args.model}", f"model.attention={args.attention}", "data=synthetic", "logger=none",
+    base = [f"model={args.model}", f"model.attention={args.attention}", "data=synthetic", *wandb_overrides("strategies"),
             f"trainer.max_steps={args.steps}", "trainer.eval_every=0", f"trainer.micro_batch_size={args.micro_batch}",
             "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.throughput_warmup_steps=1"]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, extra) in enumerate(CONFIGS.items()):
-            s = run_job(base + extra, os.path.join(tmp, str(i)))
-            dev = next(d for d in s["peak_bytes"]["0"] if d != "host")
-            rows.append((name, s["peak_bytes"]["0"][dev], s["peak_bytes"]["0"].get("host", {}).get("total", 0), s["tokens_per_s"], s["final_loss"]))
-            print(f"done: {name}", file=sys.stderr)
+    tmp = bench_dir("strategies")
+    for i, (name, extra) in enumerate(CONFIGS.items()):
+        s = run_job(base + extra, os.path.join(tmp, str(i)))
+        dev = next(d for d in s["peak_bytes"]["0"] if d != "host")
+        rows.append((name, s["peak_bytes"]["0"][dev], s["peak_bytes"]["0"].get("host", {}).get("total", 0), s["tokens_per_s"], s["final_loss"]))
+        print(f"done: {name}", file=sys.stderr)
     plain_total, plain_tok = rows[0][1]["total"], rows[0][3]
     head = ["config"] + [f"{c} MiB" for c in CATS] + ["host MiB", "tokens/s", "mem vs plain", "speed vs plain", "loss"]
     table = [head]
@@ -55,6 +55,7 @@ def main() -> None:
         table.append([name] + [f"{cats[c] / 2**20:.1f}" for c in CATS] + [f"{host / 2**20:.1f}", f"{tok:,.0f}",
                      f"{cats['total'] / plain_total:.2f}", f"{tok / plain_tok:.2f}", f"{loss:.4f}"])
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    print(machine_line())
     print(f"model={args.model} attention={args.attention} micro_batch={args.micro_batch} steps={args.steps}")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
