@@ -10,7 +10,7 @@ import yaml
 
 from tests.conftest import CONF, typed
 
-PRESETS = ["strategies", "zero", "vs_deepspeed", "chunk", "report_demo"]
+PRESETS = ["strategies", "zero", "vs_deepspeed", "chunk", "moe", "report_demo"]
 
 
 def _load(name: str) -> tuple[str, dict]:
