@@ -37,6 +37,14 @@ def num_params(cfg) -> int:
     return n
 
 
+def active_params(cfg) -> int:
+    """Parameters one token meets in the composed model (moe: its top_k experts only; dense: all)."""
+    n = model_class(cfg.model).num_params(cfg.model)
+    for strategy, opts in selected(cfg, "model"):
+        n = strategy.active_params(n, opts, cfg)
+    return n
+
+
 def flops_per_token(cfg) -> float:
     """Training FLOPs per token of the composed model (moe: only the active experts count)."""
     f = model_class(cfg.model).flops_per_token(cfg.model)

@@ -64,7 +64,8 @@ class Trainer:
         run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
         self.summary = {
             "status": "failed", "engine": cfg.engine.name, "strategy": strategies, "model": cfg.model.name,
-            "params": compose.num_params(cfg), "world_size": self.world, "seed": cfg.seed,
+            "params": compose.num_params(cfg),
+            "active_params": compose.active_params(cfg), "world_size": self.world, "seed": cfg.seed,
             "parallel": self.dims.summary(),
         }
         self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0)

@@ -12,7 +12,8 @@ Categories (what the run records report):
                alive when it returns: what autograd keeps for the backward pass
   temp         short-lived storages: forward transients, backward work, evaluation
   chunks       chunk-engine buffers
-  other        everything else (batches, buffers, communication scratch)
+  comm         communication buffers that model parts allocate (MoE all-to-all dispatch and combine)
+  other        everything else (batches, buffers, gradient-bucket scratch)
 
 Devices: the compute device ("cuda:0" or "cpu") and "host". On a GPU machine CPU tensors are
 "host". On a CPU-only machine offload strategies place tensors on the host explicitly
@@ -35,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
-CATEGORIES = ("params", "grads", "optim", "activations", "temp", "chunks", "other")
+CATEGORIES = ("params", "grads", "optim", "activations", "temp", "chunks", "comm", "other")
 HOST = "host"
 
 
@@ -219,6 +220,18 @@ class MemoryTracker(TorchDispatchMode):
     @property
     def compute_key(self) -> str:
         return self._compute_key
+
+
+def active_category(name: str):
+    """``category(name)`` of the memory tracker that is measuring now, or a no-op when none is.
+
+    For model parts that have no handle on the tracker (the MoE all-to-all tags its buffers ``comm``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryTracker):
+            return mode.category(name)
+    return contextlib.nullcontext()
 
 
 class NullTracker:

@@ -40,6 +40,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memopt.memory.tracker import active_category
+
 
 class Expert(nn.Module):
     """One expert: the dense MLP's structure, fc -> gelu(tanh) -> proj (-> dropout)."""
@@ -92,18 +94,21 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Equal-split all_to_all over a process group; its gradient is the reverse all_to_all."""
+    """Equal-split all_to_all over a process group; its gradient is the reverse all_to_all. The
+    receive buffers count as ``comm`` in the memory tracker (forward and backward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        out = torch.empty_like(x)
+        with active_category("comm"):
+            out = torch.empty_like(x)
         dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = torch.empty_like(grad)
+        with active_category("comm"):
+            out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
         return out, None
 

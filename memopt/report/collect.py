@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-CATEGORIES = ("params", "grads", "optim", "activations", "temp", "chunks", "other")
+CATEGORIES = ("params", "grads", "optim", "activations", "temp", "chunks", "comm", "other")
 HOST = "host"
 
 

@@ -14,7 +14,8 @@ from memopt.report.collect import CATEGORIES, HOST, Run
 MiB = 2**20
 DASHES = ("-", "--", ":", "-.")
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868", "activations": "#c44e52",
-          "temp": "#8172b3", "chunks": "#937860", "other": "#999999"}
+          "temp": "#8172b3", "chunks": "#937860", "comm": "#da8bc3",
+          "other": "#999999"}
 
 
 def _plt():

@@ -78,6 +78,10 @@ class Strategy:
         """Training FLOPs per token once this strategy is applied (``f``: the count before it)."""
         return f
 
+    def active_params(self, n: int, opts, cfg) -> int:
+        """Parameters one token meets once this strategy is applied (moe: only its top_k experts)."""
+        return self.num_params(n, opts, cfg)
+
 
 _REGISTRY: dict[str, Strategy] = {}
 

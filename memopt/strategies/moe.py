@@ -92,10 +92,14 @@ class MoEStrategy(Strategy):
         """Total parameters: each MoE block trades its MLP for a router and E experts."""
         return n + len(moe_blocks(c, cfg.model.n_layer)) * _delta(c, cfg, c.num_experts)
 
+    def active_params(self, n: int, c: MoEConfig, cfg) -> int:
+        """Parameters a token meets: each MoE block's router and top_k experts in place of the MLP."""
+        return n + len(moe_blocks(c, cfg.model.n_layer)) * _delta(c, cfg, c.top_k)
+
     def flops_per_token(self, f: float, c: MoEConfig, cfg) -> float:
         """Training FLOPs per token with only the top_k active experts (and the router) counted: 6 x the
         change in parameters a token meets (capacity padding is not useful work and is not counted)."""
-        return f + 6.0 * len(moe_blocks(c, cfg.model.n_layer)) * _delta(c, cfg, c.top_k)
+        return f + 6.0 * (self.active_params(0, c, cfg))
 
 
 def _delta(c: MoEConfig, cfg, experts: int) -> int:

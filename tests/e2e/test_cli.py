@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import REPO
 
-CATEGORIES = {"params", "grads", "optim", "activations", "temp", "chunks", "other", "total"}
+CATEGORIES = {"params", "grads", "optim", "activations", "temp", "chunks", "comm", "other", "total"}
 
 
 def cli(args: list[str], cwd: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -46,6 +46,7 @@ def test_presets_select_moe_and_counts_match_the_model(model):
     mc, o = cfg.model, cfg.strategy.moe
     idle = sum(p.numel() for n, p in m.named_parameters()
                if ".experts." in n and int(n.split(".experts.")[1].split(".")[0]) >= o.top_k)  # E - k experts per layer
+    assert compose.active_params(cfg) == compose.num_params(cfg) - idle  # what a token meets
     active = compose.num_params(cfg) - idle - mc.seq_len * mc.d_model  # no matmul with the position table
     assert compose.flops_per_token(cfg) == 6.0 * active + 12.0 * mc.n_layer * mc.d_model * mc.seq_len
 

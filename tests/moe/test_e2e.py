@@ -26,6 +26,7 @@ def test_run_records_routing_metrics_and_active_flops(tmp_path):
     cfg = typed(BASE)
     assert s["params"] == compose.num_params(cfg)
     assert s["flops_per_token"] == compose.flops_per_token(cfg)
+    assert s["active_params"] == compose.active_params(cfg) < s["params"]
     recs = records(str(tmp_path / "moe"))
     assert len(recs) == 2
     for r in recs:

@@ -72,3 +72,17 @@ def test_each_rank_holds_half_of_the_experts(results):
     for rank in ("0", "1"):
         got = summary["peak_bytes"][rank]["cpu"]["params"]
         assert want <= got <= want + 4 * 8, (rank, got, want)
+
+
+@pytest.mark.slow
+def test_all_to_all_buffers_are_counted_as_comm(results):
+    """ep=2: the all_to_all receive buffers are ``comm``, at least one (E, capacity, d_model) fp32 buffer
+    (the shapes); the single-process reference (no all_to_all) has none."""
+    cfg = typed(BASE)
+    o, mc = cfg.strategy.moe, cfg.model
+    tokens = cfg.trainer.micro_batch_size * mc.seq_len
+    cap = max(o.min_capacity, -(-int(o.capacity_factor * tokens * o.top_k * 100) // (o.num_experts * 100)))
+    one_buffer = 4 * o.num_experts * cap * mc.d_model
+    for rank in ("0", "1"):
+        assert results["ddp"][0]["peak_bytes"][rank]["cpu"]["comm"] >= one_buffer
+    assert results["zero3_ep1"][0]["peak_bytes"]["0"]["cpu"]["comm"] == 0
