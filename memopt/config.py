@@ -59,6 +59,11 @@ class TrainerConfig:
     track_memory: bool = True  # dispatch-mode tracker on every step
     save_checkpoint: bool = True  # write model.pt (atomic) at the end of the run
     num_threads: int = 0  # torch intra-op threads on CPU; 0 keeps PyTorch's default
+    checkpoint_every: int = 0  # steps between resumable checkpoints (<run dir>/checkpoints/step_<n>); 0: none
+    keep_checkpoints: int = 2  # newest resumable checkpoints kept
+    resume: str | None = None  # auto (this run directory's newest checkpoint, if any) | a checkpoint path
+    overwrite: bool = False  # a run directory that already holds a run is refused unless this (or resume) is set
+    divergence_steps: int = 20  # consecutive non-finite losses (or fp16 skipped steps) that stop the run: diverged; 0: never
 
 
 @dataclass
@@ -132,6 +137,14 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "nproc_per_node"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+    for name in ("checkpoint_every", "divergence_steps"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")
+    if t.resume not in (None, "auto") and not os.path.exists(os.path.expanduser(t.resume)):
+        raise ConfigError(f"trainer.resume={t.resume!r}: no such checkpoint; give checkpoints/step_<n>, a run directory "
+                          "with checkpoints/, or trainer.resume=auto")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
     _one_of("optim.name", o.name, ("adamw",))

@@ -9,3 +9,21 @@ class ConfigError(ValueError):
 
     Raised before anything big is allocated; the run's summary records status ``refused``.
     """
+
+
+class RunStopped(Exception):
+    """The loop stopped the run on purpose; ``status`` is what summary.json records."""
+
+    status = "failed"
+
+
+class Diverged(RunStopped):
+    """Non-finite losses (or fp16 steps all skipped) for ``trainer.divergence_steps`` steps in a row."""
+
+    status = "diverged"
+
+
+class Interrupted(RunStopped):
+    """SIGTERM or SIGINT: the run stopped at a step boundary (after a checkpoint when they are on)."""
+
+    status = "interrupted"

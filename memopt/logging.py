@@ -59,8 +59,9 @@ def wandb_mode(requested: str) -> str:
 class RunLogger:
     """metrics.jsonl + W&B for one run (a no-op on ranks other than 0)."""
 
-    def __init__(self, run_dir: str, cfg, resolved_config: dict, run_name: str, group: str | None, tags: list[str], enabled: bool = True):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, cfg, resolved_config: dict, run_name: str, group: str | None, tags: list[str], enabled: bool = True,
+                 run_id: str | None = None):
+        self.run_dir, self.run_id = run_dir, run_id
         self.enabled = enabled
         self._wandb = None
         if not enabled:
@@ -84,6 +85,8 @@ class RunLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.run_id is not None:
+            record = {"run_id": self.run_id, **record}  # a resumed run's records are told apart by it
         self._metrics.write(json.dumps(_jsonable(record)) + "\n")
         if self._wandb is not None:
             self._wandb.log(flat_metrics(record), step=record["step"])

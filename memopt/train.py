@@ -20,6 +20,7 @@ from memopt.config import ConfigError, register_configs, to_dataclass, validate
 from memopt.errors import EXIT_CODES
 from memopt.parallel import under_launcher
 from memopt.logging import write_json
+from memopt.records import RunDirInUse, claim_run_dir
 
 register_configs()
 
@@ -68,7 +69,14 @@ def run(cfg: DictConfig) -> dict:
         group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
     try:
         typed = to_dataclass(cfg)
+        if int(os.environ.get("RANK", "0")) == 0:  # before validation: a refusal must not replace its summary
+            claim_run_dir(run_dir, typed.trainer.resume, typed.trainer.overwrite)
         validate(typed)
+    except RunDirInUse as e:  # nothing is written: the directory's records belong to the run it protects
+        print(f"memopt: configuration refused: {e}", file=sys.stderr)
+        if multirun:
+            return {"status": "refused", "error": str(e)}
+        raise SystemExit(EXIT_CODES["refused"])
     except ConfigError as e:
         from memopt.sweep import job_identity
 
@@ -95,7 +103,10 @@ def run(cfg: DictConfig) -> dict:
     except Exception as e:
         import traceback
 
-        traceback.print_exc()
+        from memopt.errors import RunStopped
+
+        if not isinstance(e, RunStopped):
+            traceback.print_exc()
         status = _recorded_status(run_dir)
         print(f"memopt: run {status} ({type(e).__name__}: {e}); summary in {run_dir}/summary.json", file=sys.stderr)
         if multirun:
@@ -130,8 +141,11 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
         if os.path.exists(path):
             with open(path) as f:
                 summary.update(json.load(f))
-        summary.update(status=summary.get("status") if summary.get("status") in ("oom", "refused") else "failed",
-                       error=str(e), failed_rank=e.rank)
+        recorded = summary.get("status")  # what the ranks decided (oom, refused, diverged, interrupted)
+        if recorded in EXIT_CODES and recorded not in ("ok", "failed"):
+            summary.setdefault("error", str(e))
+        else:
+            summary.update(status="failed", error=str(e), failed_rank=e.rank)
         write_json(path, summary)
         raise
     return results[0]

@@ -7,6 +7,7 @@ same memory tracker wrap every engine, so numbers are comparable by construction
 """
 from __future__ import annotations
 
+import math
 import os
 import resource
 import statistics
@@ -15,15 +16,17 @@ import time
 import traceback
 import torch
 
-from memopt import compose, engines
+from memopt import checkpoint, compose, engines
 from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
-from memopt.errors import ConfigError
+from memopt.errors import ConfigError, Diverged, RunStopped
+from memopt.guards import DivergenceGuard, StopSignals, all_finite
 from memopt.logging import RunLogger, atomic_write_bytes
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
+from memopt.records import new_run_id
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,6 +42,10 @@ def peak_rss_bytes() -> int:
 
 
 def classify_failure(exc: BaseException) -> str:
+    if isinstance(exc, RunStopped):
+        return exc.status
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
     if isinstance(exc, ConfigError):
         return "refused"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
@@ -62,19 +69,21 @@ class Trainer:
         strategies = cfg.strategy.selected()
         tags = sorted(set(strategies) | {cfg.engine.name} | set(cfg.logger.tags))
         run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
+        self.run_id = new_run_id()
         self.summary = {
-            "status": "failed", "engine": cfg.engine.name, "strategy": strategies, "model": cfg.model.name,
-            "params": compose.num_params(cfg),
+            "status": "failed", "run_id": self.run_id, "engine": cfg.engine.name, "strategy": strategies,
+            "model": cfg.model.name, "params": compose.num_params(cfg),
             "active_params": compose.active_params(cfg), "world_size": self.world, "seed": cfg.seed,
             "parallel": self.dims.summary(),
         }
-        self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0)
+        self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0,
+                                run_id=self.run_id)
         tracker = NullTracker()
         try:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
             tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else NullTracker()
-            with tracker:
+            with tracker, StopSignals() as self.signals:
                 self._train(tracker)
             self.summary["status"] = "ok"
         except BaseException as exc:  # recorded, then re-raised for the caller to decide
@@ -98,6 +107,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.rank)  # dropout streams; weights are seeded per parameter
         engine = engines.build_engine(cfg, self.device, self.dims, tracker)
         engine.model.train()
+        start = self._resume(engine)
 
         tokens_per_step = t.micro_batch_size * t.grad_accum * dp.size * cfg.model.seq_len
         fpt = compose.flops_per_token(cfg)  # model-phase strategies included (moe: active experts only)
@@ -113,7 +123,8 @@ class Trainer:
 
             bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         step_times, optim_times, losses, val_loss = [], [], [], None
-        for step in range(t.max_steps):
+        guard = DivergenceGuard(t.divergence_steps)
+        for step in range(start, t.max_steps):
             self._sync()
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optim, t.max_steps)
@@ -158,6 +169,7 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
                 bar.update(1)
+            self._after_step(step, loss_val, result, engine, guard)
         if bar is not None:
             bar.close()
 
@@ -168,11 +180,14 @@ class Trainer:
         self.summary.update(
             final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
             optim_step_s=statistics.median(optim_times[t.throughput_warmup_steps:] or optim_times),
-            mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps,
+            mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps - start,
             skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale,
         )
         if t.save_checkpoint:
             state = engine.full_state_dict()  # collective under zero3
+            if not all_finite(state.values()):  # (identical on every rank: the full weights)
+                raise Diverged("the final weights hold non-finite values: model.pt was not written (the last "
+                               "resumable checkpoint, if any, is the last good state)")
             if self.rank == 0:
                 self.save_checkpoint(state)
         # every rank's peaks reach rank 0's summary
@@ -185,6 +200,55 @@ class Trainer:
         self.summary["peak_rss_bytes"] = {str(r): o["rss"] for r, o in enumerate(everyone)}
         if self.device.type == "cuda":
             self.summary["cuda_allocator_peak"] = {str(r): o.get("cuda") for r, o in enumerate(everyone)}
+
+    # ---- resumable checkpoints, divergence and signals (memopt.checkpoint, memopt.guards) ---------
+    def _identity(self) -> dict:
+        """What a resumed run must share with the run that wrote the checkpoint."""
+        cfg = self.cfg
+        return {"world_size": self.world, "engine": engines.resolve(cfg), "strategy": cfg.strategy.selected(),
+                "model": cfg.model.name, "parallel": self.dims.summary()}
+
+    def _resume(self, engine) -> int:
+        """Restore the checkpoint ``trainer.resume`` names; returns the first step to run (0 without one)."""
+        path = checkpoint.resolve(self.cfg.trainer.resume, self.run_dir)
+        if path is None:
+            return 0
+        checkpoint.check_compatible(checkpoint.read_meta(path), self._identity(), path)
+        start = checkpoint.load(path, engine, self.rank, self.device)
+        if start >= self.cfg.trainer.max_steps:
+            raise ConfigError(f"checkpoint {path} is at step {start}: nothing is left to run with trainer.max_steps="
+                              f"{self.cfg.trainer.max_steps}; raise trainer.max_steps to train further")
+        self.summary.update(resumed_from=path, start_step=start)
+        print(f"memopt: resumed from {path} at step {start}", file=sys.stderr)
+        return start
+
+    def _save_resumable(self, engine, done: int) -> None:
+        from omegaconf import OmegaConf
+
+        meta = {**self._identity(), "run_id": self.run_id,
+                "model_config": OmegaConf.to_container(OmegaConf.structured(self.cfg.model))}
+        path = checkpoint.save(self.run_dir, done, engine, self.rank, self.device, meta, self.cfg.trainer.keep_checkpoints)
+        if path is not None:  # None: the weights were not finite, the previous checkpoint stays the last one
+            self.summary["last_checkpoint"] = path
+
+    def _after_step(self, step: int, loss: float, result, engine, guard: DivergenceGuard) -> None:
+        """Between two steps: stop a diverged run, write a due checkpoint, stop on SIGTERM / SIGINT."""
+        t = self.cfg.trainer
+        self.summary["steps_done"] = step + 1
+        guard.update(step, loss, result.skipped)  # raises Diverged: no checkpoint of a bad state
+        due = bool(t.checkpoint_every) and ((step + 1) % t.checkpoint_every == 0 or step + 1 == t.max_steps)
+        signum = self.signals.agreed(self.dims.world, self.device)
+        if (due or (signum and t.checkpoint_every)) and math.isfinite(loss):
+            self._save_resumable(engine, step + 1)
+        if signum:
+            import signal
+
+            from memopt.errors import Interrupted
+
+            name = signal.Signals(signum).name
+            where = f"; resume with trainer.resume=auto (checkpoint {self.summary['last_checkpoint']})" \
+                if self.summary.get("last_checkpoint") else ""
+            raise Interrupted(f"{name} received: stopped after step {step}{where}")
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> str:

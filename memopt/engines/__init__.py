@@ -60,6 +60,10 @@ def validate(cfg) -> None:
         mod.validate(cfg)  # its own refusals, the unsupported strategies included
     else:
         refuse_unsupported(cfg, cfg.engine.name, mod.LABEL, mod.SUPPORTS)
+    t = cfg.trainer
+    if (t.checkpoint_every or t.resume) and not getattr(mod, "CHECKPOINTS", True):
+        raise ConfigError(f"resumable checkpoints (trainer.checkpoint_every, trainer.resume) are not built for {mod.LABEL} "
+                          f"(engine={cfg.engine.name}); set trainer.checkpoint_every=0 and no trainer.resume")
 
 
 def build_engine(cfg, device, dims, tracker):

@@ -34,6 +34,23 @@ class Engine:
         """fp32 CPU copies of every model weight (a collective: call on every rank)."""
         raise NotImplementedError
 
+    # ---- resumable checkpoints (memopt.checkpoint); an engine module without them sets CHECKPOINTS = False
+    def checkpoint_model(self) -> dict[str, torch.Tensor]:
+        """The weights by name for a checkpoint (a collective). Default: the full fp32 copies on every
+        rank, which DCP writes once, spread over the ranks; an engine with sharded parameters may
+        return DTensors instead."""
+        return self.full_state_dict()
+
+    def checkpoint_state(self) -> dict:
+        """Everything besides the weights that the next step depends on (optimizer states, step
+        counters, loss scaler), as live tensors that DCP loads in place where possible. Keys of
+        rank-local entries name the rank (``rank_key``)."""
+        raise NotImplementedError
+
+    def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        """Restore from the parts ``checkpoint_model`` / ``checkpoint_state`` returned, loaded by DCP."""
+        raise NotImplementedError
+
     @property
     def loss_scale(self) -> float:
         return 1.0
@@ -66,6 +83,13 @@ class PrecisionEngine(Engine):
     def loss_scale(self) -> float:
         return self.precision.loss_scale
 
+    def scaler_state(self) -> dict:
+        return self.precision.scaler.state_dict() if self.precision.scaler is not None else {}
+
+    def load_scaler_state(self, state: dict) -> None:
+        if self.precision.scaler is not None:
+            self.precision.scaler.load_state_dict(state)
+
     @property
     def skipped_steps(self) -> int:
         return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
@@ -73,6 +97,13 @@ class PrecisionEngine(Engine):
     @property
     def compute_dtype_name(self) -> str:
         return self.precision.name
+
+
+def rank_key() -> str:
+    """The key under which a rank's own checkpoint entries live (each rank writes and reads its own)."""
+    import torch.distributed as dist
+
+    return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
 
 def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ from memopt.strategies.zero import selected_stage
 
 NAME, LABEL = "deepspeed", "DeepSpeed"
 SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+CHECKPOINTS = False  # resumable checkpoints (DeepSpeed's own save/load) are not wired yet
 PARALLEL = ("dp_shard",)  # DeepSpeed's data-parallel world; MiCS/hpZ (replicate x shard) are not translated
 LOOP_OWNED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
               "gradient_accumulation_steps", "gradient_clipping")

@@ -66,6 +66,7 @@ from memopt.strategies.precision import Precision
 
 NAME, LABEL = "fsdp2", "FSDP2"
 SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+CHECKPOINTS = False  # resumable checkpoints (DCP over its DTensors) are not wired yet
 PARALLEL = ("dp_replicate", "dp_shard")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
 
 

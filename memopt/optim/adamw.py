@@ -202,4 +202,27 @@ class ShardedAdamW:
             g.zero_grads()
 
     def state_dict(self) -> dict:
-        return {"step": self.step_count, "master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        """The live state of this rank's owned ranges (checkpoints load into these tensors in place)."""
+        st = {"step": self.step_count, **{name: {str(i): t for i, t in enumerate(getattr(self, name))}
+                                          for name in ("master", "exp_avg", "exp_avg_sq")}}
+        if self._cpu_adam is not None:
+            st["cpu_adam_step"] = self._cpu_adam.step_count
+        return st
+
+    @torch.no_grad()
+    def load_state_dict(self, st: dict) -> None:
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            for i, t in enumerate(getattr(self, name)):
+                if st[name][str(i)] is not t:
+                    t.copy_(st[name][str(i)])
+        self.step_count = int(st["step"])
+        if self._cpu_adam is not None:
+            self._cpu_adam.step_count = int(st["cpu_adam_step"])
+        self._write_back_local()
+
+    def _write_back_local(self) -> None:
+        """The masters into the parameters this rank owns (no collective: every rank loaded its own)."""
+        for g, m in zip(self.groups, self.master):
+            dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            if m is not dst:
+                dst.copy_(m)

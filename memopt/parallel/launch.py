@@ -9,6 +9,7 @@ Backends: NCCL on CUDA, gloo on CPU.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from datetime import timedelta
 
@@ -55,8 +56,14 @@ def launch(nproc: int, entrypoint, *args) -> dict[int, object]:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         return elastic_launch(config, entrypoint)(*args)
+    except SignalException as e:  # SIGTERM/SIGINT to this process: the agent has stopped the workers
+        from memopt.errors import Interrupted
+
+        raise Interrupted(f"{signal.Signals(e.sigval).name} received by the launcher; its ranks were stopped") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         msg = failure.message

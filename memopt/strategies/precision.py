@@ -70,6 +70,10 @@ class DynamicLossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "clean": self._clean_steps, "skipped": self.skipped_steps}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._hysteresis_left = float(state["scale"]), int(state["hysteresis_left"])
+        self._clean_steps, self.skipped_steps = int(state["clean"]), int(state["skipped"])
+
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine
+from memopt.engines.base import PrecisionEngine, rank_key
 from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.optim.step import StepResult
@@ -22,7 +22,7 @@ from memopt.engines.chunk.chunk import DEVICE, HOST
 from memopt.engines.chunk.comm import ChunkComm
 from memopt.engines.chunk.hooks import ChunkHooks
 from memopt.engines.chunk.hybrid_adam import ChunkAdam
-from memopt.engines.chunk.manager import ChunkManager, ChunkOutOfMemoryError, search_chunk_size
+from memopt.engines.chunk.manager import ChunkManager, search_chunk_size
 from memopt.engines.chunk.tracer import MemTracer
 from memopt.strategies.precision import Precision
 
@@ -91,11 +91,11 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
                       * ccfg.overall_cpu_mem_ratio)
     n_train = sum(c.numel for c in mgr.trainable_chunks if c.tensors)
     host_need = sum(2 * c.payload_bytes if c.trainable else c.payload_bytes for c in mgr.local_chunks) + 12 * n_train
-    if host_need > host_budget:
-        raise ChunkOutOfMemoryError(
-            f"chunk engine out of host memory at build: this rank's chunks need up to {host_need / GiB:.2f} GiB on the "
-            f"host (params, grads, fp32 master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB "
-            "(host RAM x strategy.chunk.overall_cpu_mem_ratio)")
+    if host_need > host_budget:  # known before any chunk is allocated: a refusal, not an out-of-memory
+        raise ConfigError(
+            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grads, fp32 "
+            f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
+            "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
     init = lambda name, shape: model.init_tensor(name, shape, cfg.seed)  # noqa: E731
     init_chunks(mgr, init, tracker, everything=ccfg.release_after_init)
     if ccfg.res_check and mgr.comm is not None:
@@ -274,3 +274,26 @@ class ChunkEngine(PrecisionEngine):
         by_name = {n: values[info.name] for info in mgr.infos.values() for n in [info.name, *info.aliases]}
         return {k: by_name[k] if k in by_name else v.detach().float().cpu().clone()
                 for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    # ---- resumable checkpoints ------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        o = self.optimizer
+        groups = {str(c.index): {"master": ms.data, "exp_avg": m.data, "exp_avg_sq": v.data} for c, ms, m, v in o.groups}
+        return {rank_key(): {"step": o.step_count, "groups": groups, "scaler": self.scaler_state()}}
+
+    @torch.no_grad()
+    def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        for info in self.mgr.infos.values():  # the chunks this rank holds a payload for
+            if info.chunk.where is not None:
+                info.chunk.view_of(info).copy_(model[info.name].reshape(-1))
+        for name, buf in self.model.named_buffers():
+            if name in model:
+                buf.copy_(model[name])
+        mine, o = state[rank_key()], self.optimizer
+        for c, *opt in o.groups:
+            saved = mine["groups"][str(c.index)]
+            for chunk, key in zip(opt, ("master", "exp_avg", "exp_avg_sq")):
+                if saved[key] is not chunk.data:
+                    chunk.data.copy_(saved[key])
+        o.step_count = int(mine["step"])
+        self.load_scaler_state(mine["scaler"])

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, refuse_unsupported, with_aux_loss
+from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported, with_aux_loss
 from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
 from memopt.errors import ConfigError
@@ -40,6 +40,9 @@ def validate(cfg) -> None:
     if ep > 1 and cfg.trainer.save_checkpoint:
         raise ConfigError(f"parallel.ep={ep}: the checkpoint is written from rank 0's weights, which hold only its own "
                           "experts (gathering them over ep is not built); set trainer.save_checkpoint=false")
+    if ep > 1 and (cfg.trainer.checkpoint_every or cfg.trainer.resume):
+        raise ConfigError(f"parallel.ep={ep}: resumable checkpoints are not built with expert parallelism (each rank "
+                          "holds only its own experts); set trainer.checkpoint_every=0 and no trainer.resume, or parallel.ep=1")
 
 
 def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
@@ -102,3 +105,25 @@ class MemoptEngine(PrecisionEngine):
         finally:
             for g in self.part.groups:
                 g.release()
+
+    # ---- resumable checkpoints ------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        return {rank_key(): {"optim": self.optimizer.state_dict(), "scaler": self.scaler_state()}}
+
+    @torch.no_grad()
+    def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        for g in self.part.groups:  # the weights (every rank's whole buffer, or its zero3 shard)
+            for name, off, n in zip(g.names, g.offsets, g.numels):
+                val = model[name].reshape(-1)
+                if g.stage == 3:
+                    a, b = max(g.lo, off), min(g.hi, off + n)
+                    if a < b:
+                        g.shard[a - g.lo : b - g.lo].copy_(val[a - off : b - off])
+                else:
+                    g.full[off : off + n].copy_(val)
+        for name, buf in self.model.named_buffers():
+            if name in model:
+                buf.copy_(model[name])
+        mine = state[rank_key()]
+        self.optimizer.load_state_dict(mine["optim"])
+        self.load_scaler_state(mine["scaler"])

@@ -1,0 +1,236 @@
+"""Resumable checkpoints: ``<run dir>/checkpoints/step_<n>`` (n = optimizer steps done), written with
+``torch.distributed.checkpoint`` (DCP) so that each rank writes its own files.
+
+A checkpoint holds three parts (nested keys of one DCP state dict):
+- ``model``: the weights by parameter name in fp32 (``Engine.checkpoint_model``); replicated
+  tensors are spread over the ranks by DCP's save planner, sharded ones (FSDP2's DTensors) are
+  written by their owners. ``merge`` turns this part into one ``model.pt``.
+- ``engine``: each engine's exact training state (``Engine.checkpoint_state``): optimizer
+  states wherever they live (device, host, chunks), fp32 masters, step counters, the loss scaler.
+  Rank-local entries carry ``rank<r>`` in their key, so each rank reads back what it wrote.
+- ``trainer``: per rank, the RNG states (CPU, CUDA when present). The step (hence the learning rate
+  and the data position, which are functions of the step) is in ``meta.json``.
+
+A checkpoint is written into ``checkpoints/.tmp-step_<n>`` and renamed when every rank has
+finished, so a kill at any moment leaves the previous checkpoints intact (a leftover ``.tmp-*`` is
+ignored and removed by the next save). The last ``trainer.keep_checkpoints`` are kept.
+Resuming needs the same world size, engine, strategies and model (checked against ``meta.json``).
+
+``python -m memopt.checkpoint merge <checkpoint dir> <out.pt>`` writes the weights as one file
+that ``memopt.load_model`` reads.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import warnings
+
+import torch
+
+from memopt.errors import ConfigError
+
+META = "meta.json"
+FAULT_ENV = "MEMOPT_FAULT_SAVE"  # "<step>" or "<step>:<rank>": SIGKILL inside that save (tests)
+
+
+def root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def complete(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under the run directory, oldest first."""
+    base = root(run_dir)
+    out = []
+    if os.path.isdir(base):
+        for name in os.listdir(base):
+            path = os.path.join(base, name)
+            if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(path, META)):
+                out.append((int(name[5:]), path))
+    return sorted(out)
+
+
+def resolve(resume: str | None, run_dir: str) -> str | None:
+    """The checkpoint directory ``trainer.resume`` names: ``auto`` -> this run directory's newest one
+    (None when it has none: the run starts from step 0); a path -> that checkpoint, or the newest
+    one under it when it is a run directory or a ``checkpoints/`` directory."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = complete(run_dir)
+        return found[-1][1] if found else None
+    path = os.path.expanduser(resume)
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    for candidate in (path, os.path.dirname(path.rstrip("/"))):
+        found = complete(candidate)
+        if found:
+            return found[-1][1]
+    raise ConfigError(f"trainer.resume={resume!r}: no checkpoint there (a checkpoint directory holds {META}; "
+                      "give checkpoints/step_<n>, a run directory with checkpoints/, or trainer.resume=auto)")
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as f:
+        return json.load(f)
+
+
+def check_compatible(meta: dict, identity: dict, path: str) -> None:
+    """Refuse a checkpoint written by a different world size, engine, strategy set or model."""
+    diff = [f"{k}: checkpoint {meta.get(k)!r}, this run {v!r}" for k, v in identity.items() if meta.get(k) != v]
+    if diff:
+        raise ConfigError(f"checkpoint {path} cannot resume this run ({'; '.join(diff)}); resume with the "
+                          "configuration that wrote it")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it runs without a process group on one process; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _finite(tensors) -> bool:
+    out = True
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point():
+            out = out and bool(torch.isfinite(t).all())
+    return out
+
+
+def _agree(ok: bool, device: torch.device) -> bool:
+    """True when every rank says so."""
+    if not torch.distributed.is_initialized():
+        return ok
+    flag = torch.tensor(float(ok), device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def rng_state(device: torch.device) -> dict:
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _maybe_kill_inside_save(step: int, rank: int) -> None:
+    """Fault injection for tests: ``MEMOPT_FAULT_SAVE=<step>[:<rank>]`` SIGKILLs that rank after its
+    shard of checkpoint ``step`` is written and before the checkpoint is renamed into place."""
+    want = os.environ.get(FAULT_ENV)
+    if not want:
+        return
+    s, _, r = want.partition(":")
+    if int(s) == step and int(r or 0) == rank:
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta: dict, keep: int) -> str | None:
+    """Write checkpoint ``step`` (a collective: every rank calls it) and keep the newest ``keep``; None
+    (nothing written) when the weights are not finite."""
+    import torch.distributed.checkpoint as dcp
+
+    base = root(run_dir)
+    tmp, final = os.path.join(base, f".tmp-step_{step}"), os.path.join(base, f"step_{step}")
+    if rank == 0:
+        for name in os.listdir(base) if os.path.isdir(base) else []:
+            if name.startswith(".tmp-"):  # a save that was killed, or this one's leftover
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    state = {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state(),
+             "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
+    if not _agree(_finite(state["model"].values()), device):  # a checkpoint never holds a diverged state
+        print(f"memopt: checkpoint at step {step} not written: the weights hold non-finite values", file=sys.stderr)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    with _quiet():
+        dcp.save(state, checkpoint_id=tmp)
+    del state
+    _maybe_kill_inside_save(step, rank)
+    _barrier()  # every rank's files are in place
+    if rank == 0:
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
+        if os.path.isdir(final):  # the same step written again (a run resumed from an older checkpoint)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in complete(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: str, engine, rank: int, device: torch.device) -> int:
+    """Restore ``engine`` and this rank's RNG states from checkpoint ``path``; returns its step."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)
+    state = {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state(),
+             "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
+    with _quiet():
+        dcp.load(state, checkpoint_id=path)
+    engine.load_checkpoint(state["model"], state["engine"])
+    set_rng_state(state["trainer"][f"rank{rank}"]["rng"], device)
+    _barrier()
+    return int(meta["step"])
+
+
+def merge(path: str, out: str) -> str:
+    """Write checkpoint ``path``'s weights as one ``model.pt`` (``memopt.load_model`` reads it)."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from memopt.logging import atomic_write_bytes
+
+    meta = read_meta(path)
+    tmp = f"{out}.dcp-{os.getpid()}"
+    try:
+        with _quiet():
+            dcp_to_torch_save(path, tmp)
+        full = torch.load(tmp, map_location="cpu", weights_only=False)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    buf = io.BytesIO()
+    torch.save({"model_config": meta["model_config"],
+                "state_dict": {k: v.float() for k, v in full["model"].items()}}, buf)
+    atomic_write_bytes(out, buf.getvalue())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m memopt.checkpoint", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="merge a sharded checkpoint's weights into one model.pt")
+    m.add_argument("checkpoint", help="a checkpoints/step_<n> directory (or a run directory: its newest)")
+    m.add_argument("out", help="the .pt file to write")
+    args = p.parse_args(argv)
+    src = resolve(args.checkpoint, args.checkpoint)
+    print(f"wrote {merge(src, args.out)} from {src}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

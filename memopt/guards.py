@@ -1,0 +1,69 @@
+"""What stops a run on purpose between two steps: divergence and SIGTERM / SIGINT.
+
+Both decide at a step boundary, identically on every rank (the loss is the data-parallel mean and
+the skip is voted; a signal is agreed with one all-reduce of a flag), so no rank is left waiting in
+a collective that another rank will never join.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+
+import torch
+
+from memopt.errors import Diverged, Interrupted
+
+
+class DivergenceGuard:
+    """Counts consecutive bad steps (non-finite loss, or an fp16 step the loss scaler skipped) and
+    raises ``Diverged`` when there are ``limit`` of them (0: never)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.bad = limit, 0
+
+    def update(self, step: int, loss: float, skipped: bool) -> None:
+        self.bad = self.bad + 1 if (not math.isfinite(loss) or skipped) else 0
+        if self.limit and self.bad >= self.limit:
+            what = "non-finite losses or skipped fp16 steps" if math.isfinite(loss) or skipped else "non-finite losses"
+            raise Diverged(f"the run diverged: {self.bad} consecutive steps with {what} up to step {step} (last loss "
+                           f"{loss}); lower optim.lr, raise optim.warmup_steps or trainer.divergence_steps")
+
+
+def all_finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+class StopSignals:
+    """SIGTERM / SIGINT set a flag that the loop reads at the next step boundary (a second signal
+    stops at once); the previous handlers come back on exit. Only the main thread can install them."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:  # asked twice: abandon the step
+            raise Interrupted(f"{signal.Signals(signum).name} received twice: stopped inside a step")
+        self.signum = signum
+
+    def agreed(self, world, device) -> int:
+        """The signal number any rank received (0: none), the same on every rank."""
+        if not world.enabled:
+            return self.signum
+        flag = torch.tensor(float(self.signum), device=device)
+        world.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())

@@ -1,0 +1,155 @@
+"""Resume is exact: N steps straight and the same run resumed from its half-way checkpoint give
+bit-identical losses (the second half) and bit-identical final weights. The reference is the
+straight run (its in-memory state continues); the resumed run rebuilds everything from the files.
+
+Default suite: one single-process case (2 + 2 steps, with the merge command) and one 2-rank zero3 +
+cpu_offload case. ``slow``: 6 = 3 + 3 steps for every memopt / chunk engine strategy on 1 and 2
+ranks, and a SIGKILL inside a save followed by ``trainer.resume=auto``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memopt.errors import EXIT_CODES
+from tests.conftest import REPO
+
+TINY = ["logger=none", "trainer.progress_bar=false", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=2",
+        "trainer.eval_every=0", "trainer.log_every=1", "optim.warmup_steps=2", "data=synthetic", "data.synthetic_tokens=20000"]
+DENSE = ["model=gpt_tiny"]
+
+
+def records(run_dir) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)["state_dict"]
+
+
+def pair(root, name: str, overrides: list[str], steps: int = 6):
+    """(overrides, run_dir) of the straight run and of the run resumed from its half-way checkpoint."""
+    straight, resumed = os.path.join(root, name, "straight"), os.path.join(root, name, "resumed")
+    base = [*TINY, f"trainer.max_steps={steps}", *overrides]
+    return [(base + [f"trainer.checkpoint_every={steps // 2}"], straight),
+            (base + [f"trainer.resume={straight}/checkpoints/step_{steps // 2}"], resumed)]
+
+
+def assert_exact(jobs, steps: int = 6) -> None:
+    (_, straight), (_, resumed) = jobs
+    a, b = records(straight), records(resumed)
+    tail = list(range(steps // 2, steps))
+    assert sorted(b) == tail, b
+    assert [a[s] for s in tail] == [b[s] for s in tail], (a, b)
+    wa, wb = weights(straight), weights(resumed)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def run_in_process(jobs) -> None:
+    from memopt.api import run_job
+
+    for overrides, run_dir in jobs:
+        run_job(overrides, run_dir)
+
+
+def test_resume_is_exact_one_process_and_merges(tmp_path):
+    """Plain fp32 + activation checkpointing, 2 steps + resume 2; the merged last checkpoint holds
+    exactly the weights of model.pt (what ``memopt.load_model`` reads)."""
+    import memopt
+    from memopt.checkpoint import main
+
+    jobs = pair(tmp_path, "ckpt", [*DENSE, "+strategy=ckpt"], steps=4)
+    run_in_process(jobs)
+    assert_exact(jobs, steps=4)
+    s = json.loads((tmp_path / "ckpt" / "resumed" / "summary.json").read_text())
+    assert s["start_step"] == 2 and s["resumed_from"].endswith("step_2") and s["steps"] == 2
+    straight = tmp_path / "ckpt" / "straight"
+    assert main(["merge", str(straight / "checkpoints" / "step_4"), str(tmp_path / "merged.pt")]) == 0
+    merged, final = memopt.load_model(str(tmp_path / "merged.pt")).state_dict(), memopt.load_model(str(straight)).state_dict()
+    assert merged.keys() == final.keys() and all(torch.equal(merged[k], final[k]) for k in final)
+
+
+def test_resume_is_exact_two_ranks_zero3_offload(tmp_path):
+    """Sharded weights and host-offloaded Adam over 2 ranks, each rank writing its own file."""
+    from memopt.api import run_jobs_on_ranks
+
+    jobs = pair(tmp_path, "zero3_offload", [*DENSE, "+strategy=[zero3,cpu_offload]"], steps=4)
+    run_jobs_on_ranks(2, jobs)
+    assert_exact(jobs, steps=4)
+    ckpt = tmp_path / "zero3_offload" / "straight" / "checkpoints" / "step_4"
+    assert len([f for f in os.listdir(ckpt) if f.endswith(".distcp")]) == 2
+
+
+ONE_RANK = {"plain": [], "fp16": ["+strategy=fp16"], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"],
+            "ckpt": ["+strategy=ckpt"], "cpu_offload": ["+strategy=cpu_offload"],
+            "chunk": ["+strategy=chunk", "strategy.chunk.chunk_size=65536"],
+            "hybrid_adam": ["+strategy=hybrid_adam", "strategy.chunk.chunk_size=65536"], "moe": ["model=moe_tiny"]}
+TWO_RANKS = {"ddp": ["+strategy=ddp"], "zero1": ["+strategy=zero1"], "zero2": ["+strategy=zero2"],
+             "zero3": ["+strategy=zero3"], "zero2_offload": ["+strategy=[zero2,cpu_offload]"],
+             "zero3_fp16": ["+strategy=[zero3,fp16]"],
+             "chunk": ["+strategy=chunk", "strategy.chunk.chunk_size=65536"],
+             "hybrid_adam": ["+strategy=hybrid_adam", "strategy.chunk.chunk_size=65536"],
+             "moe_zero2": ["model=moe_tiny", "+strategy=zero2"]}
+
+
+def _model(o):
+    return o if any(x.startswith("model=") for x in o) else [*DENSE, *o]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ONE_RANK))
+def test_resume_is_exact_one_rank_matrix(tmp_path, name):
+    jobs = pair(tmp_path, name, _model(ONE_RANK[name]))
+    run_in_process(jobs)
+    assert_exact(jobs)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_two_ranks_matrix(tmp_path):
+    from memopt.api import run_jobs_on_ranks
+
+    jobs = [j for name, o in TWO_RANKS.items() for j in pair(tmp_path, name, _model(o))]
+    run_jobs_on_ranks(2, jobs)
+    for i in range(0, len(jobs), 2):
+        assert_exact(jobs[i : i + 2])
+
+
+def _cli(run_dir, args, env_extra=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run_dir}", *TINY, *DENSE,
+                           "trainer.max_steps=6", *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_sigkill_inside_a_save_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL after the step-4 checkpoint's data is written but before it is renamed: step_2 stays
+    the newest complete checkpoint, and ``trainer.resume=auto`` continues from it, recomputing steps
+    2 and 3 exactly as the killed run had computed them."""
+    run = tmp_path / "run"
+    p = _cli(run, ["trainer.checkpoint_every=2"], {"MEMOPT_FAULT_SAVE": "4"})
+    assert p.returncode == -9, p.stderr[-2000:]
+    ck = run / "checkpoints"
+    assert sorted(os.listdir(ck)) == [".tmp-step_4", "step_2"]
+    killed = records(run)
+    p = _cli(run, ["trainer.checkpoint_every=2", "trainer.resume=auto"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(run / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    first, second = recs[0]["run_id"], recs[-1]["run_id"]
+    assert first != second and [r["step"] for r in recs if r["run_id"] == second] == [2, 3, 4, 5]
+    again = {r["step"]: r["loss"] for r in recs if r["run_id"] == second}
+    assert again[2] == killed[2] and again[3] == killed[3]
+    assert sorted(os.listdir(ck)) == ["step_4", "step_6"]  # the leftover removed, the newest 2 kept
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "ok" and s["run_id"] == second and s["start_step"] == 2
+    assert EXIT_CODES["ok"] == 0

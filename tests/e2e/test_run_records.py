@@ -1,0 +1,93 @@
+"""Run records that cannot be mixed up or misread: a run id on every record, a reused run directory
+refused (exit 2) unless the run resumes or overwrites, a diverged run stopped with status
+``diverged`` (exit 4) and no non-finite weights written. ``memopt.train.run`` runs in this process
+(the CLI's path after Hydra; the run directory is the working directory)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from memopt.errors import EXIT_CODES
+from tests.conftest import compose
+
+QUICK = ["logger=none", "trainer.progress_bar=false", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2",
+         "trainer.micro_batch_size=2", "trainer.eval_every=0", "trainer.log_every=1", "trainer.max_steps=2",
+         "data=synthetic", "data.synthetic_tokens=20000"]
+
+
+def cli_run(run_dir, overrides: list[str]) -> int:
+    """``python -m memopt.train`` in ``run_dir`` (in this process); returns the exit code."""
+    from memopt.train import run
+
+    cwd = os.getcwd()
+    os.makedirs(run_dir, exist_ok=True)
+    os.chdir(run_dir)
+    try:
+        run(compose([*QUICK, *overrides]))
+        return 0
+    except SystemExit as e:
+        return int(e.code)
+    finally:
+        os.chdir(cwd)
+
+
+def lines(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f]
+
+
+def test_reused_run_dir_is_refused_unless_overwritten(tmp_path, capsys):
+    d = tmp_path / "run"
+    assert cli_run(d, []) == 0
+    first = json.loads((d / "summary.json").read_text())
+    assert first["status"] == "ok" and {r["run_id"] for r in lines(d)} == {first["run_id"]}
+
+    assert cli_run(d, ["optim.lr=3e-3"]) == EXIT_CODES["refused"] == 2
+    err = capsys.readouterr().err
+    assert str(d) in err and "trainer.resume=auto" in err and "trainer.overwrite=true" in err
+    assert json.loads((d / "summary.json").read_text()) == first  # the old run's records are untouched
+    assert len(lines(d)) == 2
+
+    assert cli_run(d, ["trainer.overwrite=true"]) == 0
+    second = json.loads((d / "summary.json").read_text())
+    assert second["run_id"] != first["run_id"] and {r["run_id"] for r in lines(d)} == {second["run_id"]}
+
+
+def test_divergence_stops_the_run_and_keeps_no_bad_weights(tmp_path):
+    """optim.lr=1e4 gives non-finite losses within a few steps: the run stops with status diverged
+    (exit 4) after trainer.divergence_steps of them, writes no model.pt, and every checkpoint it kept
+    holds finite weights."""
+    from memopt.checkpoint import complete, merge
+
+    d = tmp_path / "run"
+    code = cli_run(d, ["optim.lr=1e4", "optim.warmup_steps=0", "trainer.max_steps=12", "trainer.divergence_steps=2",
+                       "trainer.checkpoint_every=1", "trainer.keep_checkpoints=12"])
+    s = json.loads((d / "summary.json").read_text())
+    assert code == EXIT_CODES["diverged"] == 4, s
+    assert s["status"] == "diverged" and "2 consecutive steps" in s["error"] and "optim.lr" in s["error"]
+    assert not (d / "model.pt").exists()
+    losses = [r["loss"] for r in lines(d)]
+    assert losses[-1] is None and losses[-2] is None  # non-finite values are recorded as null
+    assert s["steps_done"] == len(losses) < 12
+    for step, path in complete(str(d)):
+        assert step < len(losses)
+        w = torch.load(merge(path, str(tmp_path / f"m{step}.pt")), weights_only=True)["state_dict"]
+        assert all(bool(torch.isfinite(v).all()) for v in w.values()), step
+
+
+@pytest.mark.parametrize("field,value", [("checkpoint_every", -1), ("keep_checkpoints", 0), ("divergence_steps", -2)])
+def test_trainer_record_fields_are_validated(field, value):
+    from memopt.config import ConfigError, to_dataclass, validate
+
+    with pytest.raises(ConfigError, match=f"trainer.{field}={value}"):
+        validate(to_dataclass(compose([*QUICK, f"trainer.{field}={value}"])))
+
+
+def test_resume_from_a_missing_checkpoint_is_refused(tmp_path):
+    d = tmp_path / "run"
+    assert cli_run(d, [f"trainer.resume={tmp_path}/nowhere"]) == 2
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "refused" and "trainer.resume=" in s["error"] and "nowhere" in s["error"]

@@ -1,0 +1,83 @@
+"""SIGTERM / SIGINT stop a run at a step boundary: a checkpoint (checkpointing on), summary.json with
+status ``interrupted``, exit code 130, and no process left behind; one process and 2 ranks (the
+signal goes to the launching process, as a scheduler's would). Both ``slow`` (a CLI run each)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from memopt.errors import EXIT_CODES
+from tests.conftest import REPO
+
+QUICK = ["logger=none", "trainer.progress_bar=false", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2",
+         "trainer.micro_batch_size=2", "trainer.eval_every=0", "trainer.log_every=1", "trainer.max_steps=100000",
+         "data=synthetic", "data.synthetic_tokens=20000", "trainer.checkpoint_every=100000"]
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid == parent:
+                    out.append(int(entry))
+                    frontier.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def interrupt(tmp_path, sig: int, extra: list[str]):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    p = subprocess.Popen([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run}", *QUICK, *extra], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    kids = children(p.pid)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=300)
+    time.sleep(0.5)
+    return p.returncode, err, json.loads((run / "summary.json").read_text()), run, [k for k in kids if alive(k)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_one_process_with_a_checkpoint(tmp_path, sig):
+    code, err, s, run, left = interrupt(tmp_path, sig, [])
+    assert code == EXIT_CODES["interrupted"] == 130, err[-3000:]
+    assert s["status"] == "interrupted" and signal.Signals(sig).name in s["error"]
+    assert s["last_checkpoint"].endswith(f"step_{s['steps_done']}") and os.path.isdir(s["last_checkpoint"])
+    assert "trainer.resume=auto" in s["error"] and not left
+
+
+@pytest.mark.slow
+def test_sigterm_stops_two_ranks_with_a_checkpoint(tmp_path):
+    code, err, s, run, left = interrupt(tmp_path, signal.SIGTERM, ["trainer.nproc_per_node=2", "+strategy=zero2"])
+    assert code == 130, err[-3000:]
+    assert s["status"] == "interrupted" and "SIGTERM" in s["error"] and s["world_size"] == 2
+    ckpt = s["last_checkpoint"]
+    assert len([f for f in os.listdir(ckpt) if f.endswith(".distcp")]) == 2
+    assert not left, left  # the ranks (and the launcher's helpers) are gone
+    assert "Traceback" not in err
