@@ -140,9 +140,6 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("checkpoint_every", "divergence_steps"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")
-    if t.resume not in (None, "auto") and not os.path.exists(os.path.expanduser(t.resume)):
-        raise ConfigError(f"trainer.resume={t.resume!r}: no such checkpoint; give checkpoints/step_<n>, a run directory "
-                          "with checkpoints/, or trainer.resume=auto")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     if t.eval_every < 0:

@@ -105,9 +105,16 @@ class Trainer:
         data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
         hw = resolve_hardware(cfg.hardware, self.device)
         torch.manual_seed(cfg.seed + self.rank)  # dropout streams; weights are seeded per parameter
+        resume = checkpoint.resolve(t.resume, self.run_dir)  # (the path exists only once a job before this one ran)
+        if resume is not None:
+            meta = checkpoint.read_meta(resume)
+            checkpoint.check_compatible(meta, self._identity(), resume)
+            if meta["step"] >= t.max_steps:
+                raise ConfigError(f"checkpoint {resume} is at step {meta['step']}: nothing is left to run with "
+                                  f"trainer.max_steps={t.max_steps}; raise trainer.max_steps to train further")
         engine = engines.build_engine(cfg, self.device, self.dims, tracker)
         engine.model.train()
-        start = self._resume(engine)
+        start = self._resume(engine, resume)
 
         tokens_per_step = t.micro_batch_size * t.grad_accum * dp.size * cfg.model.seq_len
         fpt = compose.flops_per_token(cfg)  # model-phase strategies included (moe: active experts only)
@@ -208,16 +215,11 @@ class Trainer:
         return {"world_size": self.world, "engine": engines.resolve(cfg), "strategy": cfg.strategy.selected(),
                 "model": cfg.model.name, "parallel": self.dims.summary()}
 
-    def _resume(self, engine) -> int:
-        """Restore the checkpoint ``trainer.resume`` names; returns the first step to run (0 without one)."""
-        path = checkpoint.resolve(self.cfg.trainer.resume, self.run_dir)
+    def _resume(self, engine, path: str | None) -> int:
+        """Restore checkpoint ``path`` (``trainer.resume`` resolved); returns the first step to run (0 without one)."""
         if path is None:
             return 0
-        checkpoint.check_compatible(checkpoint.read_meta(path), self._identity(), path)
         start = checkpoint.load(path, engine, self.rank, self.device)
-        if start >= self.cfg.trainer.max_steps:
-            raise ConfigError(f"checkpoint {path} is at step {start}: nothing is left to run with trainer.max_steps="
-                              f"{self.cfg.trainer.max_steps}; raise trainer.max_steps to train further")
         self.summary.update(resumed_from=path, start_step=start)
         print(f"memopt: resumed from {path} at step {start}", file=sys.stderr)
         return start
