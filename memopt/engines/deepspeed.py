@@ -383,7 +383,7 @@ class DeepSpeedEngine(Engine):
     # ---- the Engine interface ---------------------------------------------------------------------
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
         with self.tracker.retained("activations"):
-            _, loss = self.ds(x, y)
+            loss = self.ds(x, y)[1]  # the logits die here: nothing holds them through the backward
         with self.tracker.category("temp"):
             self.ds.backward(loss)  # divides by gradient_accumulation_steps and applies the loss scale
             self._retag_grads()
@@ -428,7 +428,7 @@ class DeepSpeedEngine(Engine):
         self.ds.eval()
         try:
             with self.tracker.category("temp"):
-                _, loss = self.ds(x, y)
+                loss = self.ds(x, y)[1]  # the logits die here: nothing holds them through the backward
                 if self.stage == 3:  # no backward follows: release what the forward gathered or prefetched
                     self.ds.empty_partition_cache()
             return float(loss.float().item())

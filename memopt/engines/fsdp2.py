@@ -213,7 +213,7 @@ class FSDP2Engine(PrecisionEngine):
 
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
         with self.tracker.retained("activations"), self.precision.autocast(self.device):
-            _, loss = self.model(x, y)
+            loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
         with self.tracker.category("temp"):
             ((loss / n_micro) * self.precision.loss_scale).backward()
         if self.tracker.enabled:

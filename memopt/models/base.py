@@ -8,6 +8,9 @@ outside ``memopt/models/`` names a model's attributes.
                              segments, ZeRO-3 groups, FSDP2 units, chunk order)
     block_runner             slot: ``block_runner(blocks, x, *extra) -> x`` runs the stack; activation
                              checkpointing replaces it. ``extra`` is model-specific (GPT: rotary tables)
+    loss_head                slot: ``loss_head(x, head, targets) -> (logits | None, loss | None)`` turns the
+                             last hidden states into the mean cross-entropy through the output layer
+                             ``head``; ``chunked_loss`` replaces it (and returns no logits)
     slot(i, name)            replaceable parts of block i, named in ``SLOTS`` ("attention_core": q,k,v -> y
     set_slot(i, name, m)     without parameters; "mlp": x -> x), for FlashAttention, selective
                              checkpointing and MoE
@@ -26,6 +29,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 @dataclass
@@ -64,6 +68,17 @@ def run_sequential(blocks, x: torch.Tensor, *extra) -> torch.Tensor:
     return x
 
 
+def dense_lm_loss(x: torch.Tensor, head: nn.Module, targets: torch.Tensor | None):
+    """The default ``loss_head``: logits = head(x) (B, T, V), then the mean cross-entropy in fp32.
+
+    The full logits and their fp32 log-softmax (kept by autograd) are the largest activation of a
+    step at large vocabularies; ``+strategy=chunked_loss`` computes the same loss without them."""
+    logits = head(x)  # (B, T, V)
+    if targets is None:
+        return logits, None
+    return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class Model(nn.Module):
     """Base class of memopt's models (see the module docstring for the contract)."""
 
@@ -72,6 +87,7 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.loss_head = dense_lm_loss  # a callable, not a module: it holds no parameters
         self.block_runner = run_sequential  # subclasses register their modules (``blocks`` included) in forward order
 
     # ---- from the config alone ---------------------------------------------------------------

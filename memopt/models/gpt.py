@@ -173,7 +173,9 @@ class GPT(Model):
             self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx, targets: (B, T) int64 token ids. Returns logits (B, T, V) and the mean loss (or None)."""
+        """idx, targets: (B, T) int64 token ids. Returns logits (B, T, V) and the mean loss (or None).
+
+        The logits are None when the ``loss_head`` slot never materialises them (``chunked_loss``)."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
@@ -186,11 +188,7 @@ class GPT(Model):
         x = self.drop(x)
         x = self.block_runner(self.blocks, x, rope)  # (B, T, C)
         x = self.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return self.loss_head(x, self.lm_head, targets)  # logits (B, T, V) or None (chunked_loss), loss
 
     # ---- the model interface (memopt.models.base) ---------------------------------------------
     @classmethod

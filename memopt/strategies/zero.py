@@ -41,6 +41,7 @@ class Zero2Config:
 
     bucket_mb: float = 25.0  # DeepSpeed reduce_bucket_size analogue
     overlap_comm: bool = True  # launch each bucket's reduce-scatter asynchronously in backward
+    grad_dtype: str = "fp32"  # the owned gradient shard: fp32 (accumulated in fp32) | param (the parameters' dtype)
 
 
 @dataclass
@@ -49,6 +50,18 @@ class Zero3Config:
 
     prefetch: bool = True  # gather the next block while the current one computes
     overlap_comm: bool = True
+    grad_dtype: str = "fp32"  # as zero2's
+
+
+# ``grad_dtype`` (zero2/zero3): the dtype of each rank's owned gradient shard, which lives from the
+# first backward to the step. The reduce-scatter runs in the parameters' dtype either way, so with
+# one micro-batch per step both choices give the same values; they differ in where micro-batches are
+# summed. ``fp32`` (the default, DeepSpeed's bf16 behaviour) adds each micro-batch's reduced shard into
+# an fp32 shard: 4 B per parameter / W. ``param`` keeps the shard in the parameters' dtype, the ZeRO
+# paper's count (2 B per parameter / W for fp16/bf16 weights), and adds micro-batches in that dtype:
+# with bf16 (8 significant bits) a sum of k micro-batches loses up to ~log2(k) bits more, fp16 keeps
+# 11 bits but its overflow check then also covers the accumulated sum. fp32 parameters: no difference.
+GRAD_DTYPES = ("fp32", "param")
 
 
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -72,6 +85,14 @@ class _Stage(Strategy):
         bucket = getattr(opts, "bucket_mb", None)
         if bucket is not None and bucket <= 0:
             raise ConfigError(f"strategy.{self.name}.bucket_mb={bucket} must be > 0")
+        gd = getattr(opts, "grad_dtype", "fp32")
+        if gd not in GRAD_DTYPES:
+            raise ConfigError(f"strategy.{self.name}.grad_dtype={gd!r} is not one of: {', '.join(GRAD_DTYPES)} "
+                              "(fp32: owned gradient shard in fp32; param: in the parameters' dtype)")
+        if gd != "fp32" and cfg.engine.name != "memopt":
+            raise ConfigError(f"strategy.{self.name}.grad_dtype={gd!r} is built for engine=memopt only (engine="
+                              f"{cfg.engine.name} keeps fp32 gradient shards; its own option is not translated); "
+                              f"use strategy.{self.name}.grad_dtype=fp32 or engine=memopt")
 
 
 @register

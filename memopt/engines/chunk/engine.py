@@ -164,7 +164,7 @@ class ChunkEngine(PrecisionEngine):
         mgr.phase = "fwd"
         try:
             with self.tracker.retained("activations"), self.precision.autocast(self.device):
-                _, loss = self.model(x, y)
+                loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
             mgr.phase = "bwd"
             with self.tracker.category("temp"):
                 ((loss / n_micro) * self.precision.loss_scale).backward()
@@ -245,7 +245,7 @@ class ChunkEngine(PrecisionEngine):
         self.mgr.phase = "eval"
         try:
             with self.tracker.category("temp"), self.precision.autocast(self.device):
-                _, loss = self.model(x, y)
+                loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
             return float(loss.float().item())
         finally:
             self.mgr.phase = "idle"

@@ -55,11 +55,12 @@ def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
                       "world size 1 (launch several ranks with trainer.nproc_per_node=N or torchrun)", stacklevel=2)
     plan = plan_groups(model, stage, getattr(opts, "bucket_mb", 0.0), precision.param_dtype, model.param_dims())
     materialize_params(model, device, precision.param_dtype)
+    grad_dtype = precision.param_dtype if getattr(opts, "grad_dtype", "fp32") == "param" else torch.float32
     groups = []
     for gname, members, dim in plan:  # dim: another data-parallel dimension (MoE experts: edp), else part_dim
         live = [(n, model.get_parameter(n), tuple(meta.shape)) for n, meta in members]
         g = FlatGroup(gname, live, part_dim if dim is None else getattr(dims, dim), precision.param_dtype, device,
-                      stage, tracker)
+                      stage, tracker, grad_dtype)
         g.materialize(lambda n, shape: model.init_tensor(n, shape, cfg.seed))
         groups.append(g)
     tracker.register_module(model)
@@ -80,7 +81,7 @@ class MemoptEngine(PrecisionEngine):
         last = micro == n_micro - 1
         self.part.sync_this_backward = last or self.part.stage >= 2
         with self.tracker.retained("activations"), self.precision.autocast(self.device):
-            _, loss = self.model(x, y)
+            loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
         objective = with_aux_loss(self.model, loss)
         self.part.in_backward = True
         try:

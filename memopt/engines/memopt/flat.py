@@ -11,8 +11,8 @@ for ddp/zero1/zero2; one group per block of the model (``Model.blocks``) plus on
 forward, prefetched one block ahead, freed after it, and gathered again for its backward.
 
 ddp and zero1 keep full gradients in a flat buffer and synchronise on the last micro-step only;
-zero2 and zero3 reduce-scatter every micro-step into an fp32 shard and free the full gradients at
-once. The hooks that drive all of this are in ``partitioner.py``.
+zero2 and zero3 reduce-scatter every micro-step into a shard (fp32, or the parameters' dtype with
+``grad_dtype=param``) and free the full gradients at once. The hooks that drive all of this are in ``partitioner.py``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class FlatGroup:
     """A set of parameters packed into one flat buffer, sharded evenly over the ranks."""
 
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter, tuple[int, ...]]], ctx: Dim,
-                 dtype: torch.dtype, device: torch.device, stage: int, tracker):
+                 dtype: torch.dtype, device: torch.device, stage: int, tracker, grad_dtype: torch.dtype = torch.float32):
+        self.grad_dtype = grad_dtype  # zero2/zero3: dtype of the owned gradient shard (``strategy.zero2.grad_dtype``)
         self.name, self.ctx, self.dtype, self.device, self.stage, self.tracker = name, ctx, dtype, device, stage, tracker
         self.names = [n for n, _, _ in params]
         self.params = [p for _, p, _ in params]
@@ -47,7 +48,7 @@ class FlatGroup:
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None  # zero3: the owned slice, persistent
         self.flat_grad: torch.Tensor | None = None  # ddp/zero1: persistent full gradient buffer
-        self.grad_shard: torch.Tensor | None = None  # fp32 gradient of the owned range
+        self.grad_shard: torch.Tensor | None = None  # gradient of the owned range (fp32, or grad_dtype for zero2/3)
         self.pending: list = []  # in-flight async collectives
         self.ready = 0  # parameters whose gradient arrived this backward
         self.gather_work = None
@@ -200,14 +201,14 @@ class FlatGroup:
                 # optimizer converts low-precision gradients to fp32 one group at a time
                 self.grad_shard = g
                 return
-            if g.dtype == torch.float32 and g.numel() == self.owned_size and g is not self.flat_grad:
+            if g.dtype == self.grad_dtype and g.numel() == self.owned_size and g is not self.flat_grad:
                 self.grad_shard = g  # a fresh reduce-scatter output: adopt it
                 self.tracker.register(g, "grads")
                 return
             with self.tracker.category("grads"):
-                self.grad_shard = g.float() if g.dtype != torch.float32 else g.clone()
+                self.grad_shard = g.to(self.grad_dtype) if g.dtype != self.grad_dtype else g.clone()
         else:
-            self.grad_shard.add_(g.float())
+            self.grad_shard.add_(g.to(self.grad_dtype))
 
     def zero_grads(self) -> None:
         self.grad_shard = None
