@@ -45,7 +45,9 @@ class OptimConfig:
 class TrainerConfig:
     """The loop (the ``trainer`` group)."""
 
-    mode: str = "train"  # train (the memory planner will add "plan": predict peak bytes and exit)
+    mode: str = "train"  # train | plan (predict every rank's peak bytes, the fit and the step time; no training)
+    preflight: bool = True  # plan before launching ranks and refuse (status refused) what would not fit
+    nnodes: int = 1  # nodes of the world (plan mode; a multi-node run is started by an external launcher)
     max_steps: int = 300
     micro_batch_size: int = 16  # sequences per rank per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -126,7 +128,12 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"data.path={cfg.data.path!r}: no such file; give a UTF-8 text file")
     if not 0 <= cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
-    _one_of("trainer.mode", t.mode, ("train",))
+    _one_of("trainer.mode", t.mode, ("train", "plan"))
+    if t.nnodes < 1:
+        raise ConfigError(f"trainer.nnodes={t.nnodes} must be >= 1")
+    if t.mode == "train" and t.nnodes > 1 and not os.environ.get("WORLD_SIZE"):
+        raise ConfigError(f"trainer.nnodes={t.nnodes}: a multi-node run is started by an external launcher (torchrun on "
+                          "each node, or hydra/launcher=submitit); here use trainer.nnodes=1, or trainer.mode=plan to plan it")
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     if t.device == "cuda" and not _cuda_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is available here; use trainer.device=cpu or auto")

@@ -87,6 +87,14 @@ def run(cfg: DictConfig) -> dict:
         if multirun:
             return refused
         raise SystemExit(2)
+    if typed.trainer.mode == "plan":
+        return plan_run(typed, cfg, run_dir, multirun)
+    if typed.trainer.preflight and not under_launcher():
+        refused = run_preflight(typed, cfg, run_dir)
+        if refused is not None:
+            if multirun:
+                return refused
+            raise SystemExit(2)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     nproc = typed.trainer.nproc_per_node
     try:
@@ -114,6 +122,59 @@ def run(cfg: DictConfig) -> dict:
         raise SystemExit(EXIT_CODES[status]) from None
     print(f"\nmemopt run finished in {run_dir}\n{summary_table(summary)}", file=sys.stderr)
     return summary
+
+
+def _task_overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _hardware(typed):
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+
+    return resolve_hardware(typed.hardware, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
+    """``trainer.mode=plan``: plan.json, plan.png and summary.json in the run directory, the table printed."""
+    from memopt.planner.figure import plan_figure
+    from memopt.planner.plan import make_plan, plan_table
+    from memopt.sweep import job_identity
+
+    os.makedirs(run_dir, exist_ok=True)
+    plan = make_plan(typed, _hardware(typed))
+    write_json(os.path.join(run_dir, "plan.json"), plan)
+    if "error" in plan:  # the engine refused at build (the chunk engine checks its budgets there)
+        summary = {"status": "ok", "mode": "plan", "fits": False, "error": plan["error"], **job_identity(cfg)}
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+        print(f"memopt plan: does not fit: {plan['error']}")
+        return summary
+    plan_figure(plan, os.path.join(run_dir, "plan.png"))
+    summary = {"status": "ok", "mode": "plan", "fits": plan["fits"], **job_identity(cfg),
+               "params": plan["params"], "world_size": plan["world_size"], "planned_peak_bytes": plan["peak_bytes"]}
+    write_json(os.path.join(run_dir, "summary.json"), summary)
+    print(plan_table(plan) + f"\n  plan.json, plan.png in {run_dir}")
+    return summary
+
+
+def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
+    """Plan before launching; the refused summary (written) when the run would not fit, else None."""
+    from memopt.planner.preflight import PreflightRefusal, preflight
+    from memopt.sweep import job_identity
+
+    try:
+        preflight(typed, _hardware(typed), _task_overrides())
+    except PreflightRefusal as e:
+        os.makedirs(run_dir, exist_ok=True)
+        refused = {"status": "refused", "error": str(e), **job_identity(cfg)}
+        if e.plan is not None:
+            write_json(os.path.join(run_dir, "plan.json"), e.plan)
+            refused["planned_peak_bytes"] = e.plan["peak_bytes"]
+        write_json(os.path.join(run_dir, "summary.json"), refused)
+        print(f"memopt: {e}", file=sys.stderr)
+        return refused
+    return None
 
 
 def _recorded_status(run_dir: str) -> str:

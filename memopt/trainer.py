@@ -82,6 +82,7 @@ class Trainer:
         try:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
+            self.hw = resolve_hardware(cfg.hardware, self.device)  # its CPU matmul probe is not the run's memory
             tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else NullTracker()
             with tracker, StopSignals() as self.signals:
                 self._train(tracker)
@@ -103,7 +104,7 @@ class Trainer:
     def _train(self, tracker) -> None:
         cfg, t, dp = self.cfg, self.cfg.trainer, self.dims.dp
         data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
-        hw = resolve_hardware(cfg.hardware, self.device)
+        hw = self.hw
         torch.manual_seed(cfg.seed + self.rank)  # dropout streams; weights are seeded per parameter
         resume = checkpoint.resolve(t.resume, self.run_dir)  # (the path exists only once a job before this one ran)
         if resume is not None:

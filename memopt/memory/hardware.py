@@ -24,6 +24,8 @@ class HardwareConfig:
     peak_tflops: dict[str, float] = field(default_factory=dict)  # per dtype: fp32/tf32/fp16/bf16
     host_device_gbps: float | None = None  # host<->device bandwidth (GB/s), for offload estimates
     device_device_gbps: float | None = None  # intra-node collective bandwidth (GB/s)
+    devices_per_node: int | None = None  # accelerators per node; None: read it here (CUDA count, or 1 CPU)
+    device_is_host: bool = False  # set for a CPU-only machine: the "device" is the host's RAM (one memory)
 
 
 def host_memory_bytes() -> int:
@@ -66,7 +68,30 @@ def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig
         for name in ("fp32", "bf16", "fp16"):
             peaks.setdefault(name, measure_cpu_tflops(torch.float32))
     host = hw.host_memory_gb if hw.host_memory_gb is not None else host_memory_bytes() / 2**30
-    return replace(hw, device_memory_gb=dev_mem, host_memory_gb=host, peak_tflops=peaks)
+    per_node = hw.devices_per_node or (torch.cuda.device_count() if device.type == "cuda" else 1)
+    unified = hw.device_is_host or (device.type == "cpu" and hw.device_memory_gb is None)
+    h2d, d2d = hw.host_device_gbps, hw.device_device_gbps
+    if device.type == "cpu" and (h2d is None or d2d is None):
+        copy = measure_copy_gbps()  # offload and gloo collectives are memory copies here
+        h2d, d2d = h2d or copy, d2d or copy
+    return replace(hw, device_memory_gb=dev_mem, host_memory_gb=host, peak_tflops=peaks, devices_per_node=per_node,
+                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d)
+
+
+def measure_copy_gbps(nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
+    """Best observed memory-copy bandwidth of this machine in GB/s (cached for the process)."""
+    if "copy" in _MEASURED:
+        return _MEASURED["copy"]
+    a = torch.empty(nbytes, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = max(best, nbytes / (time.perf_counter() - t0))
+    _MEASURED["copy"] = best / 1e9
+    return _MEASURED["copy"]
 
 
 def peak_tflops_for(hw: HardwareConfig, dtype_name: str) -> float | None:

@@ -123,8 +123,7 @@ class MemoryTracker(TorchDispatchMode):
     def _track(self, t: torch.Tensor, category: str, device: str | None = None, retag: bool = False) -> None:
         if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
             return
-        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            # tensor subclasses (fake tensors, DTensor) are accounted through their inner tensors
+        if not self._counted(t):
             return
         st = t.untyped_storage()
         key = id(st)
@@ -150,6 +149,12 @@ class MemoryTracker(TorchDispatchMode):
                 if self._captures:
                     self._captures[-1].append(key)
             self._update_peak(info.device)
+
+    @staticmethod
+    def _counted(t: torch.Tensor) -> bool:
+        """Plain tensors and parameters own storage; tensor subclasses (DTensor, fake tensors) are
+        accounted through their inner tensors (the planner's tracker also counts fake tensors)."""
+        return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
 
     def _release(self, key: int) -> None:
         with self._lock:

@@ -83,8 +83,9 @@ def resolve_sizes(cfg: ParallelConfig, world: int) -> dict[str, int]:
 
 
 def expected_world(cfg) -> int:
-    """The world size a run will have: the launcher's (torchrun, multi-node) or trainer.nproc_per_node."""
-    return int(os.environ.get("WORLD_SIZE", "0")) or cfg.trainer.nproc_per_node
+    """The world size a run will have: the launcher's (torchrun, multi-node) or trainer.nproc_per_node x
+    trainer.nnodes (nodes other than this one: planned, or started by an external launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "0")) or cfg.trainer.nproc_per_node * cfg.trainer.nnodes
 
 
 class Dim:

@@ -1,0 +1,184 @@
+"""A plan: every simulated rank's peak bytes by category, the node's host total, the fit against a
+hardware profile and an estimated step time (``trainer.mode=plan``, and the preflight of a run).
+
+Fit rules (one node; every node of a data-parallel run holds the same):
+  device   each rank's device total <= ``hardware.device_memory_gb``
+  host     the node's ranks together (their host bytes + this process's runtime, i.e. the Python and
+           PyTorch resident set each rank starts with) <= ``hardware.host_memory_gb``
+  CPU-only (``device_is_host``): device and host are one RAM, so the node's ranks' device + host
+           bytes + runtime <= host memory, and that is the only limit.
+
+Step time = compute + offload + communication, not overlapped (an upper estimate; the plan says which
+term dominates): FLOPs counted on the simulated step / peak FLOP/s of the compute dtype, host<->device
+bytes / ``host_device_gbps``, collective bus bytes / ``device_device_gbps``.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict
+
+from memopt.memory.tracker import CATEGORIES
+
+GiB = 2**30
+
+
+def simulated_ranks(world: int) -> list[int]:
+    """Rank 0 and the last rank: flat groups and chunk groups pad the last shard / group, so these two
+    bound every rank (the others hold rank 0's bytes; the slow test checks it on a world of 4)."""
+    return [0] if world == 1 else [0, world - 1]
+
+
+def runtime_bytes() -> int:
+    """This process's resident set before planning: what each rank holds before its first tensor."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def limits_of(hw, local_ranks: int) -> dict[str, int]:
+    """Per-rank limits for ``simulate_rank`` (the preflight stops at the first op over them)."""
+    host = int(hw.host_memory_gb * GiB / local_ranks) - runtime_bytes()
+    if hw.device_is_host:
+        return {"all": host}
+    return {"device": int(hw.device_memory_gb * GiB), "host": host}
+
+
+def make_plan(cfg, hw, limits: dict | None = None) -> dict:
+    """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile)."""
+    from memopt import compose
+    from memopt.parallel.dims import expected_world
+    from memopt.planner.simulate import PlanOverflow, simulate_rank
+
+    t0 = time.perf_counter()
+    world = expected_world(cfg)
+    local = min(world, cfg.trainer.nproc_per_node)
+    runtime = runtime_bytes()
+    try:
+        backend = "gloo" if hw.device_is_host else "nccl"
+        sims = [simulate_rank(cfg, r, world, limits, backend=backend) for r in simulated_ranks(world)]
+    except PlanOverflow as e:
+        if limits is not None or e.reason is None:
+            raise
+        return {"model": cfg.model.name, "params": compose.num_params(cfg), "engine": cfg.engine.name,
+                "strategy": cfg.strategy.selected(), "world_size": world, "fits": False, "error": e.reason,
+                "hardware": _hw_dict(hw), "plan_seconds": time.perf_counter() - t0}
+    ranks = {str(s["rank"]): s["peaks"] for s in sims}
+    worst = max(sims, key=lambda s: _total(s["peaks"]))
+    dev_total = max(_dev(s["peaks"]) for s in sims)
+    host_node = sum(_host(worst["peaks"]) for _ in range(local)) + runtime * local
+    if hw.device_is_host:
+        node = sum(_dev(worst["peaks"]) for _ in range(local)) + host_node
+        fits = {"host": _fit(node, hw.host_memory_gb * GiB)}
+    else:
+        fits = {"device": _fit(dev_total, hw.device_memory_gb * GiB), "host": _fit(host_node, hw.host_memory_gb * GiB)}
+    time_est = step_time(cfg, hw, worst)
+    plan = {
+        "model": cfg.model.name, "params": compose.num_params(cfg), "engine": cfg.engine.name,
+        "strategy": cfg.strategy.selected(), "world_size": world, "nodes": max(1, world // local),
+        "ranks_per_node": local, "micro_batch_size": cfg.trainer.micro_batch_size, "grad_accum": cfg.trainer.grad_accum,
+        "hardware": _hw_dict(hw), "simulated_ranks": [s["rank"] for s in sims],
+        "peak_bytes": ranks, "node_host_bytes": host_node, "runtime_bytes_per_rank": runtime,
+        "fits": all(f["fits"] for f in fits.values()), "fit": fits,
+        "overflow": _overflow(fits, worst["peaks"], hw),
+        "traffic": worst["traffic"], "flops_per_step": worst["flops"], "step_time": time_est,
+        "plan_seconds": time.perf_counter() - t0, "planner_peak_rss_bytes": runtime_bytes(),
+    }
+    return plan
+
+
+def step_time(cfg, hw, sim: dict) -> dict:
+    """Seconds per optimizer step on ``hw``: compute, offload and communication terms, which dominates."""
+    from memopt.memory.hardware import peak_tflops_for
+    from memopt.strategies.precision import Precision
+
+    dtype = Precision.of(cfg).name
+    peak = peak_tflops_for(hw, dtype)
+    terms = {
+        "compute_s": sim["flops"] / (peak * 1e12) if peak else None,
+        "offload_s": sim["traffic"].get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
+        "comm_s": sim["traffic"].get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None,
+    }
+    known = {k: v for k, v in terms.items() if v is not None}
+    total = sum(known.values()) if known else None
+    tokens = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * cfg.model.seq_len
+    return {**terms, "total_s": total, "dominant": max(known, key=known.get)[:-2] if known else None,
+            "compute_dtype": dtype, "peak_tflops": peak,
+            "tokens_per_s_per_device": tokens / total if total else None}
+
+
+def _total(peaks: dict) -> int:
+    return sum(v.get("total", 0) for v in peaks.values())
+
+
+def _dev(peaks: dict) -> int:
+    return peaks.get("device", {}).get("total", 0)
+
+
+def _host(peaks: dict) -> int:
+    return peaks.get("host", {}).get("total", 0)
+
+
+def _fit(need: float, limit: float) -> dict:
+    return {"bytes": int(need), "limit": int(limit), "margin": int(limit - need), "fits": need <= limit}
+
+
+def _overflow(fits: dict, peaks: dict, hw) -> dict | None:
+    """The first memory that overflows and its largest category (what the refusal names)."""
+    for where, f in fits.items():
+        if not f["fits"]:
+            keys = ("device", "host") if hw.device_is_host else (where,)
+            cats = {c: sum(peaks.get(k, {}).get(c, 0) for k in keys) for c in CATEGORIES}
+            cat = max(cats, key=cats.get)
+            return {"memory": where, "category": cat, "bytes": cats[cat], "over_by": -f["margin"]}
+    return None
+
+
+def _hw_dict(hw) -> dict:
+    return {k: v for k, v in asdict(hw).items()}
+
+
+def fmt(n: float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def plan_table(plan: dict) -> str:
+    """The printed plan: one line per simulated rank and memory, the fit, the step time."""
+    cats = [c for c in CATEGORIES if any(p.get(d, {}).get(c) for p in plan["peak_bytes"].values() for d in p)]
+    head = ["rank", "memory", *cats, "total"]
+    rows = []
+    for rank, devs in plan["peak_bytes"].items():
+        for dev, v in devs.items():
+            rows.append([rank, dev, *(fmt(v.get(c, 0)) for c in cats), fmt(v.get("total"))])
+    w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    lines = ["  " + "  ".join(str(c).rjust(w[i]) for i, c in enumerate(r)) for r in [head] + rows]
+    hw = plan["hardware"]
+    lines.insert(0, f"memopt plan: {plan['model']} ({plan['params'] / 1e9:.2f}B params), "
+                    f"{'+'.join(plan['strategy']) or 'plain'} ({plan['engine']}), {plan['world_size']} rank(s) "
+                    f"({plan['ranks_per_node']} per node), micro-batch {plan['micro_batch_size']} x {plan['grad_accum']}, "
+                    f"hardware {hw['name']}")
+    lines.append(f"  host of one node ({plan['ranks_per_node']} rank(s), runtime {fmt(plan['runtime_bytes_per_rank'])} each "
+                 f"included): {fmt(plan['node_host_bytes'])}")
+    for where, f in plan["fit"].items():
+        what = "device+host RAM of the node" if where == "host" and hw["device_is_host"] else where
+        lines.append(f"  {what}: needs {fmt(f['bytes'])} of {fmt(f['limit'])}: "
+                     + (f"fits, margin {fmt(f['margin'])}" if f["fits"] else f"DOES NOT FIT, over by {fmt(-f['margin'])}"))
+    if plan["overflow"]:
+        o = plan["overflow"]
+        lines.append(f"  overflowing: {o['memory']}, largest category {o['category']} ({fmt(o['bytes'])})")
+    st = plan["step_time"]
+    if st["total_s"]:
+        lines.append(f"  step time (estimate, terms not overlapped): {st['total_s']:.3g} s = compute "
+                     f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])}; "
+                     f"{st['dominant']} dominates ({st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s)")
+    lines.append(f"  planned in {plan['plan_seconds']:.1f} s, planner peak RSS {fmt(plan['planner_peak_rss_bytes'])}")
+    return "\n".join(lines)
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.3g} s"

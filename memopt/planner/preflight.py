@@ -1,0 +1,124 @@
+"""Preflight: plan a run before its ranks start and refuse it, in seconds, when it would not fit.
+
+The plan stops at the first op of the simulated step that goes over a limit, so a model that is far
+too big is refused after simulating a fraction of its initialisation. The suggestion is the first
+composition of a short list (ordered from the fastest to the most memory-frugal) whose simulation
+fits. A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
+states per parameter somewhere on the node (ZeRO's K = 12 optimizer bytes plus 2 + 2 for 16-bit
+parameters and gradients; fp32: 4 + 4 + 8), so when the node's device and host memory together
+hold less than that, nothing is simulated and the refusal says how many parameters would fit.
+"""
+from __future__ import annotations
+
+import time
+
+from memopt.errors import ConfigError
+from memopt.planner.plan import GiB, fmt, limits_of, make_plan, runtime_bytes
+from memopt.planner.simulate import PlanOverflow
+
+STATE_BYTES_PER_PARAM = 16
+
+
+class PreflightRefusal(ConfigError):
+    """The plan does not fit: the message names the memory, the category, the numbers and a suggestion."""
+
+    def __init__(self, message: str, plan: dict | None = None):
+        super().__init__(message)
+        self.plan = plan
+
+
+def node_capacity(hw, ranks: int) -> float:
+    """Bytes one node offers to model states (device + host, one RAM on a CPU-only machine), less the
+    runtime of its ``ranks`` processes."""
+    free_host = hw.host_memory_gb * GiB - ranks * runtime_bytes()
+    return free_host if hw.device_is_host else hw.devices_per_node * hw.device_memory_gb * GiB + free_host
+
+
+def trivially_fits(cfg, hw) -> bool:
+    """True when a generous upper bound (32 B/param of model states on every rank, unsharded, plus
+    Korthikanti et al.'s 34sbh + 5as^2b activation bytes per layer doubled for fp32, plus fp32 logits
+    and their gradient, times 2) is under half of the smallest limit: then no simulation is needed."""
+    from memopt import compose
+
+    m, t = cfg.model, cfg.trainer
+    s, b, h, a = m.seq_len, t.micro_batch_size, m.d_model, m.n_head
+    act = m.n_layer * 2 * (34 * s * b * h + 5 * a * s * s * b) + 3 * 4 * s * b * m.vocab_size
+    bound = 2 * (32 * compose.num_params(cfg) + act)
+    return bound < 0.5 * min(limits_of(hw, t.nproc_per_node).values())
+
+
+def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
+    """None when the run trivially fits, the plan when it fits; PreflightRefusal otherwise."""
+    from memopt import compose
+
+    if trivially_fits(cfg, hw):
+        return None
+    t0 = time.perf_counter()
+    local = cfg.trainer.nproc_per_node
+    what = f"{cfg.model.name} ({compose.num_params(cfg) / 1e9:.2f}B params) with {'+'.join(cfg.strategy.selected()) or 'no strategy'}"
+    try:
+        plan = make_plan(cfg, hw, limits_of(hw, local))
+    except PlanOverflow as e:
+        where = "device+host RAM" if e.device == "all" else e.device
+        msg = (f"preflight: {what} does not fit on hardware={hw.name}: " + (e.reason or
+               f"rank 0 alone goes over its share of {where} ({fmt(e.limit)}) while {e.category} holds "
+               f"{fmt(e.live[e.category])} (the largest category)"))
+        raise PreflightRefusal(msg + "; " + suggest(cfg, hw, overrides) + _off(t0)) from None
+    if not plan["fits"]:
+        o = plan["overflow"]
+        msg = (f"preflight: {what} needs {fmt(plan['fit'][o['memory']]['bytes'])} of {o['memory']} memory, "
+               f"{fmt(o['over_by'])} over {fmt(plan['fit'][o['memory']]['limit'])} (largest category {o['category']}: {fmt(o['bytes'])})")
+        raise PreflightRefusal(msg + "; " + suggest(cfg, hw, overrides) + _off(t0), plan)
+    return plan
+
+
+def _off(t0: float) -> str:
+    return f" (planned in {time.perf_counter() - t0:.1f} s; trainer.preflight=false skips this check)"
+
+
+CANDIDATES = (  # from the fastest to the most frugal; zero stages only with several ranks
+    ["ckpt"], ["zero2"], ["zero2", "ckpt"], ["zero3", "ckpt"], ["cpu_offload", "ckpt"],
+    ["zero3", "cpu_offload", "ckpt"], ["hybrid_adam", "ckpt"], ["hybrid_adam_bf16", "ckpt"],
+)
+
+
+def suggest(cfg, hw, overrides: list[str] | None) -> str:
+    """The first candidate composition whose simulation fits, or why none can."""
+    from memopt import compose
+    from memopt.api import compose_config
+    from memopt.config import to_dataclass, validate
+
+    params = compose.num_params(cfg)
+    nodes = max(1, cfg.trainer.nnodes)
+    need = STATE_BYTES_PER_PARAM * params / nodes
+    cap = node_capacity(hw, cfg.trainer.nproc_per_node)
+    if need > cap:
+        return (f"no composition fits: model states alone need {STATE_BYTES_PER_PARAM} B/param on some memory of the node "
+                f"({fmt(need)} per node) and hardware={hw.name} offers {fmt(cap)} (device + host) per node; at most "
+                f"~{cap / STATE_BYTES_PER_PARAM / 1e9:.2f}B params fit before activations: use a smaller model or more "
+                f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")
+    base = [o for o in (overrides or []) if not o.lstrip("+~").startswith("strategy")]
+    world = cfg.trainer.nproc_per_node * nodes
+    tried = []
+    for names in CANDIDATES:
+        if any(n.startswith("zero") for n in names) and world == 1:
+            continue
+        for mb in _micro_batches(cfg.trainer.micro_batch_size):
+            ov = [*base, f"+strategy=[{','.join(names)}]", f"trainer.micro_batch_size={mb}"]
+            try:
+                cand = to_dataclass(compose_config(ov))
+                validate(cand)
+                plan = make_plan(cand, hw, limits_of(hw, cfg.trainer.nproc_per_node))
+            except (PlanOverflow, ConfigError):
+                tried.append(f"+strategy=[{','.join(names)}] micro-batch {mb}")
+                continue
+            if plan["fits"]:
+                return f"this fits: {' '.join(ov[len(base):])} (predicted peak {fmt(max(f['bytes'] for f in plan['fit'].values()))})"
+    return f"none of {len(tried)} candidate compositions fits (tried {', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
+
+
+def _micro_batches(mb: int) -> list[int]:
+    out = [mb]
+    while out[-1] > 1 and len(out) < 3:
+        out.append(max(1, out[-1] // 4))
+    return out

@@ -1,0 +1,232 @@
+"""One rank's training step, run for real on fake tensors: the bytes the run would hold, by category.
+
+``simulate_rank`` builds the engine exactly as a training rank does (``engines.build_engine``: the
+composition, the partitioner or chunk manager, initialisation from the seed, the optimizer) and runs
+the loop's calls (two steps: the first allocates lazily created states and is the chunk engine's
+warm-up; an evaluation; the checkpoint's state dict) under ``FakeTensorMode``, with the run's own
+memory tracker counting the fake tensors' storages. Other ranks are PyTorch's fake process group
+(backend ``fake``: collectives return at once), so rank r of a world of 64 runs in one process.
+Nothing model-sized is allocated: a fake tensor has shape, dtype and device, no data.
+
+Values are not computed, so a value-dependent decision takes a fixed answer: every ``.item()`` reads
+0 (no fp16 overflow, gradient norm 0: no clipping, no skipped step). Where a run's bytes depend on
+values (a MoE router's dropless capacity) the plan is the one of that answer.
+
+The tracker also counts what crosses links in the second (steady-state) step: collective payloads
+(bus bytes as nccl-tests define them) and copies between the compute device and the host.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from memopt.memory.tracker import HOST, MemoryTracker
+
+
+def _flop_formulas() -> dict:
+    """PyTorch's FLOP formulas by op (those of ``FlopCounterMode``, whose module tracker would keep
+    tensors alive across checkpoints; the tracker applies them itself)."""
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry
+
+
+_FLOPS = _flop_formulas()
+
+
+class PlanOverflow(RuntimeError):
+    """The simulated rank went over a limit (preflight stops at the first op that does)."""
+
+    def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None):
+        self.device, self.live, self.limit = device, {c: b for c, b in live.items() if c[0] != "_"}, limit
+        self.total = sum(live.values())
+        self.category = max(self.live, key=self.live.get) if self.live else "other"
+        self.reason = reason  # the engine's own out-of-memory message (the chunk engine checks its budgets at build)
+        super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
+
+
+class PlanTracker(MemoryTracker):
+    """The run's tracker, counting fake tensors, answering ``.item()`` and counting link traffic."""
+
+    def __init__(self, compute_device, limits: dict[str, int] | None = None):
+        super().__init__(compute_device)
+        self.limits = dict(limits or {})
+        self.counting = False
+        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes (counting windows only)
+
+    @staticmethod
+    def _counted(t: torch.Tensor) -> bool:
+        return MemoryTracker._counted(t) or type(t).__name__ == "FakeTensor"
+
+    def _update_peak(self, device: str) -> None:
+        super()._update_peak(device)
+        limit = self.limits.get(device)
+        if limit is not None and sum(self.live[device].values()) > limit:
+            raise PlanOverflow(device, dict(self.live[device]), limit)
+        limit = self.limits.get("all")  # one memory for every key (a CPU-only machine: device = host RAM)
+        if limit is not None:
+            live = defaultdict(int)
+            for cats in self.live.values():
+                for c, b in cats.items():
+                    live[c] += b
+            if sum(live.values()) > limit:
+                raise PlanOverflow("all", dict(live), limit)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 0  # no values: no overflow, norm 0 (see the module docstring)
+        if self.counting and func.namespace == "c10d":
+            self._count_collective(func, args)
+        src = self._device_of(args[1]) if self.counting and func is torch.ops.aten.copy_.default else None
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.counting:
+            formula = _FLOPS.get(func._overloadpacket)
+            if formula is not None:
+                self.traffic["flops"] += int(formula(*args, **(kwargs or {}), out_val=out))
+            if src is not None and self._device_of(args[0]) not in (None, src):
+                self.traffic["offload_bytes"] += args[1].nbytes
+            elif func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+                a, b = self._device_of(args[0]), self._device_of(out)
+                if a is not None and b is not None and a != b:
+                    self.traffic["offload_bytes"] += out.nbytes
+        return out
+
+    def _device_of(self, t) -> str | None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return None
+        info = self._info.get(id(t.untyped_storage()))
+        return info.device if info is not None else self._device_key(t)
+
+    def _count_collective(self, func, args) -> None:
+        """Bus bytes of one collective (nccl-tests' convention): all-reduce 2(n-1)/n x size,
+        all-gather / reduce-scatter / all-to-all (n-1)/n x the full buffer, broadcast / reduce x size."""
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        groups = [a for a in args if hasattr(a, "size") and not isinstance(a, torch.Tensor) and callable(getattr(a, "size"))]
+        try:
+            n = groups[0].size() if groups else dist.get_world_size()
+        except Exception:
+            n = 1
+        if n <= 1 or not tensors:
+            return
+        size = max(t.nbytes for t in tensors)
+        name = func._schema.name
+        factor = 2 * (n - 1) / n if "allreduce" in name else (n - 1) / n if ("allgather" in name or "scatter" in name or "alltoall" in name) else 1.0
+        self.traffic["comm_bytes"] += int(size * factor)
+
+
+class _HeldWork:
+    """An async reduce-scatter's Work: ``wait`` allocates gloo's scratch, kept while the caller holds the Work."""
+
+    def __init__(self, work, like):
+        self.work, self.like, self.scratch = work, like, None
+
+    def wait(self, *args, **kwargs):
+        if self.scratch is None:
+            self.scratch = torch.empty_like(self.like)
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def gloo_scratch():
+    """gloo's reduce-scatter materialises an input-sized scratch on the calling thread: inside the call
+    (sync; freed when it returns) or in ``wait`` (async; alive until the caller drops the Work), as the
+    tracker measures it. The fake process group allocates nothing, so a plan of a gloo run (CPU
+    devices) adds that scratch where the run has it; NCCL needs none, so GPU plans leave it out."""
+    from memopt.parallel import dims as dims_mod
+
+    original = dims_mod.reduce_scatter_single
+
+    def reduce_scatter(out, inp, group=None, async_op=False):
+        work = original(out, inp, group=group, async_op=async_op)
+        if not async_op or work is None:
+            torch.empty_like(inp)  # counted at its peak and freed at once
+            return work
+        return _HeldWork(work, inp)
+
+    dims_mod.reduce_scatter_single = reduce_scatter
+    try:
+        yield
+    finally:
+        dims_mod.reduce_scatter_single = original
+
+
+def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = None, steps: int = 2,
+                  backend: str = "gloo") -> dict:
+    """Peaks {"device"|"host": {category: bytes, "total": bytes}}, the steady step's traffic and its
+    FLOPs (PyTorch's FLOP formulas applied op by op), for rank ``rank`` of ``world``.
+
+    ``limits`` ({"device": bytes, "host": bytes, "all": bytes for their sum}): raise ``PlanOverflow`` at the first op that
+    goes over (the preflight needs no more than that). ``backend``: the collectives' backend of the
+    planned run (gloo for CPU devices, nccl for GPUs), for its scratch buffers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memopt import engines
+    from memopt.data import TokenBatches, load_tokens
+    from memopt.parallel.dims import build_dims
+
+    t0 = time.perf_counter()
+    device = torch.device("cpu")  # bytes do not depend on the device; placement is logical (host_scope)
+    keymap = {"cpu": "device", HOST: "host"}
+    inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}
+    tracker = PlanTracker(device, {inverse[k]: v for k, v in (limits or {}).items() if v is not None})
+    started = _join_fake_world(rank, world)
+    try:
+        dims = build_dims(cfg.parallel, "cpu")
+        t = cfg.trainer
+        with tracker:
+            data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
+            with FakeTensorMode(allow_non_fake_inputs=True), (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()):
+                engine = engines.build_engine(cfg, device, dims, tracker)
+                engine.model.train()
+                for step in range(steps):
+                    last = step == steps - 1
+                    tracker.counting = last
+                    for micro in range(t.grad_accum):
+                        x, y = data.micro_batch(step, micro, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
+                        with tracker.category("other"):
+                            x, y = x.to(device), y.to(device)
+                        engine.forward_backward(x, y, micro, t.grad_accum)
+                    with tracker.category("temp"):
+                        engine.step(1e-3)
+                    tracker.counting = False
+                if t.eval_every and len(data.val) > cfg.model.seq_len:
+                    x, y = data.eval_batches(1, t.micro_batch_size)[0]
+                    with tracker.category("temp"):
+                        engine.eval_loss(x.to(device), y.to(device))
+                if t.save_checkpoint:
+                    with tracker.category("other"):
+                        state = engine.full_state_dict()  # what rank 0 holds while model.pt is written
+                    del state
+    except PlanOverflow as e:
+        e.device = keymap.get(e.device, e.device)
+        raise
+    except Exception as e:
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            raise PlanOverflow("host" if "host" in str(e) else "device", {}, 0, f"{type(e).__name__}: {e}") from None
+        raise
+    finally:
+        if started:
+            dist.destroy_process_group()
+    peaks = {keymap.get(d, d): v for d, v in tracker.peaks().items()}
+    traffic = dict(tracker.traffic)
+    return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
+            "seconds": time.perf_counter() - t0}
+
+
+def _join_fake_world(rank: int, world: int) -> bool:
+    """This process as rank ``rank`` of a fake world (no-op collectives); False for one rank."""
+    if world <= 1:
+        return False
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner simulates other ranks with a fake process group; plan before joining a real one")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    return True

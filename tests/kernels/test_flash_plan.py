@@ -1,0 +1,9 @@
+"""The planner with flash_attn (kernels under Triton's interpreter here): planned peaks within 3% of measured."""
+import pytest
+
+from tests.planner.test_accuracy import check
+
+
+@pytest.mark.slow
+def test_plan_matches_measured_flash_attn(tmp_path):
+    check(["+strategy=flash_attn", "model.d_model=64", "model.n_head=2"], 1, tmp_path)

@@ -1,0 +1,93 @@
+"""The planner against the tracker's measured peaks (the reference: the run itself, measured op by op).
+
+Every composition that runs on this CPU, per rank, per device and per category: the plan's peak is
+within 3% of the measured one (categories under 64 KiB: within 64 KiB, where 3% is a few hundred
+bytes of scalars). The default suite keeps one case (one process, checkpointing + optimizer offload: every
+category on both memories); two ranks and the matrix are ``slow``.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import typed
+
+TOL, FLOOR = 0.03, 64 * 1024
+COMMON = ["model.seq_len=64", "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.eval_every=0",
+          "trainer.save_checkpoint=false", "logger=none", "trainer.progress_bar=false"]
+
+
+def planned(overrides: list[str], world: int) -> dict:
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.plan import make_plan
+
+    hw = HardwareConfig(name="test", device_memory_gb=1024, host_memory_gb=1024, peak_tflops={"fp32": 1.0},
+                        host_device_gbps=1.0, device_device_gbps=1.0, devices_per_node=world, device_is_host=True)
+    plan = make_plan(typed([*COMMON, *overrides, f"trainer.nproc_per_node={world}"]), hw)
+    return plan["peak_bytes"]
+
+
+def measured(overrides: list[str], world: int, tmp_path) -> dict:
+    from memopt.api import run_job, run_jobs_on_ranks
+
+    run_dir = str(tmp_path / "run")
+    if world == 1:
+        summary = run_job([*COMMON, *overrides], run_dir)
+    else:
+        summary = run_jobs_on_ranks(world, [([*COMMON, *overrides], run_dir)])[0]
+    return {r: {("device" if d == "cpu" else d): v for d, v in devs.items()} for r, devs in summary["peak_bytes"].items()}
+
+
+def compare(plan: dict, real: dict) -> list[str]:
+    bad = []
+    for rank, devs in plan.items():
+        for dev, cats in devs.items():
+            for cat, want in real[rank].get(dev, {}).items():
+                got = cats.get(cat, 0)
+                if abs(got - want) > max(TOL * want, FLOOR):
+                    bad.append(f"rank {rank} {dev} {cat}: planned {got}, measured {want}")
+        for dev in real[rank]:
+            if dev not in devs and real[rank][dev].get("total", 0) > FLOOR:
+                bad.append(f"rank {rank}: {dev} measured but not planned")
+    return bad
+
+
+def check(overrides: list[str], world: int, tmp_path) -> None:
+    plan = planned(overrides, world)
+    real = measured(overrides, world, tmp_path)
+    bad = compare(plan, real)
+    assert not bad, f"{overrides} on {world} rank(s):\n" + "\n".join(bad)
+
+
+def test_plan_matches_measured_one_process(tmp_path):
+    check(["+strategy=[ckpt,cpu_offload]"], 1, tmp_path)
+
+
+@pytest.mark.slow
+def test_plan_matches_measured_two_ranks(tmp_path):
+    check(["+strategy=zero3"], 2, tmp_path)
+
+
+ONE = [[], ["+strategy=fp16"], ["+strategy=bf16"], ["+strategy=ckpt"], ["+strategy=ckpt", "strategy.ckpt.policy=every_k"],
+       ["+strategy=ckpt", "strategy.ckpt.policy=selective"], ["+strategy=[ckpt,act_offload]"], ["+strategy=cpu_offload"],
+       ["+strategy=[fp16,cpu_offload]"], ["+strategy=chunk"], ["+strategy=static_partition"], ["+strategy=hybrid_adam"],
+       ["+strategy=hybrid_adam", "strategy.chunk.device_budget_gb=0.002"], ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.001"],
+       ["+strategy=moe"], ["+strategy=[moe,ckpt]"]]
+TWO = [["+strategy=ddp"], ["+strategy=zero1"], ["+strategy=zero2"], ["+strategy=zero3"], ["+strategy=[zero3,cpu_offload]"],
+       ["+strategy=[zero2,fp16]"], ["+strategy=chunk"], ["+strategy=hybrid_adam"], ["engine=fsdp2", "+strategy=zero3"],
+       ["engine=fsdp2", "+strategy=zero2"], ["+strategy=[moe,zero2]", "parallel.ep=2", "trainer.save_checkpoint=false"]]
+MODELS = [["model=gpt_tiny"], ["model=gpt_tiny", "model.n_layer=3", "model.d_model=96", "model.n_head=4"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS, ids=["tiny", "tiny_wide"])
+@pytest.mark.parametrize("overrides", ONE, ids=lambda o: "+".join(o) or "plain")
+def test_matrix_one_process(overrides, model, tmp_path):
+    check([*model, *overrides], 1, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS, ids=["tiny", "tiny_wide"])
+@pytest.mark.parametrize("overrides", TWO, ids=lambda o: "+".join(o))
+def test_matrix_two_ranks(overrides, model, tmp_path):
+    check([*model, *overrides], 2, tmp_path)
+

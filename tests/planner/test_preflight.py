@@ -1,0 +1,34 @@
+"""Preflight refusals: named memory and category, a suggestion, nothing model-sized allocated."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import typed
+
+
+def hw(host_gb: float, device_gb: float | None = None):
+    from memopt.memory.hardware import HardwareConfig
+
+    return HardwareConfig(name="small", device_memory_gb=device_gb or host_gb, host_memory_gb=host_gb, peak_tflops={"fp32": 1.0},
+                          host_device_gbps=1.0, device_device_gbps=1.0, devices_per_node=1, device_is_host=device_gb is None)
+
+
+def test_refuses_when_params_overflow_and_names_the_category():
+    from memopt.planner.plan import runtime_bytes
+    from memopt.planner.preflight import PreflightRefusal, preflight
+
+    cfg = typed(["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none"])
+    # RAM that holds the runtime plus 1 MiB: gpt_tiny's 3.2 MiB of fp32 parameters go over while being created
+    small = hw((runtime_bytes() + 2**20) / 2**30)
+    with pytest.raises(PreflightRefusal) as e:
+        preflight(cfg, small, ["model=gpt_tiny"])
+    msg = str(e.value)
+    assert "does not fit" in msg and "params holds" in msg and "trainer.preflight=false" in msg, msg
+    assert "no composition fits" in msg  # 16 B/param of 0.8M params is over 1 MiB
+
+
+def test_trivially_fitting_run_is_not_simulated():
+    from memopt.planner.preflight import preflight
+
+    cfg = typed(["model=gpt_tiny", "logger=none"])
+    assert preflight(cfg, hw(64.0)) is None
