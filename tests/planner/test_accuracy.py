@@ -59,7 +59,7 @@ def check(overrides: list[str], world: int, tmp_path) -> None:
 
 
 def test_plan_matches_measured_one_process(tmp_path):
-    check(["+strategy=[ckpt,cpu_offload]"], 1, tmp_path)
+    check(["+strategy=[ckpt,cpu_offload]", "model.n_layer=2"], 1, tmp_path)
 
 
 @pytest.mark.slow
