@@ -38,6 +38,10 @@ What is translated, and how (memopt strategy -> DeepSpeed config):
                        a CPU device, so it is not used; act_offload is the same model-side code on
                        both engines, which keeps the comparison about the partitioner/optimizer.
     flash_attn         the same attention kernel swap (a model change)
+    moe                deepspeed.moe.layer.MoE in place of memopt's MoE layers, with the same weights
+                       (``memopt/engines/deepspeed_moe.py``: the translation and the gating
+                       differences); parallel.ep -> ep_size; expert parameters in their own
+                       optimizer groups, as DeepSpeed's ZeRO requires
     optim / trainer    train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping;
                        AdamW with optim.betas/eps and two parameter groups: weight decay on
                        ndim >= 2 parameters only. The learning rate of ``lr_at`` is written into the
@@ -104,16 +108,18 @@ import warnings
 import torch
 
 from memopt.compose import materialize, model_on_meta
-from memopt.engines.base import Engine, refuse_unsupported
+from memopt.engines import deepspeed_moe
+from memopt.engines.base import Engine, refuse_unsupported, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.optim.step import StepResult
 from memopt.strategies.precision import Precision
 from memopt.strategies.zero import selected_stage
 
 NAME, LABEL = "deepspeed", "DeepSpeed"
-SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
+SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe")
 CHECKPOINTS = False  # resumable checkpoints (DeepSpeed's own save/load) are not wired yet
-PARALLEL = ("dp_shard",)  # DeepSpeed's data-parallel world; MiCS/hpZ (replicate x shard) are not translated
+# DeepSpeed's data-parallel world and DeepSpeed-MoE's expert groups; MiCS/hpZ (replicate x shard) are not translated
+PARALLEL = ("dp_shard", "ep")
 LOOP_OWNED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
               "gradient_accumulation_steps", "gradient_clipping")
 
@@ -124,6 +130,7 @@ def validate(cfg) -> None:
         return
     s = cfg.strategy
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
+    deepspeed_moe.validate(cfg)
     if s.fp16 is not None:
         f = s.fp16
         if f.params != "fp16":
@@ -249,6 +256,9 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
     model = model_on_meta(cfg, device, dims, tracker)
     # the single-process weights on every rank (fp32; DeepSpeed casts to fp16/bf16 itself)
     materialize(model, device, torch.float32, cfg.seed, tracker)
+    if s.moe is not None:  # DeepSpeed-MoE layers holding the weights memopt's MoE layers were given
+        with tracker.category("params"):
+            deepspeed_moe.swap_in(model, dims.ep.size)
     # memopt's zero3 unit: one transformer block (or the root group: embeddings, ln_f, tied head)
     in_blocks = {id(p) for p in model.blocks.parameters()}
     root_numel = sum(p.numel() for p in {id(p): p for p in model.parameters() if id(p) not in in_blocks}.values())
@@ -262,6 +272,8 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
             (decay if p.ndim >= 2 else no_decay).append(p)
     o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if s.moe is not None:
+        groups = deepspeed_moe.optimizer_groups(groups)
     offload = s.cpu_offload is not None
     with tracker.category("optim"):
         if offload:
@@ -385,7 +397,7 @@ class DeepSpeedEngine(Engine):
         with self.tracker.retained("activations"):
             loss = self.ds(x, y)[1]  # the logits die here: nothing holds them through the backward
         with self.tracker.category("temp"):
-            self.ds.backward(loss)  # divides by gradient_accumulation_steps and applies the loss scale
+            self.ds.backward(with_aux_loss(self.model, loss))  # divides by gradient_accumulation_steps and applies the loss scale
             self._retag_grads()
             if micro != n_micro - 1:
                 self.ds.step()  # not a boundary: DeepSpeed only advances its micro-step counter

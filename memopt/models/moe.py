@@ -144,7 +144,29 @@ class RoutingStats:
         return {"moe": out}
 
 
-class MoE(nn.Module):
+class AuxLossPart:
+    """The model's auxiliary-loss protocol (``memopt.models.base``) for a routed layer: ``forward``
+    stores its weighted loss term in ``_aux`` and its statistics in ``_pending``; ``take_aux_loss``
+    hands the term out once and commits the statistics to ``stats`` (so a checkpoint recomputation,
+    which reruns the forward, is not counted twice). Shared by memopt's MoE and the DeepSpeed-MoE
+    adapter of ``engine=deepspeed``."""
+
+    _aux: torch.Tensor | None = None
+    _pending: tuple | None = None
+    stats: RoutingStats | None = None
+    name: str = "moe"
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The weighted loss term of the last training forward (once), committing its statistics."""
+        aux, self._aux = self._aux, None
+        if self._pending is not None and self.stats is not None:
+            a, z, d, load = self._pending
+            self.stats.add(self.name, float(a), float(z), float(d), load)
+        self._pending = None
+        return aux
+
+
+class MoE(AuxLossPart, nn.Module):
     """The MoE MLP: (B, T, C) -> (B, T, C). See the module docstring for the algorithm.
 
     ``ep``: the expert-parallel dimension (``memopt.parallel.Dim``; None or size 1: every expert here).
@@ -170,8 +192,6 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(d_model, d_ff, bias, dropout) for e in range(first, first + self.local)})
         if P > 1:  # each expert lives on the ranks of its edp group only: data-parallel over those
             self.experts.dp_dim = "edp"
-        self._aux: torch.Tensor | None = None  # the weighted loss term of the last training forward
-        self._pending: tuple | None = None  # its statistics, committed when the term is taken
 
     @property
     def parallel(self) -> bool:
@@ -221,13 +241,3 @@ class MoE(nn.Module):
         done = torch.stack([self.experts[str(first + e)](recv[:, e].reshape(P * N, C)).view(P, N, C)
                             for e in range(El)], dim=1)  # (P, El, N, C)
         return _AllToAll.apply(done.reshape(E, N, C), self.ep.group)  # my tokens' rows, back from each expert
-
-    # ---- the model's auxiliary-loss and metrics protocol (memopt.models.base) ---------------------
-    def take_aux_loss(self) -> torch.Tensor | None:
-        """The weighted loss term of the last training forward (once), committing its statistics."""
-        aux, self._aux = self._aux, None
-        if self._pending is not None and self.stats is not None:
-            a, z, d, load = self._pending
-            self.stats.add(self.name, float(a), float(z), float(d), load)
-        self._pending = None
-        return aux

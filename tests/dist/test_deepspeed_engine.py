@@ -48,6 +48,9 @@ FAST = {
     "zero3_bf16_autocast": (["+strategy=[zero3,bf16]"], "bf16"),
     "zero1_fp16": (["+strategy=[zero1,fp16]", *FP16], "fp16"),
     "zero3_fp16": (["+strategy=[zero3,fp16]", *FP16, "trainer.max_steps=4"], "fp16"),
+    # DeepSpeed-MoE (deepspeed.moe.layer.MoE, its gate, dispatch and expert groups) with experts split
+    # over both ranks; a capacity that drops nothing (the drop order is the one gating difference)
+    "zero2_moe_ep2": (["+strategy=[zero2,moe]", "parallel.ep=2", "strategy.moe.capacity_factor=4.0"], "fp32"),
     # starts far too high: skips with hysteresis 2, then halves each overflow (DeepSpeed's semantics)
     "zero2_fp16_overflow": (["+strategy=[zero2,fp16]", "strategy.fp16.init_scale=1048576", "trainer.max_steps=5"], "fp16"),
 }
