@@ -165,6 +165,7 @@ def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta:
     with _quiet():
         dcp.save(state, checkpoint_id=tmp)
     del state
+    engine.save_files(tmp)
     _maybe_kill_inside_save(step, rank)
     _barrier()  # every rank's files are in place
     if rank == 0:
@@ -189,6 +190,7 @@ def load(path: str, engine, rank: int, device: torch.device) -> int:
     with _quiet():
         dcp.load(state, checkpoint_id=path)
     engine.load_checkpoint(state["model"], state["engine"])
+    engine.load_files(path)
     set_rng_state(state["trainer"][f"rank{rank}"]["rng"], device)
     _barrier()
     return int(meta["step"])

@@ -65,6 +65,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # newest resumable checkpoints kept
     resume: str | None = None  # auto (this run directory's newest checkpoint, if any) | a checkpoint path
     overwrite: bool = False  # a run directory that already holds a run is refused unless this (or resume) is set
+    watchdog_s: float = 0.0  # a rank without progress this long stops the job, named with its phase; 0: off
     divergence_steps: int = 20  # consecutive non-finite losses (or fp16 skipped steps) that stop the run: diverged; 0: never
 
 
@@ -147,6 +148,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("checkpoint_every", "divergence_steps"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")
+    if t.watchdog_s < 0:
+        raise ConfigError(f"trainer.watchdog_s={t.watchdog_s} must be >= 0 (0 disables the watchdog)")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     if t.eval_every < 0:

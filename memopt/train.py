@@ -21,6 +21,7 @@ from memopt.errors import EXIT_CODES
 from memopt.parallel import under_launcher
 from memopt.logging import write_json
 from memopt.records import RunDirInUse, claim_run_dir
+from memopt.watchdog import WATCHED_BY_LAUNCHER
 
 register_configs()
 
@@ -192,6 +193,7 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
     from memopt.parallel import RankFailure, launch
     from memopt.worker import run_rank
 
+    watchdog = _watch_ranks(run_dir, resolved["trainer"].get("watchdog_s") or 0)
     try:
         results = launch(nproc, run_rank, resolved, run_dir, group)
     except RankFailure as e:
@@ -207,9 +209,39 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
             summary.setdefault("error", str(e))
         else:
             summary.update(status="failed", error=str(e), failed_rank=e.rank)
+        if watchdog is not None and watchdog.fired:  # the watchdog stopped the ranks: its finding is the cause
+            summary.update(status="failed", error=watchdog.fired[1], stalled_rank=watchdog.fired[0])
+            summary.pop("failed_rank", None)
         write_json(path, summary)
         raise
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+            os.environ.pop(WATCHED_BY_LAUNCHER, None)
     return results[0]
+
+
+def _watch_ranks(run_dir: str, limit: float):
+    """The watchdog over the local ranks' heartbeats (``trainer.watchdog_s`` > 0): when one stalls, it
+    names it and SIGKILLs every rank (a stopped process included), so the launch fails at once."""
+    if not limit:
+        return None
+    import shutil
+    import signal
+
+    from memopt.watchdog import DIR, Watchdog
+
+    def stop_all(rank: int, message: str, beats: dict) -> None:
+        print(f"memopt: {message}; stopping the job", file=sys.stderr)
+        for b in beats.values():
+            try:
+                os.kill(int(b["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    shutil.rmtree(os.path.join(run_dir, DIR), ignore_errors=True)
+    os.environ[WATCHED_BY_LAUNCHER] = "1"  # inherited by the spawned ranks: they publish, this process watches
+    return Watchdog(run_dir, limit, stop_all)
 
 
 def _shared_run_dir(typed, run_dir: str) -> str:

@@ -27,6 +27,7 @@ from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
 from memopt.records import new_run_id
+from memopt.watchdog import WATCHED_BY_LAUNCHER
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,6 +63,7 @@ class Trainer:
         self.resolved_config = resolved_config or {}
         self.group = group or cfg.logger.group or cfg.experiment
         self.summary: dict = {}
+        self.heartbeat = self.watchdog = None
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -84,6 +86,7 @@ class Trainer:
                 torch.set_num_threads(cfg.trainer.num_threads)
             self.hw = resolve_hardware(cfg.hardware, self.device)  # its CPU matmul probe is not the run's memory
             tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else NullTracker()
+            self._start_watchdog()
             with tracker, StopSignals() as self.signals:
                 self._train(tracker)
             self.summary["status"] = "ok"
@@ -93,6 +96,7 @@ class Trainer:
             self.summary["traceback"] = traceback.format_exc(limit=20)
             raise
         finally:
+            self._stop_watchdog()
             if "peak_bytes" not in self.summary:  # failed before the ranks could exchange peaks
                 if tracker.enabled:
                     self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
@@ -113,6 +117,7 @@ class Trainer:
             if meta["step"] >= t.max_steps:
                 raise ConfigError(f"checkpoint {resume} is at step {meta['step']}: nothing is left to run with "
                                   f"trainer.max_steps={t.max_steps}; raise trainer.max_steps to train further")
+        self._beat("build")
         engine = engines.build_engine(cfg, self.device, self.dims, tracker)
         engine.model.train()
         start = self._resume(engine, resume)
@@ -137,6 +142,7 @@ class Trainer:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optim, t.max_steps)
             loss_sum = torch.zeros((), device=self.device)
+            self._beat("forward/backward", step)
             for micro in range(t.grad_accum):
                 x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
                 with cat("other"):
@@ -144,10 +150,12 @@ class Trainer:
                 loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
             self._sync()
             t1 = time.perf_counter()
+            self._beat("optimizer step", step)
             with cat("temp"):
                 result = engine.step(lr)
             self._sync()
             optim_times.append(time.perf_counter() - t1)  # the optimizer step alone (after the backward)
+            self._beat("loss all-reduce", step)
             dp.all_reduce_(loss_sum)  # global-batch mean: every data-parallel rank's micro-batches weigh the same
             self._sync()
             dt = time.perf_counter() - t0
@@ -158,6 +166,7 @@ class Trainer:
             is_last = step == t.max_steps - 1
             evaluated = bool(eval_set) and ((step + 1) % t.eval_every == 0 or is_last)
             if evaluated:
+                self._beat("evaluation", step)
                 with cat("temp"):
                     val_loss = sum(engine.eval_loss(x.to(self.device), y.to(self.device)) for x, y in eval_set) / len(eval_set)
             if step % t.log_every == 0 or is_last or evaluated:
@@ -222,7 +231,8 @@ class Trainer:
             return 0
         start = checkpoint.load(path, engine, self.rank, self.device)
         self.summary.update(resumed_from=path, start_step=start)
-        print(f"memopt: resumed from {path} at step {start}", file=sys.stderr)
+        if self.rank == 0:
+            print(f"memopt: resumed from {path} at step {start}", file=sys.stderr)
         return start
 
     def _save_resumable(self, engine, done: int) -> None:
@@ -240,8 +250,10 @@ class Trainer:
         self.summary["steps_done"] = step + 1
         guard.update(step, loss, result.skipped)  # raises Diverged: no checkpoint of a bad state
         due = bool(t.checkpoint_every) and ((step + 1) % t.checkpoint_every == 0 or step + 1 == t.max_steps)
+        self._beat("step boundary (signal vote)", step)
         signum = self.signals.agreed(self.dims.world, self.device)
         if (due or (signum and t.checkpoint_every)) and math.isfinite(loss):
+            self._beat("checkpoint save", step)
             self._save_resumable(engine, step + 1)
         if signum:
             import signal
@@ -252,6 +264,39 @@ class Trainer:
             where = f"; resume with trainer.resume=auto (checkpoint {self.summary['last_checkpoint']})" \
                 if self.summary.get("last_checkpoint") else ""
             raise Interrupted(f"{name} received: stopped after step {step}{where}")
+
+    # ---- the watchdog (memopt.watchdog) -----------------------------------------------------------
+    def _start_watchdog(self) -> None:
+        """Publish this rank's phase; a single process, or rank 0 under an external launcher, also
+        watches (under ``trainer.nproc_per_node`` the launching process does)."""
+        limit = self.cfg.trainer.watchdog_s
+        if not limit:
+            return
+        from memopt.watchdog import Heartbeat, Watchdog
+
+        self.heartbeat = Heartbeat(self.run_dir, self.rank, interval=min(1.0, limit / 4))
+        if self.rank == 0 and not os.environ.get(WATCHED_BY_LAUNCHER):
+            self.watchdog = Watchdog(self.run_dir, limit, self._stalled)
+
+    def _stop_watchdog(self) -> None:
+        for w in (self.watchdog, self.heartbeat):
+            if w is not None:
+                w.close()
+
+    def _beat(self, phase: str, step: int | None = None) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.set(phase, step)
+
+    def _stalled(self, rank: int, message: str, beats: dict) -> None:
+        """The watchdog fired in this process: record and exit (the main thread may be blocked for good)."""
+        from memopt.errors import EXIT_CODES
+        from memopt.logging import write_json
+
+        print(f"memopt: {message}", file=sys.stderr)
+        if self.rank == 0:
+            write_json(os.path.join(self.run_dir, "summary.json"),
+                       {**self.summary, "status": "failed", "error": message, "stalled_rank": rank})
+        os._exit(EXIT_CODES["failed"])
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> str:

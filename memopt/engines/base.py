@@ -51,6 +51,13 @@ class Engine:
         """Restore from the parts ``checkpoint_model`` / ``checkpoint_state`` returned, loaded by DCP."""
         raise NotImplementedError
 
+    def save_files(self, path: str) -> None:
+        """Files of the engine's own format written beside the DCP parts (DeepSpeed's checkpoint); a
+        collective. Default: none."""
+
+    def load_files(self, path: str) -> None:
+        """Read back what ``save_files`` wrote (after ``load_checkpoint``)."""
+
     @property
     def loss_scale(self) -> float:
         return 1.0

@@ -109,7 +109,7 @@ import torch
 
 from memopt.compose import materialize, model_on_meta
 from memopt.engines import deepspeed_moe
-from memopt.engines.base import Engine, refuse_unsupported, with_aux_loss
+from memopt.engines.base import Engine, rank_key, refuse_unsupported, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.optim.step import StepResult
 from memopt.strategies.precision import Precision
@@ -117,7 +117,6 @@ from memopt.strategies.zero import selected_stage
 
 NAME, LABEL = "deepspeed", "DeepSpeed"
 SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe")
-CHECKPOINTS = False  # resumable checkpoints (DeepSpeed's own save/load) are not wired yet
 # DeepSpeed's data-parallel world and DeepSpeed-MoE's expert groups; MiCS/hpZ (replicate x shard) are not translated
 PARALLEL = ("dp_shard", "ep")
 LOOP_OWNED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -131,6 +130,10 @@ def validate(cfg) -> None:
     s = cfg.strategy
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
     deepspeed_moe.validate(cfg)
+    if s.moe is not None and (cfg.trainer.checkpoint_every or cfg.trainer.resume):
+        raise ConfigError("resumable checkpoints (trainer.checkpoint_every, trainer.resume) with +strategy=moe and "
+                          "engine=deepspeed are not built (DeepSpeed-MoE's layers are named and sharded its own way); "
+                          "use engine=memopt for MoE with checkpoints, or set trainer.checkpoint_every=0")
     if s.fp16 is not None:
         f = s.fp16
         if f.params != "fp16":
@@ -455,6 +458,21 @@ class DeepSpeedEngine(Engine):
             with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
                 return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
         return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    # ---- resumable checkpoints: DeepSpeed's own save/load (its files under <checkpoint>/deepspeed) ----
+    def checkpoint_state(self) -> dict:
+        return {rank_key(): {}}  # everything is in DeepSpeed's files; the DCP part holds the weights for merge
+
+    def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        pass
+
+    def save_files(self, path: str) -> None:
+        self.ds.save_checkpoint(os.path.join(path, "deepspeed"), tag="state", save_latest=False)
+
+    def load_files(self, path: str) -> None:
+        self.ds.load_checkpoint(os.path.join(path, "deepspeed"), tag="state", load_optimizer_states=True,
+                                load_lr_scheduler_states=False)
+        self._retag_after_step()
 
     @property
     def loss_scale(self) -> float:

@@ -59,14 +59,13 @@ from __future__ import annotations
 import torch
 
 from memopt.compose import model_on_meta
-from memopt.engines.base import PrecisionEngine, refuse_unsupported
+from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported
 from memopt.errors import ConfigError
 from memopt.optim.step import StepResult, StepSequence
 from memopt.strategies.precision import Precision
 
 NAME, LABEL = "fsdp2", "FSDP2"
 SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
-CHECKPOINTS = False  # resumable checkpoints (DCP over its DTensors) are not wired yet
 PARALLEL = ("dp_replicate", "dp_shard")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
 
 
@@ -256,3 +255,23 @@ class FSDP2Engine(PrecisionEngine):
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = full.detach().float().cpu().clone()
         return out
+
+    # ---- resumable checkpoints: the sharded DTensors as they are (DCP writes each rank's shards) ----
+    def checkpoint_model(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+    def checkpoint_state(self) -> dict:
+        optim = {name: dict(self.optimizer.state[p]) for name, p in self.model.named_parameters()}
+        return {"optim": optim, rank_key(): {"scaler": self.scaler_state()}}
+
+    @torch.no_grad()
+    def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        for name, t in self.model.state_dict().items():  # DCP loaded in place; copy what it did not
+            if model[name] is not t:
+                _local(t).copy_(_local(model[name]))
+        for name, p in self.model.named_parameters():
+            live = self.optimizer.state[p]
+            for k, v in state["optim"][name].items():
+                if v is not live[k]:
+                    _local(live[k]).copy_(_local(v))
+        self.load_scaler_state(state[rank_key()]["scaler"])

@@ -3,8 +3,9 @@ bit-identical losses (the second half) and bit-identical final weights. The refe
 straight run (its in-memory state continues); the resumed run rebuilds everything from the files.
 
 Default suite: one single-process case (2 + 2 steps, with the merge command) and one 2-rank zero3 +
-cpu_offload case. ``slow``: 6 = 3 + 3 steps for every memopt / chunk engine strategy on 1 and 2
-ranks, and a SIGKILL inside a save followed by ``trainer.resume=auto``.
+cpu_offload case. ``slow``: 6 = 3 + 3 steps for every memopt / chunk engine strategy, DeepSpeed
+(its own checkpoint files) and FSDP2 (DTensors through DCP) on 1 and 2 ranks, and a SIGKILL inside
+a save followed by ``trainer.resume=auto``.
 """
 from __future__ import annotations
 
@@ -45,12 +46,12 @@ def assert_exact(jobs, steps: int = 6) -> None:
     (_, straight), (_, resumed) = jobs
     a, b = records(straight), records(resumed)
     tail = list(range(steps // 2, steps))
-    assert sorted(b) == tail, b
-    assert [a[s] for s in tail] == [b[s] for s in tail], (a, b)
+    assert sorted(b) == tail, (resumed, b)
+    assert [a[s] for s in tail] == [b[s] for s in tail], (resumed, a, b)
     wa, wb = weights(straight), weights(resumed)
     assert wa.keys() == wb.keys()
     for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+        assert torch.equal(wa[k], wb[k]), (resumed, k)
 
 
 def run_in_process(jobs) -> None:
@@ -97,7 +98,14 @@ TWO_RANKS = {"ddp": ["+strategy=ddp"], "zero1": ["+strategy=zero1"], "zero2": ["
              "zero3_fp16": ["+strategy=[zero3,fp16]"],
              "chunk": ["+strategy=chunk", "strategy.chunk.chunk_size=65536"],
              "hybrid_adam": ["+strategy=hybrid_adam", "strategy.chunk.chunk_size=65536"],
-             "moe_zero2": ["model=moe_tiny", "+strategy=zero2"]}
+             "moe_zero2": ["model=moe_tiny", "+strategy=zero2"],
+             "deepspeed_zero2": ["engine=deepspeed", "+strategy=zero2"],
+             "deepspeed_zero3_fp16": ["engine=deepspeed", "+strategy=[zero3,fp16]"],
+             "deepspeed_zero2_offload": ["engine=deepspeed", "+strategy=[zero2,cpu_offload]"],
+             "fsdp2_zero3": ["engine=fsdp2", "+strategy=zero3"], "fsdp2_zero2_bf16": ["engine=fsdp2", "+strategy=[zero2,bf16]"]}
+# DeepSpeed and FSDP2 need a launched rank even alone (a process group)
+ONE_LAUNCHED_RANK = {"deepspeed_ddp": ["engine=deepspeed", "+strategy=ddp"], "deepspeed_zero1_bf16": ["engine=deepspeed", "+strategy=[zero1,bf16]"],
+                     "fsdp2_zero3": ["engine=fsdp2", "+strategy=zero3"]}
 
 
 def _model(o):
@@ -110,6 +118,16 @@ def test_resume_is_exact_one_rank_matrix(tmp_path, name):
     jobs = pair(tmp_path, name, _model(ONE_RANK[name]))
     run_in_process(jobs)
     assert_exact(jobs)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_one_launched_rank_deepspeed_fsdp2(tmp_path):
+    from memopt.api import run_jobs_on_ranks
+
+    jobs = [j for name, o in ONE_LAUNCHED_RANK.items() for j in pair(tmp_path, name, _model(o))]
+    run_jobs_on_ranks(1, jobs)
+    for i in range(0, len(jobs), 2):
+        assert_exact(jobs[i : i + 2])
 
 
 @pytest.mark.slow

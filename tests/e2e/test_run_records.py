@@ -86,8 +86,38 @@ def test_trainer_record_fields_are_validated(field, value):
         validate(to_dataclass(compose([*QUICK, f"trainer.{field}={value}"])))
 
 
+def test_checkpoints_with_expert_parallelism_are_refused():
+    from memopt.config import ConfigError, to_dataclass, validate
+
+    with pytest.raises(ConfigError, match=r"parallel.ep=2: resumable checkpoints are not built"):
+        validate(to_dataclass(compose([*QUICK, "model=moe_tiny", "+strategy=zero2", "parallel.ep=2", "trainer.nproc_per_node=2",
+                                       "trainer.save_checkpoint=false", "trainer.checkpoint_every=2"])))
+
+
+def test_a_checkpoint_from_another_configuration_is_refused():
+    from memopt.checkpoint import check_compatible
+    from memopt.config import ConfigError
+
+    meta = {"world_size": 2, "engine": "memopt", "strategy": ["zero2"], "model": "gpt_tiny"}
+    check_compatible(meta, dict(meta), "ck")
+    with pytest.raises(ConfigError, match=r"checkpoint ck cannot resume this run \(world_size: checkpoint 2, this run 1\)"):
+        check_compatible(meta, {**meta, "world_size": 1}, "ck")
+
+
 def test_resume_from_a_missing_checkpoint_is_refused(tmp_path):
     d = tmp_path / "run"
     assert cli_run(d, [f"trainer.resume={tmp_path}/nowhere"]) == 2
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and "trainer.resume=" in s["error"] and "nowhere" in s["error"]
+
+
+@pytest.mark.slow
+def test_fp16_steps_all_skipped_is_diverged(tmp_path):
+    """fp16 with optim.lr=1e4: every step overflows and is skipped; status diverged, exit 4."""
+    d = tmp_path / "run"
+    code = cli_run(d, ["+strategy=fp16", "optim.lr=1e4", "optim.warmup_steps=0", "trainer.max_steps=40",
+                       "trainer.divergence_steps=4"])
+    s = json.loads((d / "summary.json").read_text())
+    assert code == 4 and s["status"] == "diverged", s
+    assert "4 consecutive steps" in s["error"] and not (d / "model.pt").exists()
+    assert all(r["skipped_steps"] > 0 for r in lines(d)[-4:])

@@ -279,7 +279,8 @@ class ChunkEngine(PrecisionEngine):
     def checkpoint_state(self) -> dict:
         o = self.optimizer
         groups = {str(c.index): {"master": ms.data, "exp_avg": m.data, "exp_avg_sq": v.data} for c, ms, m, v in o.groups}
-        return {rank_key(): {"step": o.step_count, "groups": groups, "scaler": self.scaler_state()}}
+        return {rank_key(): {"step": o.step_count, "groups": groups, "scaler": self.scaler_state(),
+                             "device_groups": o.device_groups}}
 
     @torch.no_grad()
     def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
@@ -297,3 +298,11 @@ class ChunkEngine(PrecisionEngine):
                     chunk.data.copy_(saved[key])
         o.step_count = int(mine["step"])
         self.load_scaler_state(mine["scaler"])
+        # Hybrid Adam: the groups that were on the device go back there now, so the resumed run's first
+        # step (a warm-up, before placement is decided again) updates them with the same kernel as the
+        # uninterrupted run did (the device and host Adam kernels round differently)
+        n = int(mine["device_groups"])
+        for _, *opt in o.groups[:n]:
+            for chunk in opt:
+                chunk.move(DEVICE)
+        self.mgr.os_device_bytes = n * o.group_bytes
