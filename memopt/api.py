@@ -15,10 +15,13 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The DictConfig that ``python -m memopt.train <overrides>`` would run."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     from memopt.config import register_configs
 
     register_configs()
+    if GlobalHydra.instance().is_initialized():  # inside the CLI (the planner composes candidates there)
+        return compose(config_name="train", overrides=list(overrides or []))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides or []))
 

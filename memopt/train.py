@@ -88,6 +88,13 @@ def run(cfg: DictConfig) -> dict:
         if multirun:
             return refused
         raise SystemExit(2)
+    if "auto" in typed.strategy.selected():
+        chosen = choose_composition(typed, cfg, run_dir)
+        if chosen is None:
+            if multirun:
+                return {"status": "refused"}
+            raise SystemExit(2)
+        typed, cfg = chosen
     if typed.trainer.mode == "plan":
         return plan_run(typed, cfg, run_dir, multirun)
     if typed.trainer.preflight and not under_launcher():
@@ -157,6 +164,31 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     write_json(os.path.join(run_dir, "summary.json"), summary)
     print(plan_table(plan) + f"\n  plan.json, plan.png in {run_dir}")
     return summary
+
+
+def choose_composition(typed, cfg: DictConfig, run_dir: str):
+    """``+strategy=auto``: (typed, DictConfig) of the fastest predicted composition that fits, or None
+    (refused summary written) when no candidate fits."""
+    from memopt.api import compose_config
+    from memopt.config import to_dataclass, validate
+    from memopt.planner.search import ranked_table, search
+    from memopt.sweep import job_identity
+
+    base = [o for o in _task_overrides() if not o.lstrip("+~").startswith("strategy")]
+    rows = search(typed, _hardware(typed), base)
+    print(ranked_table(rows, typed.strategy.auto.top))
+    os.makedirs(run_dir, exist_ok=True)
+    write_json(os.path.join(run_dir, "auto.json"), rows)
+    if not rows or not rows[0]["fits"]:
+        refused = {"status": "refused", "error": f"+strategy=auto: none of {len(rows)} candidates fits", **job_identity(cfg)}
+        write_json(os.path.join(run_dir, "summary.json"), refused)
+        print(f"memopt: {refused['error']}", file=sys.stderr)
+        return None
+    print(f"memopt auto: running {rows[0]['label']}")
+    new = compose_config([*base, *rows[0]["overrides"]])
+    chosen = to_dataclass(new)
+    validate(chosen)
+    return chosen, new
 
 
 def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:

@@ -29,9 +29,15 @@ def simulated_ranks(world: int) -> list[int]:
     return [0] if world == 1 else [0, world - 1]
 
 
+_RUNTIME: list[int] = []
+
+
 def runtime_bytes() -> int:
-    """This process's resident set before planning: what each rank holds before its first tensor."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's resident set when it first plans: what each rank holds before its first tensor
+    (taken once, so the planner's own growth over many plans does not count)."""
+    if not _RUNTIME:
+        _RUNTIME.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return _RUNTIME[0]
 
 
 def limits_of(hw, local_ranks: int) -> dict[str, int]:
@@ -45,6 +51,7 @@ def limits_of(hw, local_ranks: int) -> dict[str, int]:
 def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile)."""
     from memopt import compose
+    from memopt.engines import resolve
     from memopt.parallel.dims import expected_world
     from memopt.planner.simulate import PlanOverflow, simulate_rank
 
@@ -54,7 +61,12 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     runtime = runtime_bytes()
     try:
         backend = "gloo" if hw.device_is_host else "nccl"
-        sims = [simulate_rank(cfg, r, world, limits, backend=backend) for r in simulated_ranks(world)]
+        if resolve(cfg) == "deepspeed":  # DeepSpeed does not run on fake tensors: its own rules (deepspeed_rules.py)
+            from memopt.planner.deepspeed_rules import deepspeed_sim
+
+            sims = [deepspeed_sim(cfg, r, world, limits, backend, local) for r in simulated_ranks(world)]
+        else:
+            sims = [simulate_rank(cfg, r, world, limits, backend=backend) for r in simulated_ranks(world)]
     except PlanOverflow as e:
         if limits is not None or e.reason is None:
             raise
@@ -79,8 +91,10 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         "peak_bytes": ranks, "node_host_bytes": host_node, "runtime_bytes_per_rank": runtime,
         "fits": all(f["fits"] for f in fits.values()), "fit": fits,
         "overflow": _overflow(fits, worst["peaks"], hw),
+        "rules": worst.get("rules", "the run's code on fake tensors"),
         "traffic": worst["traffic"], "flops_per_step": worst["flops"], "step_time": time_est,
-        "plan_seconds": time.perf_counter() - t0, "planner_peak_rss_bytes": runtime_bytes(),
+        "plan_seconds": time.perf_counter() - t0,
+        "planner_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     return plan
 

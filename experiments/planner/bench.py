@@ -1,0 +1,72 @@
+"""The largest GPT (width 4096, depth searched) that fits PatrickStar's node, per strategy, as planned.
+
+    python experiments/planner/bench.py [--hardware v100_patrickstar] [--nproc 8] [--micro-batch 8]
+
+Every row is the planner's bisection over model.n_layer (memopt/planner/search.py: largest_model) on
+the same width, sequence length, micro-batch and world: memopt's chunk engine with Hybrid Adam,
+memopt's zero3 + cpu_offload, and DeepSpeed ZeRO-3-Offload planned under DeepSpeed's own rules
+(its model-state estimators + memopt's fake step for activations). Nothing is trained; fp16 with
+activation checkpointing everywhere, as in the PatrickStar and ZeRO-Offload tables.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from experiments.common import machine_line, table  # noqa: E402
+
+STRATEGIES = {
+    "memopt hybrid_adam (chunk)": ["+strategy=[hybrid_adam,ckpt]", "strategy.chunk.mem_saving_comm=true",
+                                   "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"],
+    "memopt zero3 + cpu_offload": ["+strategy=[fp16,zero3,cpu_offload,ckpt]"],
+    "DeepSpeed ZeRO-3-Offload (its rules)": ["engine=deepspeed", "+strategy=[fp16,zero3,cpu_offload,ckpt]"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hardware", default="v100_patrickstar")
+    ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--hi", type=int, default=320)
+    ap.add_argument("--only", default=None, help="run one row (a key of STRATEGIES, substring)")
+    args = ap.parse_args()
+    from memopt.api import compose_config
+    from memopt.config import to_dataclass
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import GiB
+    from memopt.planner.search import largest_model
+
+    import torch
+
+    base = ["model=gpt_10b", "data=synthetic", "logger=none", f"hardware={args.hardware}", f"trainer.nproc_per_node={args.nproc}",
+            f"trainer.micro_batch_size={args.micro_batch}", "trainer.save_checkpoint=false", "trainer.eval_every=0"]
+    hw = resolve_hardware(to_dataclass(compose_config(base)).hardware, torch.device("cpu"))
+    print(machine_line())
+    rows = []
+    for name, extra in STRATEGIES.items():
+        if args.only and args.only not in name:
+            continue
+        t0 = time.perf_counter()
+        n, plan, tried = largest_model([*base, *extra], hw, hi=args.hi)
+        secs = time.perf_counter() - t0
+        if plan is None:
+            rows.append([name, "none fits", "-", "-", "-", "-", f"{secs:.0f}"])
+            continue
+        dev = max(p["device"]["total"] for p in plan["peak_bytes"].values())
+        st = plan["step_time"]
+        rows.append([name, n, f"{plan['params'] / 1e9:.1f}", f"{dev / GiB:.1f}", f"{plan['node_host_bytes'] / GiB:.0f}",
+                     f"{st['total_s']:.1f} ({st['dominant']})", f"{secs:.0f} ({len(tried)} plans)"])
+        print(name, tried, flush=True)
+    print(f"hardware {hw.name}: {hw.devices_per_node} x {hw.device_memory_gb} GiB devices, {hw.host_memory_gb} GiB host; "
+          f"{args.nproc} ranks, micro-batch {args.micro_batch}, seq_len 1024, width 4096")
+    print(table(["strategy", "largest n_layer", "params (B)", "device peak GiB", "node host GiB", "step s (dominant)",
+                 "search s"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""``+strategy=auto``: every candidate composition planned, the fastest predicted one that fits wins.
+
+Axes (``strategy.auto``): precision x checkpointing x ZeRO stage x optimizer offload, the chunk engine
+(Hybrid Adam) at each device budget, and micro-batch sizes (gradient accumulation scaled so the
+global batch stays the same). Each candidate is planned by the planner (the run's code on fake
+tensors); one that goes over a limit stops at that op, so hopeless candidates cost little. On a
+CPU-only machine only fp32 is searched: without bf16/fp16 matrix units their matmuls are emulated
+(hundreds of times slower), which the profile's peak FLOP/s cannot express. MoE and tensor
+parallelism are not searched (they change the model, not only where its bytes live).
+"""
+from __future__ import annotations
+
+from memopt.errors import ConfigError
+from memopt.planner.plan import fmt, limits_of, make_plan
+from memopt.planner.simulate import PlanOverflow
+
+PRECISION = {"fp32": [], "bf16": ["bf16"], "fp16": ["fp16"]}
+CHUNK_PRESET = {"fp16": "hybrid_adam", "bf16": "hybrid_adam_bf16"}
+CKPT = {"none": ([], []), "full": (["ckpt"], []), "every_k": (["ckpt"], ["strategy.ckpt.policy=every_k"]),
+        "selective": (["ckpt"], ["strategy.ckpt.policy=selective"])}
+
+
+def candidates(cfg, hw) -> list[list[str]]:
+    """Override lists, one per candidate (strategies as one ``+strategy=[...]``)."""
+    a, t = cfg.strategy.auto, cfg.trainer
+    world = t.nproc_per_node * t.nnodes
+    precisions = ["fp32"] if hw.device_is_host else list(a.precision)
+    global_mb = t.micro_batch_size * t.grad_accum
+    mbs = list(a.micro_batch_size) or sorted({max(1, t.micro_batch_size // d) for d in (1, 2, 4)}, reverse=True)
+    stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
+    out = []
+    for mb in mbs:
+        accum = max(1, global_mb // mb)
+        batch = [f"trainer.micro_batch_size={mb}", f"trainer.grad_accum={accum}"]
+        for ck in a.ckpt:
+            ck_s, ck_o = CKPT[ck]
+            for p in precisions:
+                for stage in stages:
+                    for off in a.offload:
+                        names = [*PRECISION[p], *ck_s, *([stage] if world > 1 else []), *(["cpu_offload"] if off else [])]
+                        out.append([_strategies(names), *ck_o, *batch])
+                preset = CHUNK_PRESET.get("fp16" if p == "fp32" else p)
+                for budget in a.chunk_budget_gb:  # the chunk engine keeps fp16/bf16 params: its fp32 twin is hybrid_adam
+                    extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
+                    out.append([_strategies([preset, *ck_s]), *ck_o, *extra, *batch])
+    unique = []
+    for c in out:
+        if c not in unique:
+            unique.append(c)
+    return unique
+
+
+def _strategies(names: list[str]) -> str:
+    return f"+strategy=[{','.join(names)}]" if names else "+strategy=[]"
+
+
+def search(cfg, hw, base: list[str]) -> list[dict]:
+    """Every candidate planned, ranked: fitting ones by predicted step time, then the others."""
+    from memopt.api import compose_config
+    from memopt.config import to_dataclass, validate
+
+    base = [o for o in base if not o.lstrip("+~").startswith("strategy")]
+    limits = limits_of(hw, cfg.trainer.nproc_per_node)
+    rows = []
+    for ov in candidates(cfg, hw):
+        row = {"overrides": ov, "label": " ".join(ov), "fits": False}
+        try:
+            cand = to_dataclass(compose_config([*base, *ov]))
+            validate(cand)
+            plan = make_plan(cand, hw, limits)
+            row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
+                       peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
+                       dominant=plan.get("step_time", {}).get("dominant"))
+        except PlanOverflow as e:
+            row["why"] = e.reason or f"{e.device} over at {e.category}"
+        except ConfigError as e:
+            row["why"] = f"refused: {str(e)[:80]}"
+        rows.append(row)
+    fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
+    return fit + [r for r in rows if not r["fits"]]
+
+
+def ranked_table(rows: list[dict], top: int) -> str:
+    lines = [f"memopt auto: {sum(r['fits'] for r in rows)} of {len(rows)} candidates fit; fastest predicted first"]
+    for i, r in enumerate(rows[:top]):
+        if r["fits"]:
+            lines.append(f"  {i + 1:>2}. {r['step_s']:.3g} s/step ({r['dominant']}), peak {fmt(r['peak'])}: {r['label']}")
+        else:
+            lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
+    return "\n".join(lines)
+
+
+def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = "model.n_layer") -> tuple[int, dict | None, list]:
+    """The largest ``field`` (depth by default, width fixed by ``base``: PatrickStar's and ZeRO-Offload's
+    tables grow GPT models this way) whose plan fits ``hw``, by bisection (fitting is monotone in
+    depth). Returns (value, its plan, [(value, fits, seconds)] tried); value lo - 1 when none fits."""
+    import time
+
+    from memopt.api import compose_config
+    from memopt.config import to_dataclass, validate
+
+    tried, best, best_plan = [], lo - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        t0 = time.perf_counter()
+        cfg = to_dataclass(compose_config([*base, f"{field}={mid}"]))
+        validate(cfg)
+        try:
+            plan = make_plan(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))
+            ok = plan["fits"] and "error" not in plan
+        except PlanOverflow:
+            plan, ok = None, False
+        tried.append((mid, ok, time.perf_counter() - t0))
+        if ok:
+            best, best_plan, lo = mid, plan, mid + 1
+        else:
+            hi = mid - 1
+    return best, best_plan, tried

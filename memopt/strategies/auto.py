@@ -1,0 +1,43 @@
+"""``+strategy=auto``: the planner picks the composition (``memopt.planner.search``).
+
+Not a memory strategy itself: before any rank starts, ``python -m memopt.train`` replaces it by the
+fastest predicted composition that fits the ``hardware`` profile, searched over precision x
+checkpointing x ZeRO stage x optimizer offload x chunk engine budget x micro-batch (gradient
+accumulation keeps the global batch), prints the ranked candidates and runs the winner. An engine
+never sees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memopt.errors import ConfigError
+from memopt.strategies.base import Strategy, register
+
+
+@dataclass
+class AutoConfig:
+    """``+strategy=auto``: the search space (each list is one axis)."""
+
+    precision: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # fp32 | bf16 | fp16 (CPU-only: fp32 kept, see search.py)
+    ckpt: list[str] = field(default_factory=lambda: ["none", "full"])  # none | full | every_k | selective
+    stage: list[str] = field(default_factory=lambda: ["ddp", "zero2", "zero3"])  # ddp | zero1 | zero2 | zero3 (several ranks)
+    offload: list[bool] = field(default_factory=lambda: [False, True])  # cpu_offload
+    chunk_budget_gb: list[float] = field(default_factory=lambda: [0.0])  # hybrid_adam device budgets; 0: whole device
+    micro_batch_size: list[int] = field(default_factory=list)  # empty: trainer.micro_batch_size, halved up to 2 times
+    top: int = 10  # ranked candidates printed
+
+
+@register
+class Auto(Strategy):
+    name, Config, phase = "auto", AutoConfig, "offload"
+
+    def validate(self, opts, cfg) -> None:
+        others = [n for n in cfg.strategy.selected() if n != "auto"]
+        if others:
+            raise ConfigError(f"+strategy=auto chooses the whole composition; drop {', '.join(others)} (or drop auto)")
+        for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16")),
+                                      ("ckpt", opts.ckpt, ("none", "full", "every_k", "selective")),
+                                      ("stage", opts.stage, ("ddp", "zero1", "zero2", "zero3"))):
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ConfigError(f"strategy.auto.{name}={list(values)}: values must be among {', '.join(allowed)} (at least one)")
