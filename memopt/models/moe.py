@@ -113,6 +113,17 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+class Router(nn.Linear):
+    """The gate's linear map, computed in fp32 whatever the autocast or the parameter dtype (float64
+    stays float64: the reference tests). A module call, not ``F.linear`` on its weight, so engines that
+    act through module hooks (the chunk engine fetches a module's chunks before its forward) see it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rdt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.to(rdt), self.weight.to(rdt))
+
+
 class RoutingStats:
     """Routing statistics of a model's MoE layers, summed over the training forwards since the last
     ``report()`` (the trainer logs them per step through ``Model.step_metrics``).
@@ -188,7 +199,7 @@ class MoE(AuxLossPart, nn.Module):
         self.ep, self.stats, self.name = ep, stats, name
         self.local = num_experts // P  # El
         first = (ep.rank if ep is not None else 0) * self.local
-        self.router = nn.Linear(d_model, num_experts, bias=False)  # (E, C)
+        self.router = Router(d_model, num_experts, bias=False)  # (E, C)
         self.experts = nn.ModuleDict({str(e): Expert(d_model, d_ff, bias, dropout) for e in range(first, first + self.local)})
         if P > 1:  # each expert lives on the ranks of its edp group only: data-parallel over those
             self.experts.dp_dim = "edp"
@@ -201,9 +212,7 @@ class MoE(AuxLossPart, nn.Module):
         B, T, C = x.shape
         S, E, k = B * T, self.num_experts, self.top_k
         xs = x.reshape(S, C)  # (S, C)
-        rdt = torch.promote_types(xs.dtype, torch.float32)  # fp32 for fp16/bf16/fp32 (float64 stays: tests)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(xs.to(rdt), self.router.weight.to(rdt))  # (S, E) fp32
+        logits = self.router(xs)  # (S, E) fp32
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         cap = capacity(S, E, k, factor, self.min_capacity) if self.drop_tokens else None
         probs, experts, weights, position, keep, load = route(logits, k, cap)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, rank_key
+from memopt.engines.base import PrecisionEngine, rank_key, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.optim.step import StepResult
@@ -39,8 +39,9 @@ def device_capacity_bytes(cfg, device: torch.device) -> int:
 
 
 NAME, LABEL = "chunk", "the chunk engine"
-SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
-PARALLEL = ("dp_shard",)  # chunks are partitioned over dp_shard; the other dimensions must be 1
+SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe")
+# chunks are partitioned over dp_shard; the other dimensions must be 1 (moe: ep=1, experts packed with the rest)
+PARALLEL = ("dp_shard",)
 
 
 def build(cfg, device, dims, tracker) -> "ChunkEngine":
@@ -167,7 +168,7 @@ class ChunkEngine(PrecisionEngine):
                 loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
             mgr.phase = "bwd"
             with self.tracker.category("temp"):
-                ((loss / n_micro) * self.precision.loss_scale).backward()
+                ((with_aux_loss(self.model, loss) / n_micro) * self.precision.loss_scale).backward()
         finally:
             mgr.phase = "idle"
         mgr.finish_backward()
