@@ -2,8 +2,8 @@
 bit-identical losses (the second half) and bit-identical final weights. The reference is the
 straight run (its in-memory state continues); the resumed run rebuilds everything from the files.
 
-Default suite: one single-process case (2 + 2 steps, with the merge command) and one 2-rank zero3 +
-cpu_offload case. ``slow``: 6 = 3 + 3 steps for every memopt / chunk engine strategy, DeepSpeed
+Default suite: one single-process case (2 + 2 steps, with the merge command). ``slow``: a 2-rank
+zero3 + cpu_offload case (2 + 2 steps), 6 = 3 + 3 steps for every memopt / chunk engine strategy, DeepSpeed
 (its own checkpoint files) and FSDP2 (DTensors through DCP) on 1 and 2 ranks, and a SIGKILL inside
 a save followed by ``trainer.resume=auto``.
 """
@@ -78,6 +78,7 @@ def test_resume_is_exact_one_process_and_merges(tmp_path):
     assert merged.keys() == final.keys() and all(torch.equal(merged[k], final[k]) for k in final)
 
 
+@pytest.mark.slow
 def test_resume_is_exact_two_ranks_zero3_offload(tmp_path):
     """Sharded weights and host-offloaded Adam over 2 ranks, each rank writing its own file."""
     from memopt.api import run_jobs_on_ranks

@@ -41,7 +41,7 @@ def lines(run_dir) -> list[dict]:
 
 def test_reused_run_dir_is_refused_unless_overwritten(tmp_path, capsys):
     d = tmp_path / "run"
-    assert cli_run(d, []) == 0
+    assert cli_run(d, ["trainer.max_steps=1"]) == 0
     first = json.loads((d / "summary.json").read_text())
     assert first["status"] == "ok" and {r["run_id"] for r in lines(d)} == {first["run_id"]}
 
@@ -49,9 +49,9 @@ def test_reused_run_dir_is_refused_unless_overwritten(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(d) in err and "trainer.resume=auto" in err and "trainer.overwrite=true" in err
     assert json.loads((d / "summary.json").read_text()) == first  # the old run's records are untouched
-    assert len(lines(d)) == 2
+    assert len(lines(d)) == 1
 
-    assert cli_run(d, ["trainer.overwrite=true"]) == 0
+    assert cli_run(d, ["trainer.overwrite=true", "trainer.max_steps=1"]) == 0
     second = json.loads((d / "summary.json").read_text())
     assert second["run_id"] != first["run_id"] and {r["run_id"] for r in lines(d)} == {second["run_id"]}
 
@@ -121,3 +121,18 @@ def test_fp16_steps_all_skipped_is_diverged(tmp_path):
     assert code == 4 and s["status"] == "diverged", s
     assert "4 consecutive steps" in s["error"] and not (d / "model.pt").exists()
     assert all(r["skipped_steps"] > 0 for r in lines(d)[-4:])
+
+
+@pytest.mark.slow
+def test_chunk_engine_host_memory_refusal_is_refused(tmp_path):
+    """gpt_10b with the chunk engine on a 24 GB host: known at build before any chunk is allocated,
+    so the status is refused (a ConfigError), not oom."""
+    from memopt.api import run_job
+    from memopt.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"chunks need up to .* GiB on the host .* host budget is 19.20 GiB"):
+        run_job(["logger=none", "trainer.progress_bar=false", "model=gpt_10b", "+strategy=chunk", "trainer.max_steps=1",
+                 "trainer.micro_batch_size=1", "model.seq_len=64", "trainer.eval_every=0", "hardware.host_memory_gb=24"],
+                str(tmp_path))
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "refused" and EXIT_CODES[s["status"]] == 2
