@@ -93,7 +93,8 @@ def test_resume_is_exact_two_ranks_zero3_offload(tmp_path):
 ONE_RANK = {"plain": [], "fp16": ["+strategy=fp16"], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"],
             "ckpt": ["+strategy=ckpt"], "cpu_offload": ["+strategy=cpu_offload"],
             "chunk": ["+strategy=chunk", "strategy.chunk.chunk_size=65536"],
-            "hybrid_adam": ["+strategy=hybrid_adam", "strategy.chunk.chunk_size=65536"], "moe": ["model=moe_tiny"]}
+            "hybrid_adam": ["+strategy=hybrid_adam", "strategy.chunk.chunk_size=65536"], "moe": ["model=moe_tiny"],
+            "moe_chunk": ["model=moe_tiny", "+strategy=chunk", "strategy.chunk.chunk_size=262144"]}
 TWO_RANKS = {"ddp": ["+strategy=ddp"], "zero1": ["+strategy=zero1"], "zero2": ["+strategy=zero2"],
              "zero3": ["+strategy=zero3"], "zero2_offload": ["+strategy=[zero2,cpu_offload]"],
              "zero3_fp16": ["+strategy=[zero3,fp16]"],
