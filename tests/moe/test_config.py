@@ -64,8 +64,7 @@ def test_moe_blocks_and_init_names():
 def test_expert_parallel_refusals():
     with pytest.raises(ConfigError, match=r"parallel.ep=2 is not supported without a strategy .*\+strategy=moe"):
         typed(["trainer.nproc_per_node=2", "parallel.ep=2", "trainer.save_checkpoint=false"])
-    with pytest.raises(ConfigError, match="parallel.ep=2 with zero3 is not built"):
-        typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2", "+strategy=zero3", "trainer.save_checkpoint=false"])
+    typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2", "+strategy=zero3", "trainer.save_checkpoint=false"])
     with pytest.raises(ConfigError, match="trainer.save_checkpoint=false"):
         typed(["model=moe_tiny", "trainer.nproc_per_node=2", "parallel.ep=2"])
     with pytest.raises(ConfigError, match="parallel.ep=2 is not supported by"):

@@ -3,8 +3,9 @@ travel by all_to_all, expert parameters are data-parallel over edp (size 1 here)
 dp. The trajectory must follow the single process (ep=1) that sees the same micro-batches in the
 same grouping: micro-batch 4 x grad_accum 2 on one rank is rank 0's and rank 1's micro-batch 4 (the
 capacity and the router losses are per micro-batch of a rank, so both runs drop the same tokens).
-Tolerance 1e-5 relative (fp32): only the order of the gradient sums differs. zero3 with ep > 1 is
-refused (not built); zero3 at ep=1 on 2 ranks partitions the experts with their block.
+Tolerance 1e-5 relative (fp32): only the order of the gradient sums differs. zero3 with ep=2 gathers
+each block's dense group over dp_shard and its expert group over edp; zero3 at ep=1 on 2 ranks
+partitions the experts with their block.
 
 Per-rank parameter bytes from the tracker: dense parameters in full plus half of the experts
 (fp32, padding of the flat groups to the dimension size at most a few elements)."""
@@ -29,6 +30,8 @@ MATRIX = {
     "zero2": (["+strategy=zero2", "strategy.zero2.bucket_mb=0.5"], []),
     "zero2_ckpt": (["+strategy=[zero2,ckpt]"], []),
     "ddp_dropless": (["+strategy=ddp", *DROPLESS], DROPLESS),
+    "zero3": (["+strategy=zero3"], []),  # dense groups per block over dp_shard, expert groups per block over edp
+    "zero3_ckpt": (["+strategy=[zero3,ckpt]"], []),
     "zero3_ep1": (["+strategy=zero3"], []),  # ep=1: experts partitioned with their block over dp_shard
 }
 EP1 = {"zero3_ep1"}

@@ -33,10 +33,6 @@ def validate(cfg) -> None:
     """What is not built with expert parallelism (parallel.ep > 1) yet, refused with the reason."""
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
     ep = resolve_sizes(cfg.parallel, expected_world(cfg))["ep"]
-    if ep > 1 and selected_stage(cfg)[1] == 3:
-        raise ConfigError(f"parallel.ep={ep} with zero3 is not built in engine=memopt: zero3 gathers one flat group "
-                          "per block over dp_shard, and parameters over edp would need their own gathers; use zero1/zero2 "
-                          "or parallel.ep=1")
     if ep > 1 and cfg.trainer.save_checkpoint:
         raise ConfigError(f"parallel.ep={ep}: the checkpoint is written from rank 0's weights, which hold only its own "
                           "experts (gathering them over ep is not built); set trainer.save_checkpoint=false")

@@ -55,7 +55,7 @@ class Partitioner:
                 while len(self._inflight) > self.max_inflight:
                     self._inflight.pop(0).finish_sync()  # frees that bucket's flat copy
             g.ready = -len(g.params)  # synced; ignore further hooks this backward
-            if self.stage == 3 and g.name != "root":
+            if self.stage == 3 and g.name.rsplit("_", 1)[-1] != "root":
                 g.release()
 
     def finish_backward(self) -> None:
@@ -88,56 +88,75 @@ class Partitioner:
 
     # zero3 hooks ------------------------------------------------------------------------------
     def _install_zero3_hooks(self) -> None:
-        by_name = {g.name: g for g in self.groups}
-        root = by_name.get("root")
-        blocks = [by_name.get(f"block{i}") for i in range(len(self.model.blocks))]
+        """Gather a block's groups before its forward (prefetching the next block's), free them after
+        it, gather them again before its backward. A block has one group per data-parallel dimension
+        its parameters use: ``block<i>`` over dp_shard and, with expert parallelism, ``edp_block<i>``."""
+        def unit(name: str) -> list[FlatGroup]:
+            return [g for g in self.groups if g.name.rsplit("_", 1)[-1] == name]
+
+        root = unit("root")
+        blocks = [unit(f"block{i}") for i in range(len(self.model.blocks))]
 
         def root_pre(_m, _args):
-            if root is not None:
-                root.gather()
-            if blocks and blocks[0] is not None:
-                blocks[0].gather(async_op=self.prefetch and self.ctx.enabled)
+            _gather(root)
+            if blocks and blocks[0]:
+                _gather(blocks[0], async_op=self.prefetch)
 
         def root_post(_m, _args, _out):
-            if not torch.is_grad_enabled() and root is not None:
-                root.release()
+            if not torch.is_grad_enabled():
+                _release(root)
 
         self.model.register_forward_pre_hook(root_pre)
         self.model.register_forward_hook(root_post)
-        for i, (block, g) in enumerate(zip(self.model.blocks, blocks)):
-            if g is None:
+        for i, (block, gs) in enumerate(zip(self.model.blocks, blocks)):
+            if not gs:
                 continue
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
             prv = blocks[i - 1] if i > 0 else None
 
-            def pre(_m, _args, g=g, nxt=nxt):
-                g.wait_gather()
-                if nxt is not None and self.prefetch and not self.in_backward:
-                    nxt.gather(async_op=self.ctx.enabled)
+            def pre(_m, _args, gs=gs, nxt=nxt):
+                _wait(gs)
+                if nxt and self.prefetch and not self.in_backward:
+                    _gather(nxt, async_op=True)
 
-            def post(_m, _args, out, g=g, prv=prv):
+            def post(_m, _args, out, gs=gs, prv=prv):
                 if not self.in_backward:
-                    g.release()
+                    _release(gs)
                 if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-                    return _GatherBeforeBackward.apply(out, g, prv if self.prefetch else None, self)
+                    return _GatherBeforeBackward.apply(out, gs, prv if self.prefetch else None)
                 return out
 
             block.register_forward_pre_hook(pre)
             block.register_forward_hook(post)
 
 
+def _gather(groups: list[FlatGroup], async_op: bool = False) -> None:
+    for g in groups:  # asynchronous only where the group's own dimension communicates
+        g.gather(async_op=async_op and g.ctx.enabled)
+
+
+def _wait(groups: list[FlatGroup]) -> None:
+    for g in groups:
+        g.wait_gather()
+
+
+def _release(groups: list[FlatGroup]) -> None:
+    for g in groups:
+        g.release()
+
+
 class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity whose backward gathers the block's parameters (and prefetches the previous block)
+    """Identity whose backward gathers the block's groups (and prefetches the previous block's)
     before autograd reaches the block's own backward."""
 
     @staticmethod
-    def forward(ctx, x, group, prev, part):
-        ctx.group, ctx.prev, ctx.part = group, prev, part
+    def forward(ctx, x, groups, prev):
+        ctx.groups, ctx.prev = groups, prev
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.group.wait_gather()
-        if ctx.prev is not None:
-            ctx.prev.gather(async_op=ctx.part.ctx.enabled)
-        return grad, None, None, None
+        _wait(ctx.groups)
+        if ctx.prev:
+            _gather(ctx.prev, async_op=True)
+        return grad, None, None
