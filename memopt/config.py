@@ -59,6 +59,7 @@ class TrainerConfig:
     progress_bar: bool = True
     throughput_warmup_steps: int = 3  # steps excluded from the median tokens/s
     track_memory: bool = True  # dispatch-mode tracker on every step
+    count_comm: bool = False  # count the collectives of step 0 (kinds, calls, bytes) into summary.json comm_per_step
     save_checkpoint: bool = True  # write model.pt (atomic) at the end of the run
     num_threads: int = 0  # torch intra-op threads on CPU; 0 keeps PyTorch's default
     checkpoint_every: int = 0  # steps between resumable checkpoints (<run dir>/checkpoints/step_<n>); 0: none

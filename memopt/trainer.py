@@ -7,6 +7,7 @@ same memory tracker wrap every engine, so numbers are comparable by construction
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -26,6 +27,7 @@ from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
+from memopt.parallel.comm import CommCounter
 from memopt.records import new_run_id
 from memopt.watchdog import WATCHED_BY_LAUNCHER
 
@@ -142,18 +144,22 @@ class Trainer:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optim, t.max_steps)
             loss_sum = torch.zeros((), device=self.device)
-            self._beat("forward/backward", step)
-            for micro in range(t.grad_accum):
-                x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
-                with cat("other"):
-                    x, y = x.to(self.device), y.to(self.device)
-                loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
-            self._sync()
-            t1 = time.perf_counter()
-            self._beat("optimizer step", step)
-            with cat("temp"):
-                result = engine.step(lr)
-            self._sync()
+            counter = CommCounter() if t.count_comm and step == start else contextlib.nullcontext()
+            with counter:  # the first step only (a warm-up step, outside the median tokens/s)
+                self._beat("forward/backward", step)
+                for micro in range(t.grad_accum):
+                    x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
+                    with cat("other"):
+                        x, y = x.to(self.device), y.to(self.device)
+                    loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
+                self._sync()
+                t1 = time.perf_counter()
+                self._beat("optimizer step", step)
+                with cat("temp"):
+                    result = engine.step(lr)
+                self._sync()
+            if isinstance(counter, CommCounter):
+                self.summary["comm_per_step"] = counter.summary()  # this rank's (rank 0's in summary.json)
             optim_times.append(time.perf_counter() - t1)  # the optimizer step alone (after the backward)
             self._beat("loss all-reduce", step)
             dp.all_reduce_(loss_sum)  # global-batch mean: every data-parallel rank's micro-batches weigh the same

@@ -29,6 +29,9 @@ Mapping (memopt strategy -> FSDP2):
                  PyTorch raises "Cannot access accelerator device when none is available", and with
                  ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
                  "cpu_offload" label would be meaningless.
+    tp           memopt's ``tp`` strategy (model phase, so before ``fully_shard``: torchtitan's order);
+                 its parameters are plain tp-local tensors, so FSDP2 shards them over the 1-D dp_shard
+                 mesh; the norm sums split parameters over tp. Needs dp_shard >= 2 (no HSDP with tp).
     ckpt, act_offload, flash_attn
                  the model's own code (memopt's ``ckpt`` strategy / attention slot), installed
                  before sharding; the recomputation runs each block through its module call, so
@@ -62,11 +65,12 @@ from memopt.compose import model_on_meta
 from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported
 from memopt.errors import ConfigError
 from memopt.optim.step import StepResult, StepSequence
+from memopt.parallel.dims import expected_world, resolve_sizes
 from memopt.strategies.precision import Precision
 
 NAME, LABEL = "fsdp2", "FSDP2"
-SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn")
-PARALLEL = ("dp_replicate", "dp_shard")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
+SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "tp")
+PARALLEL = ("dp_replicate", "dp_shard", "tp")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
 
 
 def _cuda_device(cfg) -> bool:
@@ -90,6 +94,13 @@ def validate(cfg) -> None:
     if s.zero2 is None and s.zero3 is None:
         raise ConfigError("engine=fsdp2 needs a sharding strategy: +strategy=zero3 (reshard_after_forward=True) "
                           "or +strategy=zero2 (reshard_after_forward=False)")
+    sizes = resolve_sizes(cfg.parallel, expected_world(cfg))
+    if sizes["tp"] > 1 and (sizes["dp_replicate"] > 1 or sizes["dp_shard_mod_ep"] * sizes["ep"] < 2):
+        raise ConfigError(
+            f"engine=fsdp2 with parallel.tp={sizes['tp']} needs parallel.dp_shard >= 2 and parallel.dp_replicate=1 (got "
+            f"dp_shard={sizes['dp_shard_mod_ep'] * sizes['ep']}, dp_replicate={sizes['dp_replicate']}): fully_shard runs "
+            "on the dp_shard dimension after tensor parallelism (torchtitan's order); with nothing to shard use "
+            "engine=memopt, and tp with HSDP is not built")
     if s.cpu_offload is not None and not _cuda_device(cfg):
         raise ConfigError(
             f"strategy cpu_offload with engine=fsdp2 needs a CUDA device (trainer.device={cfg.trainer.device} runs on "
@@ -165,6 +176,10 @@ class FSDP2Engine(PrecisionEngine):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.device, self.dims, self.tracker, self.grad_clip = device, dims, tracker, grad_clip
         self.params = list(model.parameters())
+        tp = model.tensor_parallel  # +strategy=tp: split parameters' squared norms are summed over tp too
+        self.tp = tp.dim if tp is not None and tp.dim.enabled else None
+        split = tp.sharded if self.tp is not None else set()
+        self.tp_split = [n in split for n, _ in model.named_parameters()]
         with tracker.category("optim"):  # Adam's moments, created now as torch would on the first step
             for p in self.params:
                 st = optimizer.state[p]
@@ -224,7 +239,9 @@ class FSDP2Engine(PrecisionEngine):
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         """The shared step sequence over the local shards (FSDP2 averaged the gradients already), then AdamW."""
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        have = [p.grad is not None for p in self.params]
+        grads = [_local(p.grad) for p, h in zip(self.params, have) if h]
+        split = [s for s, h in zip(self.tp_split, have) if h]
         dev = grads[0].device if grads else self.device
         seq = StepSequence(self.precision, self.grad_clip, self.dims.dp_shard, summed_over=1, device=dev)
         bad = None
@@ -232,6 +249,8 @@ class FSDP2Engine(PrecisionEngine):
             bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            if self.tp is not None:
+                self.tp.all_reduce_(bad, op=torch.distributed.ReduceOp.MAX)
         if seq.skip(bad):
             self.optimizer.zero_grad(set_to_none=True)
             return seq.skipped()
@@ -240,6 +259,12 @@ class FSDP2Engine(PrecisionEngine):
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for g in grads:  # shards are disjoint: the squared norms of the local shards sum to the global one
             sq = sq + g.float().pow(2).sum()
+        if self.tp is not None:  # add the other tp ranks' split gradients (replicated ones count once)
+            mine = torch.zeros((), dtype=torch.float32, device=dev)
+            for g, s in zip(grads, split):
+                if s:
+                    mine = mine + g.float().pow(2).sum()
+            sq = sq + (self.tp.all_reduce_(mine.clone()) - mine)
         norm, coef = seq.clip(sq, sharded=True)
         if coef is not None:
             torch._foreach_mul_(grads, coef)
@@ -254,7 +279,7 @@ class FSDP2Engine(PrecisionEngine):
         for k, v in self.model.state_dict().items():
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = full.detach().float().cpu().clone()
-        return out
+        return self.model.full_state(out)
 
     # ---- resumable checkpoints: the sharded DTensors as they are (DCP writes each rank's shards) ----
     def checkpoint_model(self) -> dict[str, torch.Tensor]:

@@ -21,6 +21,8 @@ outside ``memopt/models/`` names a model's attributes.
     aux_loss()               loss terms the model's parts added in the last training forward (MoE load
                              balancing, router z-loss); engines add them to the loss they differentiate
     step_metrics()           statistics the parts kept since the last call (MoE routing), logged per step
+    tensor_parallel          None, or the TPLayout of +strategy=tp (which parameters are split over dims.tp)
+    full_state(state)        the single-process tensors from this rank's state dict (gathered over tp)
 """
 from __future__ import annotations
 
@@ -89,6 +91,7 @@ class Model(nn.Module):
         self.cfg = cfg
         self.loss_head = dense_lm_loss  # a callable, not a module: it holds no parameters
         self.block_runner = run_sequential  # subclasses register their modules (``blocks`` included) in forward order
+        self.tensor_parallel = None  # +strategy=tp: its TPLayout (which parameters are split over dims.tp, and how)
 
     # ---- from the config alone ---------------------------------------------------------------
     @classmethod
@@ -152,6 +155,11 @@ class Model(nn.Module):
             if dim:
                 out.update({n: dim for n, _ in mod.named_parameters(prefix=prefix)})
         return out
+
+    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The single-process tensors from this rank's ``state`` dict: itself, or under tensor parallelism
+        the split parameters gathered over tp (a collective: call on every rank)."""
+        return state if self.tensor_parallel is None else self.tensor_parallel.full_state(state)
 
     # ---- slots -------------------------------------------------------------------------------
     def slot(self, i: int, name: str) -> nn.Module:

@@ -37,7 +37,7 @@ class ShardedAdamW:
     """AdamW over the owned range of every flat group (everything, for one rank or ddp)."""
 
     def __init__(self, groups: list, cfg, precision: Precision, ctx: Dim, tracker, offload: bool = False,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, tp=None):
         self.groups, self.cfg, self.precision, self.ctx, self.tracker = groups, cfg, precision, ctx, tracker
         self.offload = offload
         self.step_count = 0
@@ -56,7 +56,12 @@ class ShardedAdamW:
                     m = torch.empty(src.shape, dtype=torch.float32, device=self.state_device, pin_memory=pin)
                     m.copy_(src)
                 self.master.append(m)
-            self.decay_segments.append([(a, b) for a, b, ndim in g.owned_segments() if ndim >= 2])
+            self.decay_segments.append([(a, b) for a, b, ndim, _ in g.owned_segments() if ndim >= 2])
+        # tensor parallelism (``tp``: the model's TPLayout): the owned ranges of split parameters, whose
+        # squared norms differ between tp ranks and are summed over tp (replicated ones count once)
+        self.tp = tp.dim if tp is not None and tp.dim.enabled else None
+        self.tp_segments = [[(a, b) for a, b, _, n in g.owned_segments() if n in tp.sharded] if self.tp else []
+                            for g in groups]
         self._cpu_adam = None
         if offload:  # the host Adam owns its moments (allocated eagerly, counted as host optim bytes)
             from memopt.optim.cpu_adam import CPUAdamW
@@ -84,6 +89,8 @@ class ShardedAdamW:
             bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            if self.tp is not None:  # split gradients differ between tp ranks: they vote too
+                self.tp.all_reduce_(bad, op=torch.distributed.ReduceOp.MAX)
         if seq.skip(bad):
             self.zero_grad()
             return seq.skipped()
@@ -118,6 +125,8 @@ class ShardedAdamW:
                 sq = sq + x.pow(2).sum()
                 del x
         sharded = any(gr.sharded for gr in self.groups)
+        if self.tp is not None:
+            sq = sq + self._tp_other_ranks(grads, low, inv)
         if other:
             sq, sharded = self._norm_over_dims(sq, grads, other, inv), True
         norm, coef = seq.clip(sq, sharded=sharded)
@@ -171,6 +180,17 @@ class ShardedAdamW:
             part = x.pow(2).sum()
             sq = sq + (part if gr.sharded else part / gr.ctx.size)
         return sq
+
+    def _tp_other_ranks(self, grads: list, low: list, inv: float) -> torch.Tensor:
+        """The squared norm of the other tp ranks' split gradients (``sq`` holds this rank's own once,
+        and the replicated gradients, identical on every tp rank, once)."""
+        mine = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        for g, lo, segs in zip(grads, low, self.tp_segments):
+            for a, b in segs:
+                x = g[a:b].float() * inv if lo else g[a:b]  # fp32 gradients are already unscaled
+                mine = mine + x.pow(2).sum()
+        total = self.tp.all_reduce_(mine.clone())
+        return total - mine
 
     def _decay(self, lr: float) -> None:
         wd = self.cfg.weight_decay

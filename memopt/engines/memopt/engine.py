@@ -26,7 +26,7 @@ from memopt.strategies.zero import selected_stage
 
 NAME = LABEL = "memopt"
 SUPPORTS = None  # every strategy that names no engine of its own (the chunk family names "chunk")
-PARALLEL = ("dp_shard", "ep")  # mesh dimensions it uses (ep: experts' groups over edp); the others must be 1
+PARALLEL = ("dp_shard", "ep", "tp")  # mesh dimensions it uses (ep: experts' groups over edp; tp: +strategy=tp)
 
 
 def validate(cfg) -> None:
@@ -63,7 +63,7 @@ def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
     part = Partitioner(model, groups, stage, part_dim, overlap=opts.overlap_comm, prefetch=stage == 3 and opts.prefetch)
     off = cfg.strategy.cpu_offload
     optimizer = ShardedAdamW(groups, cfg.optim, precision, part_dim, tracker, offload=off is not None,
-                             pin_memory=off is not None and off.pin_memory)
+                             pin_memory=off is not None and off.pin_memory, tp=model.tensor_parallel)
     return MemoptEngine(model, part, optimizer, precision, device, dims, tracker)
 
 
@@ -98,7 +98,7 @@ class MemoptEngine(PrecisionEngine):
         for g in self.part.groups:
             g.gather()
         try:
-            return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+            return self.model.full_state({k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()})
         finally:
             for g in self.part.groups:
                 g.release()

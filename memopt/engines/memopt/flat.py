@@ -54,14 +54,14 @@ class FlatGroup:
         self.gather_work = None
 
     # ---- owned range in parameter coordinates (for weight decay segments) --------------------
-    def owned_segments(self) -> list[tuple[int, int, torch.nn.Parameter]]:
-        """(start, end) within the owned slice for every parameter that intersects it."""
+    def owned_segments(self) -> list[tuple[int, int, int, str]]:
+        """(start, end, ndim, name) within the owned slice for every parameter that intersects it."""
         lo, hi = (self.lo, self.hi) if self.sharded else (0, self.padded)
         out = []
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+        for name, off, n, shape in zip(self.names, self.offsets, self.numels, self.shapes):
             a, b = max(lo, off), min(hi, off + n)
             if a < b:
-                out.append((a - lo, b - lo, len(shape)))
+                out.append((a - lo, b - lo, len(shape), name))
         return out
 
     @property
