@@ -79,7 +79,8 @@ def test_tp2_with_sequence_parallel_follows_single_process(tmp_path):
     """tp=2 on 2 ranks (sequence parallelism, vocabulary-parallel loss, clipping) vs the plain run:
     losses, gradient norms and final weights; per-rank parameter bytes = replicated + split / 2;
     tokens and FLOPs counted once per data-parallel group (MFU per device = model FLOPs / world)."""
-    tp = ["+strategy=tp", "parallel.tp=2", "strategy.tp.sequence_parallel=true", "strategy.tp.loss_parallel=true"]
+    tp = ["+strategy=tp", "parallel.tp=2", "strategy.tp.sequence_parallel=true", "strategy.tp.loss_parallel=true",
+          "trainer.count_comm=true"]
     (s,) = run_jobs_on_ranks(2, [(BASE + tp, str(tmp_path / "tp"))])
     ref = run_job(BASE, str(tmp_path / "ref"))
     assert s["status"] == "ok" and s["parallel"]["tp"] == 2 and s["parallel"]["dp"] == 1
@@ -91,6 +92,22 @@ def test_tp2_with_sequence_parallel_follows_single_process(tmp_path):
     assert s["tokens_per_step"] == ref["tokens_per_step"] == 2 * 64  # both tp ranks see the same tokens
     assert s["flops_per_token"] == ref["flops_per_token"]
     assert s["mfu"] == pytest.approx(s["tflops"] / (s["peak_tflops_per_device"] * 2))
+    check_sequence_parallel_comm(s["comm_per_step"]["ops"], cfg)
+
+
+def check_sequence_parallel_comm(ops: dict, cfg) -> None:
+    """One step's collectives (rank 0) against Korthikanti et al.'s sequence-parallel pattern, in bytes:
+    each of the 2L+1 split regions (L attention, L MLP, the vocabulary-parallel head or embedding)
+    all-gathers its (B, T, C) input and reduce-scatters its output, forward and backward (roles swapped);
+    no activation is all-reduced. Besides: the positions' gradient all-gathered once (T, C), the
+    LayerNorms' replicated weight and bias gradients all-reduced (2 x (2L+1) vectors of C), the
+    vocabulary-parallel loss's 3 all-reduces of B x T values, and the gradient norm's scalar."""
+    m, B = cfg.model, cfg.trainer.micro_batch_size
+    L, T, C, f = m.n_layer, m.seq_len, m.d_model, 4
+    act, regions = B * T * C * f, 2 * m.n_layer + 1
+    assert ops["reduce_scatter"] == {"count": 2 * regions, "bytes": 2 * regions * act}
+    assert ops["all_gather"] == {"count": 2 * regions + 1, "bytes": 2 * regions * act + T * C * f}
+    assert ops["all_reduce"] == {"count": 2 * (2 * L + 1) + 3 + 1, "bytes": 2 * (2 * L + 1) * C * f + 3 * B * T * f + f}
 
 
 REFUSED = {
