@@ -61,8 +61,9 @@ class Rule:
 class TPLayout:
     """The tensor-parallel split of a model: which parameters are split, how, and over which ranks."""
 
-    def __init__(self, dim, rules: dict[str, Rule], all_rules: dict):
+    def __init__(self, dim, rules: dict[str, Rule], all_rules: dict, device):
         self.dim, self.rules, self.all_rules = dim, rules, all_rules  # all_rules: rank -> rules (for full_state)
+        self.device = device  # where the gathers run (NCCL gathers device tensors)
 
     @property
     def sharded(self) -> set[str]:
@@ -75,12 +76,15 @@ class TPLayout:
         for name in sorted(state):
             if name not in self.rules:
                 continue
-            parts = self.dim.gather_objects(state[name].detach().cpu())
+            local = state[name].detach().to(self.device).contiguous()
+            parts = torch.empty((self.dim.size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=self.device)
+            self.dim.all_gather(parts, local)  # every rank's rows, in rank order (concatenated along dim 0)
+            parts = parts.view(self.dim.size, *local.shape)
             r = self.rules[name]
-            full = torch.empty(r.full_shape, dtype=parts[0].dtype)
-            for rank, part in enumerate(parts):
-                full.index_copy_(r.dim, self.all_rules[rank][name].index, part)
-            out[name] = full
+            full = torch.empty(r.full_shape, dtype=local.dtype, device=self.device)
+            for rank in range(self.dim.size):
+                full.index_copy_(r.dim, self.all_rules[rank][name].index.to(self.device), parts[rank])
+            out[name] = full.to(state[name].device)
         return out
 
 
@@ -272,7 +276,7 @@ class TPStrategy(Strategy):
         full = {n: tuple(s) for n, s in _full_shapes(model, split, tp).items()}
         all_rules = {r: {n: Rule(full[n], d, _index(full[n][d], tp, r, k)) for n, (d, k) in split.items() if n in names}
                      for r in range(tp)}
-        layout = TPLayout(dim, all_rules[rank], all_rules)
+        layout = TPLayout(dim, all_rules[rank], all_rules, build.device)
         model.tensor_parallel = layout
         if c.loss_parallel:
             model.loss_head = VocabParallelLoss(dim, build.cfg.model.vocab_size)

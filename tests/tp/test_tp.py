@@ -198,3 +198,31 @@ def test_tp2_x_dp2_follows_single_process(four, name):
     s, run_dir = runs[name]
     assert s["status"] == "ok" and s["parallel"]["tp"] == 2 and s["parallel"]["dp_shard"] == 2
     check_follows(run_dir, ref_dir)
+
+
+# ---- slow: activations of one block (Korthikanti et al.'s terms, for what autograd keeps here) ------
+# Per token, in units of C fp32 values, a block keeps: ln1 input 1, ln1 output (qkv input) 1, q k v 3,
+# attention output (= proj input: sdpa's output is laid out so that the transpose back is contiguous)
+# 1, ln2 input 1, ln2 output (fc input) 1, fc output 4, GELU output 4 = 16 (no dropout masks; sdpa keeps
+# no T x T scores), plus LayerNorm statistics and sdpa's log-sum-exp (a few values per token: the 3%).
+# Tensor parallelism splits the 12 inside the attention and MLP regions (4 + 12/t); sequence
+# parallelism also splits the LayerNorm inputs, but the column-parallel layers keep their all-gathered
+# (B, T, C) inputs (DTensor's matmul saves its input; Megatron re-gathers it in the backward): 2 + 14/t.
+PER_BLOCK = {"single": 16.0, "tp": 4 + 12 / 2, "tp_sp": 2 + 14 / 2}
+ACT = ["model=gpt_tiny", "model.seq_len=64", "trainer.max_steps=1", "trainer.eval_every=0", "logger=none",
+       "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.micro_batch_size=2"]
+
+
+@pytest.mark.slow
+def test_activations_of_a_block_split_as_predicted(tmp_path):
+    tp = {"tp": ["+strategy=tp", "parallel.tp=2"],
+          "tp_sp": ["+strategy=tp", "parallel.tp=2", "strategy.tp.sequence_parallel=true"]}
+    jobs = [(ACT + [f"model.n_layer={L}"] + o, str(tmp_path / f"{n}{L}")) for n, o in tp.items() for L in (1, 2)]
+    out = dict(zip([f"{n}{L}" for n in tp for L in (1, 2)], run_jobs_on_ranks(2, jobs)))
+    for L in (1, 2):
+        out[f"single{L}"] = run_job(ACT + [f"model.n_layer={L}"], str(tmp_path / f"single{L}"))
+    unit = 4 * 128 * 2 * 64  # C fp32 values for each of the B x T tokens
+    for name, want in PER_BLOCK.items():
+        act = [out[f"{name}{L}"]["peak_bytes"]["0"]["cpu"]["activations"] for L in (1, 2)]
+        got = (act[1] - act[0]) / unit
+        assert got == pytest.approx(want, rel=0.03), (name, got, want)  # LayerNorm statistics, sdpa's logsumexp
