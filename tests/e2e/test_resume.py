@@ -30,16 +30,22 @@ def records(run_dir) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-def weights(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)["state_dict"]
+def weights(run_dir, steps: int) -> dict[str, torch.Tensor]:
+    """model.pt's weights, or (runs without it: expert parallelism) the merged last checkpoint's."""
+    from memopt.checkpoint import merge
+
+    path = os.path.join(run_dir, "model.pt")
+    if not os.path.exists(path):
+        path = merge(os.path.join(run_dir, "checkpoints", f"step_{steps}"), os.path.join(run_dir, "merged.pt"))
+    return torch.load(path, weights_only=True)["state_dict"]
 
 
 def pair(root, name: str, overrides: list[str], steps: int = 6):
     """(overrides, run_dir) of the straight run and of the run resumed from its half-way checkpoint."""
     straight, resumed = os.path.join(root, name, "straight"), os.path.join(root, name, "resumed")
     base = [*TINY, f"trainer.max_steps={steps}", *overrides]
-    return [(base + [f"trainer.checkpoint_every={steps // 2}"], straight),
-            (base + [f"trainer.resume={straight}/checkpoints/step_{steps // 2}"], resumed)]
+    every = f"trainer.checkpoint_every={steps // 2}"
+    return [(base + [every], straight), (base + [every, f"trainer.resume={straight}/checkpoints/step_{steps // 2}"], resumed)]
 
 
 def assert_exact(jobs, steps: int = 6) -> None:
@@ -48,7 +54,7 @@ def assert_exact(jobs, steps: int = 6) -> None:
     tail = list(range(steps // 2, steps))
     assert sorted(b) == tail, (resumed, b)
     assert [a[s] for s in tail] == [b[s] for s in tail], (resumed, a, b)
-    wa, wb = weights(straight), weights(resumed)
+    wa, wb = weights(straight, steps), weights(resumed, steps)
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), (resumed, k)
@@ -101,6 +107,7 @@ TWO_RANKS = {"ddp": ["+strategy=ddp"], "zero1": ["+strategy=zero1"], "zero2": ["
              "chunk": ["+strategy=chunk", "strategy.chunk.chunk_size=65536"],
              "hybrid_adam": ["+strategy=hybrid_adam", "strategy.chunk.chunk_size=65536"],
              "moe_zero2": ["model=moe_tiny", "+strategy=zero2"],
+             "moe_ep2_zero2": ["model=moe_tiny", "+strategy=zero2", "parallel.ep=2", "trainer.save_checkpoint=false"],
              "deepspeed_zero2": ["engine=deepspeed", "+strategy=zero2"],
              "deepspeed_zero3_fp16": ["engine=deepspeed", "+strategy=[zero3,fp16]"],
              "deepspeed_zero2_offload": ["engine=deepspeed", "+strategy=[zero2,cpu_offload]"],

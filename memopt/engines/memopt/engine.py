@@ -36,9 +36,6 @@ def validate(cfg) -> None:
     if ep > 1 and cfg.trainer.save_checkpoint:
         raise ConfigError(f"parallel.ep={ep}: the checkpoint is written from rank 0's weights, which hold only its own "
                           "experts (gathering them over ep is not built); set trainer.save_checkpoint=false")
-    if ep > 1 and (cfg.trainer.checkpoint_every or cfg.trainer.resume):
-        raise ConfigError(f"parallel.ep={ep}: resumable checkpoints are not built with expert parallelism (each rank "
-                          "holds only its own experts); set trainer.checkpoint_every=0 and no trainer.resume, or parallel.ep=1")
 
 
 def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
