@@ -151,7 +151,15 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     from memopt.sweep import job_identity
 
     os.makedirs(run_dir, exist_ok=True)
-    plan = make_plan(typed, _hardware(typed))
+    try:
+        plan = make_plan(typed, _hardware(typed))
+    except ConfigError as e:  # a composition the planner cannot follow (named in the message)
+        refused = {"status": "refused", "mode": "plan", "error": str(e), **job_identity(cfg)}
+        write_json(os.path.join(run_dir, "summary.json"), refused)
+        print(f"memopt: plan refused: {e}", file=sys.stderr)
+        if multirun:
+            return refused
+        raise SystemExit(2)
     write_json(os.path.join(run_dir, "plan.json"), plan)
     if "error" in plan:  # the engine refused at build (the chunk engine checks its budgets there)
         summary = {"status": "ok", "mode": "plan", "fits": False, "error": plan["error"], **job_identity(cfg)}

@@ -11,10 +11,11 @@ hold less than that, nothing is simulated and the refusal says how many paramete
 from __future__ import annotations
 
 import time
+import warnings
 
 from memopt.errors import ConfigError
 from memopt.planner.plan import GiB, fmt, limits_of, make_plan, runtime_bytes
-from memopt.planner.simulate import PlanOverflow
+from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
 STATE_BYTES_PER_PARAM = 16
 
@@ -58,6 +59,9 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
     what = f"{cfg.model.name} ({compose.num_params(cfg) / 1e9:.2f}B params) with {'+'.join(cfg.strategy.selected()) or 'no strategy'}"
     try:
         plan = make_plan(cfg, hw, limits_of(hw, local))
+    except PlanUnsupported as e:
+        warnings.warn(f"preflight skipped: {e}", stacklevel=2)
+        return None
     except PlanOverflow as e:
         where = "device+host RAM" if e.device == "all" else e.device
         msg = (f"preflight: {what} does not fit on hardware={hw.name}: " + (e.reason or

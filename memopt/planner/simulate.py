@@ -8,8 +8,10 @@ memory tracker counting the fake tensors' storages. Other ranks are PyTorch's fa
 (backend ``fake``: collectives return at once), so rank r of a world of 64 runs in one process.
 Nothing model-sized is allocated: a fake tensor has shape, dtype and device, no data.
 
-Values are not computed, so a value-dependent decision takes a fixed answer: every ``.item()`` reads
-0 (no fp16 overflow, gradient norm 0: no clipping, no skipped step). Where a run's bytes depend on
+Values are not computed, so a value-dependent decision takes a fixed answer: ``.item()`` reads the
+constant FakeTensorMode propagated (step counters, flags made from Python numbers), the healthy answer
+for a boolean ``all`` (True: every gradient finite) or ``any`` (False: none is bad), otherwise 0 (no
+fp16 overflow, gradient norm 0: no clipping, no skipped step). Where a run's bytes depend on
 values (a MoE router's dropless capacity) the plan is the one of that answer.
 
 The tracker also counts what crosses links in the second (steady-state) step: collective payloads
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
+from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST, MemoryTracker
 
 
@@ -36,6 +40,10 @@ def _flop_formulas() -> dict:
 
 
 _FLOPS = _flop_formulas()
+
+
+class PlanUnsupported(ConfigError):
+    """A composition the fake step cannot follow (named, with what to do instead)."""
 
 
 class PlanOverflow(RuntimeError):
@@ -57,6 +65,7 @@ class PlanTracker(MemoryTracker):
         self.limits = dict(limits or {})
         self.counting = False
         self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes (counting windows only)
+        self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
 
     @staticmethod
     def _counted(t: torch.Tensor) -> bool:
@@ -78,11 +87,14 @@ class PlanTracker(MemoryTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            return 0  # no values: no overflow, norm 0 (see the module docstring)
+            ref, healthy = self._healthy.get(id(args[0]), (None, None))
+            return healthy if ref is not None and ref() is args[0] else _scalar(args[0])
         if self.counting and func.namespace == "c10d":
             self._count_collective(func, args)
         src = self._device_of(args[1]) if self.counting and func is torch.ops.aten.copy_.default else None
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func._overloadpacket in _HEALTHY and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+            self._healthy[id(out)] = (weakref.ref(out), _HEALTHY[func._overloadpacket])  # isfinite(g).all() holds, isinf(g).any() does not
         if self.counting:
             formula = _FLOPS.get(func._overloadpacket)
             if formula is not None:
@@ -118,6 +130,21 @@ class PlanTracker(MemoryTracker):
         self.traffic["comm_bytes"] += int(size * factor)
 
 
+_HEALTHY = {torch.ops.aten.all: True, torch.ops.aten.any: False}
+
+
+def _scalar(t):
+    """``.item()`` of a fake tensor: its value when FakeTensorMode propagated it as a constant (a step
+    counter, a flag built from a Python number), else 0 (no overflow, gradient norm 0)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    c = getattr(t, "constant", None)
+    if c is None:
+        return False if t.dtype == torch.bool else 0
+    with unset_fake_temporarily():
+        return c.item()
+
+
 class _HeldWork:
     """An async reduce-scatter's Work: ``wait`` allocates gloo's scratch, kept while the caller holds the Work."""
 
@@ -143,18 +170,25 @@ def gloo_scratch():
 
     original = dims_mod.reduce_scatter_single
 
-    def reduce_scatter(out, inp, group=None, async_op=False):
-        work = original(out, inp, group=group, async_op=async_op)
+    def reduce_scatter(*args, async_op=False, **kwargs):
+        inp = args[1] if len(args) > 1 else kwargs.get("input")
+        work = original(*args, async_op=async_op, **kwargs)
         if not async_op or work is None:
             torch.empty_like(inp)  # counted at its peak and freed at once
             return work
         return _HeldWork(work, inp)
 
-    dims_mod.reduce_scatter_single = reduce_scatter
+    # memopt's Dim and FSDP2 (dist.reduce_scatter_single) reach gloo through these names
+    patched = [(dims_mod, "reduce_scatter_single"), *((dist, n) for n in ("reduce_scatter_single", "reduce_scatter_tensor")
+                                                       if hasattr(dist, n))]
+    saved = [(mod, n, getattr(mod, n)) for mod, n in patched]
+    for mod, n in patched:
+        setattr(mod, n, reduce_scatter)
     try:
         yield
     finally:
-        dims_mod.reduce_scatter_single = original
+        for mod, n, f in saved:
+            setattr(mod, n, f)
 
 
 def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = None, steps: int = 2,
@@ -165,7 +199,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     ``limits`` ({"device": bytes, "host": bytes, "all": bytes for their sum}): raise ``PlanOverflow`` at the first op that
     goes over (the preflight needs no more than that). ``backend``: the collectives' backend of the
     planned run (gloo for CPU devices, nccl for GPUs), for its scratch buffers."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
     from memopt import engines
     from memopt.data import TokenBatches, load_tokens
@@ -207,6 +241,11 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     except PlanOverflow as e:
         e.device = keymap.get(e.device, e.device)
         raise
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise PlanUnsupported(
+            f"the planner cannot follow {cfg.strategy.selected() or 'this model'}: {e.func} has a data-dependent "
+            "shape or value (MoE routing: which tokens reach which expert), which fake tensors do not have; "
+            "plan the dense model, or run with trainer.preflight=false") from None
     except Exception as e:
         if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
             raise PlanOverflow("host" if "host" in str(e) else "device", {}, 0, f"{type(e).__name__}: {e}") from None

@@ -51,10 +51,10 @@ def compare(plan: dict, real: dict) -> list[str]:
     return bad
 
 
-def check(overrides: list[str], world: int, tmp_path) -> None:
+def check(overrides: list[str], world: int, tmp_path, skip: tuple[str, ...] = ()) -> None:
     plan = planned(overrides, world)
     real = measured(overrides, world, tmp_path)
-    bad = compare(plan, real)
+    bad = [b for b in compare(plan, real) if not any(f" {c}:" in b for c in skip)]
     assert not bad, f"{overrides} on {world} rank(s):\n" + "\n".join(bad)
 
 
@@ -70,11 +70,11 @@ def test_plan_matches_measured_two_ranks(tmp_path):
 ONE = [[], ["+strategy=fp16"], ["+strategy=bf16"], ["+strategy=ckpt"], ["+strategy=ckpt", "strategy.ckpt.policy=every_k"],
        ["+strategy=ckpt", "strategy.ckpt.policy=selective"], ["+strategy=[ckpt,act_offload]"], ["+strategy=cpu_offload"],
        ["+strategy=[fp16,cpu_offload]"], ["+strategy=chunk"], ["+strategy=static_partition"], ["+strategy=hybrid_adam"],
-       ["+strategy=hybrid_adam", "strategy.chunk.device_budget_gb=0.002"], ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.001"],
-       ["+strategy=moe"], ["+strategy=[moe,ckpt]"]]
+       ["+strategy=hybrid_adam", "strategy.chunk.device_budget_gb=0.02"], ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.015"],
+       ["+strategy=chunked_loss"]]
 TWO = [["+strategy=ddp"], ["+strategy=zero1"], ["+strategy=zero2"], ["+strategy=zero3"], ["+strategy=[zero3,cpu_offload]"],
        ["+strategy=[zero2,fp16]"], ["+strategy=chunk"], ["+strategy=hybrid_adam"], ["engine=fsdp2", "+strategy=zero3"],
-       ["engine=fsdp2", "+strategy=zero2"], ["+strategy=[moe,zero2]", "parallel.ep=2", "trainer.save_checkpoint=false"]]
+       ["engine=fsdp2", "+strategy=zero2"]]
 MODELS = [["model=gpt_tiny"], ["model=gpt_tiny", "model.n_layer=3", "model.d_model=96", "model.n_head=4"]]
 
 
@@ -91,3 +91,10 @@ def test_matrix_one_process(overrides, model, tmp_path):
 def test_matrix_two_ranks(overrides, model, tmp_path):
     check([*model, *overrides], 2, tmp_path)
 
+
+
+def test_moe_is_refused_by_the_planner_with_the_reason():
+    from memopt.planner.simulate import PlanUnsupported
+
+    with pytest.raises(PlanUnsupported, match="data-dependent"):
+        planned(["model=moe_tiny", "+strategy=moe"], 1)
