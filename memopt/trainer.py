@@ -122,7 +122,8 @@ class Trainer:
         self._beat("build")
         engine = engines.build_engine(cfg, self.device, self.dims, tracker)
         engine.model.train()
-        start = self._resume(engine, resume)
+        with tracker.category("temp"):  # the loaded copy of the weights lives only while it is applied
+            start = self._resume(engine, resume)
 
         tokens_per_step = t.micro_batch_size * t.grad_accum * dp.size * cfg.model.seq_len
         fpt = compose.flops_per_token(cfg)  # model-phase strategies included (moe: active experts only)
@@ -192,7 +193,8 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
                 bar.update(1)
-            self._after_step(step, loss_val, result, engine, guard)
+            with cat("temp"):  # a checkpoint save's full copy of the weights is a temporary
+                self._after_step(step, loss_val, result, engine, guard)
         if bar is not None:
             bar.close()
 
