@@ -113,6 +113,18 @@ def rank_key() -> str:
     return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
 
+def gather_over_ep(state: dict[str, torch.Tensor], expert_names, dims) -> dict[str, torch.Tensor]:
+    """The whole model's weights when experts are split over ``dims.ep``: each rank adds the experts
+    the other ranks of its ep group hold (their names carry the global expert index). A collective
+    over ep; the identity without expert parallelism."""
+    if not dims.ep.enabled:
+        return state
+    mine = {k: state[k] for k in expert_names if k in state}
+    for part in dims.ep.gather_objects(mine):
+        state.update(part)
+    return state
+
+
 def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:
     """The objective to differentiate: the language-model loss plus the model's auxiliary loss terms
     (``Model.aux_loss``: MoE load balancing, router z-loss), which engines keep out of the reported loss.

@@ -109,7 +109,7 @@ import torch
 
 from memopt.compose import materialize, model_on_meta
 from memopt.engines import deepspeed_moe
-from memopt.engines.base import Engine, rank_key, refuse_unsupported, with_aux_loss
+from memopt.engines.base import Engine, gather_over_ep, rank_key, refuse_unsupported, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.optim.step import StepResult
 from memopt.strategies.precision import Precision
@@ -457,7 +457,9 @@ class DeepSpeedEngine(Engine):
             self.ds.empty_partition_cache()  # nothing may be in flight while everything is gathered
             with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
                 return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
-        return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+        state, experts = deepspeed_moe.memopt_names(self.model, state)  # DeepSpeed-MoE's names -> memopt's
+        return gather_over_ep(state, experts, self.dims)
 
     # ---- resumable checkpoints: DeepSpeed's own save/load (its files under <checkpoint>/deepspeed) ----
     def checkpoint_state(self) -> dict:

@@ -127,6 +127,27 @@ def swap_in(model, ep_size: int) -> int:
     return n
 
 
+def memopt_names(model, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``state`` with DeepSpeed-MoE's parameter names replaced by memopt's (``router.weight``,
+    ``experts.<global index>.*``), so ``model.pt`` loads into memopt's model; also returns the expert
+    names (this rank's experts)."""
+    out, experts = dict(state), []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, DeepSpeedMoE):
+            continue
+        pre = f"{name}.moe.deepspeed_moe."
+        out[f"{name}.router.weight"] = out.pop(pre + "gate.wg.weight")
+        local = mod.num_experts // mod.moe.ep_size
+        first = (mod.ep.rank if mod.ep is not None and mod.ep.enabled else 0) * local  # DeepSpeed's groups: consecutive ranks
+        inner = pre + "experts.deepspeed_experts."
+        for key in [k for k in out if k.startswith(inner)]:
+            i, rest = key[len(inner):].split(".", 1)
+            new = f"{name}.experts.{first + int(i)}.{rest}"
+            out[new] = out.pop(key)
+            experts.append(new)
+    return out, experts
+
+
 def optimizer_groups(groups: list[dict]) -> list[dict]:
     """DeepSpeed's ZeRO needs expert parameters in param groups of their own (marked ``moe``); its
     splitter names the new groups after the old ones, so each gets a name first."""

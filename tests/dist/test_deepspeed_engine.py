@@ -50,7 +50,8 @@ FAST = {
     "zero3_fp16": (["+strategy=[zero3,fp16]", *FP16, "trainer.max_steps=4"], "fp16"),
     # DeepSpeed-MoE (deepspeed.moe.layer.MoE, its gate, dispatch and expert groups) with experts split
     # over both ranks; a capacity that drops nothing (the drop order is the one gating difference)
-    "zero2_moe_ep2": (["+strategy=[zero2,moe]", "parallel.ep=2", "strategy.moe.capacity_factor=4.0"], "fp32"),
+    "zero2_moe_ep2": (["+strategy=[zero2,moe]", "parallel.ep=2", "strategy.moe.capacity_factor=4.0",
+                       "trainer.save_checkpoint=true"], "fp32"),
     # starts far too high: skips with hysteresis 2, then halves each overflow (DeepSpeed's semantics)
     "zero2_fp16_overflow": (["+strategy=[zero2,fp16]", "strategy.fp16.init_scale=1048576", "trainer.max_steps=5"], "fp16"),
 }
@@ -112,6 +113,21 @@ def test_deepspeed_follows_memopt(fast, name):
     if name == "zero2_fp16_overflow":
         assert [r["skipped_steps"] for r in got] == [1, 2, 3, 4, 5]
         assert [r["loss_scale"] for r in got] == [2.0**20, 2.0**20, 2.0**19, 2.0**18, 2.0**17]
+
+
+def test_expert_parallel_model_pt_holds_every_expert_under_memopt_names(fast):
+    """ep=2: each rank holds half of the experts; model.pt (rank 0) gathers the others over ep, and
+    DeepSpeed-MoE's parameter names are mapped to memopt's, so both files hold the same model."""
+    import torch
+
+    root, _ = fast
+    ds = torch.load(str(root / "zero2_moe_ep2" / "deepspeed" / "model.pt"))["state_dict"]
+    mo = torch.load(str(root / "zero2_moe_ep2" / "memopt" / "model.pt"))["state_dict"]
+    assert sorted(ds) == sorted(mo)
+    cfg = typed([*BASE, "+strategy=[zero2,moe]"])
+    experts = {k for k in mo if ".experts." in k}
+    assert len(experts) == cfg.model.n_layer * cfg.strategy.moe.num_experts * 4  # fc, proj: weight and bias
+    assert max((ds[k] - mo[k]).abs().max().item() for k in mo) < 1e-4
 
 
 def test_zero3_gathered_state_dict_matches_memopt(fast):

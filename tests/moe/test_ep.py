@@ -25,7 +25,7 @@ DROPLESS = ["strategy.moe.drop_tokens=false"]
 # name -> (2-rank overrides with ep=2, single-process reference overrides); ckpt recomputes the MoE
 # forward (and its all_to_all) in the backward, dropless agrees on the capacity over ep
 MATRIX = {
-    "ddp": (["+strategy=ddp"], []),
+    "ddp": (["+strategy=ddp", "trainer.save_checkpoint=true"], []),  # model.pt gathers the experts over ep
     "zero1": (["+strategy=zero1"], []),
     "zero2": (["+strategy=zero2", "strategy.zero2.bucket_mb=0.5"], []),
     "zero2_ckpt": (["+strategy=[zero2,ckpt]"], []),
@@ -51,17 +51,30 @@ def results(tmp_path_factory):
         if tuple(one) not in refs:
             train(BASE + ["trainer.grad_accum=2", *one], str(root / f"ref{len(refs)}"))
             refs[tuple(one)] = losses(str(root / f"ref{len(refs)}"))
-    return {name: (s, losses(str(root / name)), refs[tuple(MATRIX[name][1])]) for name, s in zip(MATRIX, summaries)}
+    return {name: (s, losses(str(root / name)), refs[tuple(MATRIX[name][1])], str(root / name))
+            for name, s in zip(MATRIX, summaries)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_ep2_follows_single_process(results, name):
-    summary, got, ref = results[name]
+    summary, got, ref, _ = results[name]
     ep = 1 if name in EP1 else 2
     assert summary["status"] == "ok" and summary["parallel"]["ep"] == ep and summary["parallel"]["edp"] == 2 // ep
     assert len(got) == STEPS
     assert rel_err(got, ref) <= 1e-5, f"{name}: {rel_err(got, ref):.2e} {got} {ref}"
+
+
+@pytest.mark.slow
+def test_model_pt_of_ep2_equals_the_single_process_weights(results, tmp_path):
+    import torch
+
+    ref_dir = str(tmp_path / "ref")
+    train(BASE + ["trainer.grad_accum=2", "trainer.save_checkpoint=true"], ref_dir)
+    ref = torch.load(ref_dir + "/model.pt")["state_dict"]
+    got = torch.load(results["ddp"][3] + "/model.pt")["state_dict"]
+    assert sorted(got) == sorted(ref)
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-4
 
 
 @pytest.mark.slow

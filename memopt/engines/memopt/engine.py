@@ -14,12 +14,10 @@ import warnings
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported, with_aux_loss
+from memopt.engines.base import PrecisionEngine, gather_over_ep, rank_key, refuse_unsupported, with_aux_loss
 from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
-from memopt.errors import ConfigError
 from memopt.optim.adamw import ShardedAdamW
-from memopt.parallel.dims import expected_world, resolve_sizes
 from memopt.optim.step import StepResult
 from memopt.strategies.precision import Precision
 from memopt.strategies.zero import selected_stage
@@ -30,12 +28,7 @@ PARALLEL = ("dp_shard", "ep", "tp")  # mesh dimensions it uses (ep: experts' gro
 
 
 def validate(cfg) -> None:
-    """What is not built with expert parallelism (parallel.ep > 1) yet, refused with the reason."""
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
-    ep = resolve_sizes(cfg.parallel, expected_world(cfg))["ep"]
-    if ep > 1 and cfg.trainer.save_checkpoint:
-        raise ConfigError(f"parallel.ep={ep}: the checkpoint is written from rank 0's weights, which hold only its own "
-                          "experts (gathering them over ep is not built); set trainer.save_checkpoint=false")
 
 
 def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
@@ -95,10 +88,11 @@ class MemoptEngine(PrecisionEngine):
         for g in self.part.groups:
             g.gather()
         try:
-            return self.model.full_state({k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()})
+            state = self.model.full_state({k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()})
         finally:
             for g in self.part.groups:
                 g.release()
+        return gather_over_ep(state, self.model.param_dims(), self.dims)  # experts of the other ep ranks
 
     # ---- resumable checkpoints ------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
