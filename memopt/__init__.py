@@ -11,6 +11,7 @@ def load_model(path: str, device: str = "cpu"):
     import torch
 
     from memopt.models import ModelConfig, model_class
+    from memopt.strategies.base import registry
 
     if os.path.isdir(path):
         path = os.path.join(path, "model.pt")
@@ -19,5 +20,9 @@ def load_model(path: str, device: str = "cpu"):
     ckpt = torch.load(path, map_location=device, weights_only=True)
     cfg = ModelConfig(**ckpt["model_config"])
     model = model_class(cfg)(cfg).to(device)
+    strategies = registry()
+    for name, opts in ckpt.get("architecture", {}).items():  # strategies that changed the model (moe)
+        with torch.device(device):
+            strategies[name].install(model, strategies[name].Config(**opts), cfg)
     model.load_state_dict(ckpt["state_dict"])
     return model.eval()

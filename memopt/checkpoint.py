@@ -214,7 +214,7 @@ def merge(path: str, out: str) -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     buf = io.BytesIO()
-    torch.save({"model_config": meta["model_config"],
+    torch.save({"model_config": meta["model_config"], "architecture": meta.get("architecture", {}),
                 "state_dict": {k: v.float() for k, v in full["model"].items()}}, buf)
     atomic_write_bytes(out, buf.getvalue())
     return out

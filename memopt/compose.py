@@ -37,6 +37,16 @@ def num_params(cfg) -> int:
     return n
 
 
+def model_record(cfg) -> dict:
+    """What ``memopt.load_model`` needs to rebuild the trained architecture: the model config and the
+    options of the strategies that change it (moe), as plain containers for model.pt and checkpoints."""
+    from omegaconf import OmegaConf
+
+    return {"model_config": OmegaConf.to_container(OmegaConf.structured(cfg.model)),
+            "architecture": {s.name: OmegaConf.to_container(OmegaConf.structured(o))
+                             for s, o in selected(cfg, "model") if s.architecture}}
+
+
 def active_params(cfg) -> int:
     """Parameters one token meets in the composed model (moe: its top_k experts only; dense: all)."""
     n = model_class(cfg.model).num_params(cfg.model)

@@ -244,10 +244,7 @@ class Trainer:
         return start
 
     def _save_resumable(self, engine, done: int) -> None:
-        from omegaconf import OmegaConf
-
-        meta = {**self._identity(), "run_id": self.run_id,
-                "model_config": OmegaConf.to_container(OmegaConf.structured(self.cfg.model))}
+        meta = {**self._identity(), "run_id": self.run_id, **compose.model_record(self.cfg)}
         path = checkpoint.save(self.run_dir, done, engine, self.rank, self.device, meta, self.cfg.trainer.keep_checkpoints)
         if path is not None:  # None: the weights were not finite, the previous checkpoint stays the last one
             self.summary["last_checkpoint"] = path
@@ -308,13 +305,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> str:
-        """model.pt: the weights in fp32 plus the model config; load with ``memopt.load_model``."""
+        """model.pt: the weights in fp32 plus the model config and the architecture strategies' options
+        (``compose.model_record``); load with ``memopt.load_model``."""
         import io
 
-        from omegaconf import OmegaConf
-
         buf = io.BytesIO()
-        torch.save({"model_config": OmegaConf.to_container(OmegaConf.structured(self.cfg.model)), "state_dict": state}, buf)
+        torch.save({**compose.model_record(self.cfg), "state_dict": state}, buf)
         path = os.path.join(self.run_dir, "model.pt")
         atomic_write_bytes(path, buf.getvalue())
         self.summary["checkpoint"] = path

@@ -78,6 +78,14 @@ class Strategy:
         """Training FLOPs per token once this strategy is applied (``f``: the count before it)."""
         return f
 
+    # A strategy that changes the architecture (moe) is recorded in model.pt (``compose.model_record``)
+    # and rebuilt by ``memopt.load_model`` through ``install`` (no mesh: everything on one process).
+    architecture = False
+
+    def install(self, model, opts, model_cfg) -> None:
+        """Put this strategy's modules into a single-process ``model`` (``architecture`` strategies)."""
+        raise NotImplementedError
+
     def active_params(self, n: int, opts, cfg) -> int:
         """Parameters one token meets once this strategy is applied (moe: only its top_k experts)."""
         return self.num_params(n, opts, cfg)

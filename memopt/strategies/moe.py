@@ -76,16 +76,15 @@ class MoEStrategy(Strategy):
                               f"expert-parallel rank holds num_experts / ep experts; use a multiple of {ep} experts "
                               f"or an ep that divides {c.num_experts}")
 
+    architecture = True  # model.pt records the options; memopt.load_model rebuilds the layers
+
     def apply(self, model, c: MoEConfig, build: Build) -> None:
-        mc = build.cfg.model
-        stats = RoutingStats(c.num_experts, build.dims.dp)
-        for i in moe_blocks(c, len(model.blocks)):
-            with torch.device("meta"):  # like the model: the engine materialises and initialises by name
-                moe = MoE(
-                    mc.d_model, c.d_ff or mc.ff, c.num_experts, c.top_k, c.capacity_factor, c.eval_capacity_factor,
-                    c.min_capacity, c.drop_tokens, c.aux_loss_coef, c.z_loss_coef, mc.bias, mc.dropout,
-                    ep=build.dims.ep, stats=stats, name=f"block{i}")
-            model.set_slot(i, "mlp", moe)
+        with torch.device("meta"):  # like the model: the engine materialises and initialises by name
+            _install(model, c, build.cfg.model, ep=build.dims.ep, stats=RoutingStats(c.num_experts, build.dims.dp))
+
+    def install(self, model, c: MoEConfig, model_cfg) -> None:
+        """Every expert on this process, no statistics (inference from model.pt)."""
+        _install(model, c, model_cfg)
 
     # counts from the config (memopt.compose.num_params / flops_per_token fold these in) ---------------
     def num_params(self, n: int, c: MoEConfig, cfg) -> int:
@@ -100,6 +99,15 @@ class MoEStrategy(Strategy):
         """Training FLOPs per token with only the top_k active experts (and the router) counted: 6 x the
         change in parameters a token meets (capacity padding is not useful work and is not counted)."""
         return f + 6.0 * (self.active_params(0, c, cfg))
+
+
+def _install(model, c: MoEConfig, mc, ep=None, stats=None) -> None:
+    """An MoE layer in the ``mlp`` slot of blocks k-1, 2k-1, ... (on the current default device)."""
+    for i in moe_blocks(c, len(model.blocks)):
+        model.set_slot(i, "mlp", MoE(
+            mc.d_model, c.d_ff or mc.ff, c.num_experts, c.top_k, c.capacity_factor, c.eval_capacity_factor,
+            c.min_capacity, c.drop_tokens, c.aux_loss_coef, c.z_loss_coef, mc.bias, mc.dropout,
+            ep=ep, stats=stats, name=f"block{i}"))
 
 
 def _delta(c: MoEConfig, cfg, experts: int) -> int:

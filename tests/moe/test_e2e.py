@@ -21,7 +21,7 @@ def records(run_dir):
 
 
 def test_run_records_routing_metrics_and_active_flops(tmp_path):
-    s = train(BASE, str(tmp_path / "moe"))
+    s = train(BASE + ["trainer.save_checkpoint=true", "trainer.eval_every=2"], str(tmp_path / "moe"))
     assert s["status"] == "ok"
     cfg = typed(BASE)
     assert s["params"] == compose.num_params(cfg)
@@ -43,3 +43,18 @@ def test_run_records_routing_metrics_and_active_flops(tmp_path):
     assert got[0] == ref[0]  # step 0: same weights, and the logged loss is the LM loss alone
     assert got[-1] != ref[-1]  # the router losses changed the gradients
     assert off["status"] == "ok"
+
+    # model.pt records the MoE options: memopt.load_model rebuilds the layers and evaluates the held-out
+    # batches to the loss the engine measured at the last step (a fresh model object, eval capacity)
+    import torch
+
+    import memopt
+    from memopt.data import TokenBatches, load_tokens
+
+    model = memopt.load_model(str(tmp_path / "moe"))
+    assert sum(p.numel() for p in model.parameters()) == s["params"]
+    data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
+    with torch.no_grad():
+        val = [model(x, y)[1].item() for x, y in data.eval_batches(cfg.trainer.eval_batches, cfg.trainer.micro_batch_size)]
+    assert sum(val) / len(val) == pytest.approx(s["val_loss"], rel=1e-6)
+
