@@ -3,7 +3,8 @@ travel by all_to_all, expert parameters are data-parallel over edp (size 1 here)
 dp. The trajectory must follow the single process (ep=1) that sees the same micro-batches in the
 same grouping: micro-batch 4 x grad_accum 2 on one rank is rank 0's and rank 1's micro-batch 4 (the
 capacity and the router losses are per micro-batch of a rank, so both runs drop the same tokens).
-Tolerance 1e-5 relative (fp32): only the order of the gradient sums differs. zero3 with ep=2 gathers
+Tolerance 1e-5 relative (fp32): only the order of the gradient sums differs; bf16 (autocast) 4e-3,
+one bf16 unit roundoff (2^-8): the runs round different partial sums to bf16 (observed 4e-5). zero3 with ep=2 gathers
 each block's dense group over dp_shard and its expert group over edp; zero3 at ep=1 on 2 ranks
 partitions the experts with their block.
 
@@ -30,6 +31,7 @@ MATRIX = {
     "zero2": (["+strategy=zero2", "strategy.zero2.bucket_mb=0.5"], []),
     "zero2_ckpt": (["+strategy=[zero2,ckpt]"], []),
     "ddp_dropless": (["+strategy=ddp", *DROPLESS], DROPLESS),
+    "zero2_bf16": (["+strategy=[zero2,bf16]"], ["+strategy=bf16"]),  # autocast bf16, router in fp32
     "zero3": (["+strategy=zero3"], []),  # dense groups per block over dp_shard, expert groups per block over edp
     "zero3_ckpt": (["+strategy=[zero3,ckpt]"], []),
     "zero3_ep1": (["+strategy=zero3"], []),  # ep=1: experts partitioned with their block over dp_shard
@@ -62,7 +64,8 @@ def test_ep2_follows_single_process(results, name):
     ep = 1 if name in EP1 else 2
     assert summary["status"] == "ok" and summary["parallel"]["ep"] == ep and summary["parallel"]["edp"] == 2 // ep
     assert len(got) == STEPS
-    assert rel_err(got, ref) <= 1e-5, f"{name}: {rel_err(got, ref):.2e} {got} {ref}"
+    tol = 4e-3 if "bf16" in name else 1e-5  # bf16: one unit roundoff (2^-8; observed 4e-5)
+    assert rel_err(got, ref) <= tol, f"{name}: {rel_err(got, ref):.2e} {got} {ref}"
 
 
 @pytest.mark.slow
