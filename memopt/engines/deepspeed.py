@@ -21,7 +21,8 @@ What is translated, and how (memopt strategy -> DeepSpeed config):
                        backward, holding at most the current and the prefetched block; DeepSpeed's
                        defaults (1e9 elements each) keep a model under 1e9 parameters entirely
                        gathered from forward to backward. overlap_comm = zero3.overlap_comm
-    cpu_offload        offload_optimizer {device: cpu} (+ offload_param {device: cpu} under zero3);
+    cpu_offload        offload_optimizer {device: cpu} (+ offload_param {device: cpu} under zero3 when
+                       cpu_offload.offload_param, the default);
                        needs a ZeRO stage (DeepSpeed offloads a ZeRO optimizer only)
     fp16 (params=fp16) fp16 {initial_scale_power = log2(init_scale), loss_scale_window =
                        growth_interval, hysteresis, min_loss_scale = min_scale} (dynamic scaling
@@ -200,7 +201,7 @@ def ds_config(cfg, world_size: int, block_numel: int) -> dict:
     if s.cpu_offload is not None:
         pin = bool(s.cpu_offload.pin_memory) and torch.cuda.is_available()
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-        if stage == 3:
+        if stage == 3 and s.cpu_offload.offload_param:
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     out = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

@@ -69,6 +69,10 @@ class ShardedAdamW:
             with _ctx(tracker, "optim", host=True):
                 self._cpu_adam = CPUAdamW(self.master, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
             self.exp_avg, self.exp_avg_sq = self._cpu_adam.exp_avg, self._cpu_adam.exp_avg_sq
+            from memopt.optim.host_grads import attach_host_grads
+
+            self.host_grads = attach_host_grads(groups, tracker)  # gradients reach the host during the backward
+            self.runs = [_decay_runs(m.numel(), segs, cfg.weight_decay) for m, segs in zip(self.master, self.decay_segments)]
         else:
             with _ctx(tracker, "optim"):
                 self.exp_avg = [torch.zeros_like(m) for m in self.master]
@@ -77,6 +81,8 @@ class ShardedAdamW:
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        if self.offload and not any(gr.ctx is not self.ctx for gr in self.groups):
+            return self._host_step(lr)
         grads = [g.grad_shard for g in self.groups]
         for i, g in enumerate(grads):
             if g is None:  # a group without gradients (frozen): zeros keep Adam's math uniform
@@ -166,6 +172,51 @@ class ShardedAdamW:
         self.zero_grad()
         return seq.done(norm)
 
+    def _host_step(self, lr: float) -> StepResult:
+        """ZeRO-Offload's step on the host gradients ``HostGrad`` filled during the backward: one read
+        of the gradients for the squared norm (which also detects fp16 overflow, as DeepSpeed's
+        CPU-offload check does), then one fused kernel pass per element: unscale and clip (one factor),
+        decoupled weight decay, Adam, and the fp16/bf16 copy into the parameters when they are
+        host-addressable; then the zero1/zero2 all-gather."""
+        for h in self.host_grads:
+            h.wait()
+        grads = []
+        for g, h in zip(self.groups, self.host_grads):
+            if g.grad_shard is None:  # a group without gradients (frozen): zeros keep Adam's math uniform
+                h.buf.zero_()
+            grads.append(h.buf)
+        dev = self.groups[0].device
+        seq = StepSequence(self.precision, self.cfg.grad_clip, self.ctx, summed_over=self.ctx.size, device=dev)
+        sq = _sum_sq(grads)  # of the scaled, summed gradients
+        if seq.skip(None if self.precision.scaler is None else (~torch.isfinite(sq)).float().to(dev)):
+            self.zero_grad()
+            return seq.skipped()
+        inv = seq.inv
+        norm, coef = seq.clip(sq * (inv * inv), sharded=any(gr.sharded for gr in self.groups))
+        factor = inv * (coef if coef is not None else 1.0)  # what multiplies every gradient element
+        ps, gs, ms, vs, wds, outs, written = [], [], [], [], [], [], set()
+        for i, (g, m) in enumerate(zip(self.groups, self.master)):
+            dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            fuse = dst.dtype in (torch.float16, torch.bfloat16) and dst.device.type == "cpu"
+            if fuse:
+                written.add(i)
+            for a, b, wd in self.runs[i]:
+                ps.append(m[a:b])
+                gs.append(grads[i][a:b])
+                ms.append(self.exp_avg[i][a:b])
+                vs.append(self.exp_avg_sq[i][a:b])
+                wds.append(wd)
+                if fuse:
+                    outs.append(dst[a:b])
+        self.step_count += 1
+        self._cpu_adam.step_views(ps, gs, ms, vs, wds, outs if len(outs) == len(ps) else None, lr=lr,
+                                  grad_scale=1.0 / factor)
+        if len(outs) != len(ps):  # some parameters not written by the kernel (fp32, or on a GPU): copy those
+            written = set()
+        self._write_back(skip=written)
+        self.zero_grad()
+        return seq.done(norm)
+
     def _norm_over_dims(self, sq: torch.Tensor, grads: list, other: list[int], inv: float) -> torch.Tensor:
         """This rank's share of the squared norm when groups live on different dimensions (``sq``: the
         groups over ``self.ctx``). Every element must count once in the sum over ``self.ctx``'s ranks:
@@ -207,10 +258,12 @@ class ShardedAdamW:
         torch._fused_adamw_([m], [grad], [self.exp_avg[i][sl]], [self.exp_avg_sq[i][sl]], [], [step], lr=lr, beta1=b1,
                             beta2=b2, weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
 
-    def _write_back(self) -> None:
-        for g, m in zip(self.groups, self.master):
+    def _write_back(self, skip: set[int] = frozenset()) -> None:
+        """Masters into the parameters' dtype (groups in ``skip`` were written by the fused kernel), then
+        the zero1/zero2 all-gather of the updated shards."""
+        for i, (g, m) in enumerate(zip(self.groups, self.master)):
             dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
-            if m is not dst:
+            if m is not dst and i not in skip:
                 dst.copy_(m, non_blocking=False)
             if g.sharded and g.stage in (1, 2):
                 with _ctx(self.tracker, "temp"):
@@ -246,3 +299,35 @@ class ShardedAdamW:
             dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
             if m is not dst:
                 dst.copy_(m)
+
+
+def _decay_runs(n: int, decay: list[tuple[int, int]], wd: float) -> list[tuple[int, int, float]]:
+    """[0, n) cut into (start, end, weight decay) runs: ``wd`` on the ``decay`` segments, 0 elsewhere,
+    adjacent runs of equal decay merged (the host kernel takes one decay per tensor view)."""
+    runs: list[tuple[int, int, float]] = []
+    pos = 0
+    for a, b in sorted(decay):
+        if a > pos:
+            runs.append((pos, a, 0.0))
+        runs.append((a, b, wd))
+        pos = b
+    if pos < n:
+        runs.append((pos, n, 0.0))
+    merged: list[tuple[int, int, float]] = []
+    for a, b, w in runs:
+        if merged and merged[-1][2] == w and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b, w)
+        else:
+            merged.append((a, b, w))
+    return merged
+
+
+def _sum_sq(grads: list[torch.Tensor], piece: int = 1 << 16) -> torch.Tensor:
+    """Sum of squares of fp32 host gradients in one read and no temporary: fp32 dot products over
+    pieces, added in float64 (a single dot over millions of elements drifts by ~1e-5 relative)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        for a in range(0, g.numel(), piece):
+            x = g[a : a + piece]
+            total += torch.dot(x, x)
+    return total.float()

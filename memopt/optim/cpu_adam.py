@@ -544,6 +544,25 @@ class CPUAdamW:
             _torch_adamw(ps, gs, ms, vs, outs, wds, lr, b1, b2, self.eps, step, float(grad_scale))
         self.step_count = step
 
+    @torch.no_grad()
+    def step_views(self, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
+                   vs: list[torch.Tensor], weight_decays: list[float], out_lowp: list[torch.Tensor] | None = None,
+                   lr: float | None = None, grad_scale: float = 1.0) -> None:
+        """One step over caller-chosen contiguous views of ``params`` and of the states (the same split
+        for all four lists, e.g. a flat shard cut where the weight decay changes), so decay, unscale,
+        clip and the low-precision copy run in the one pass of ``step``. Advances ``step_count``."""
+        lr = self.lr if lr is None else float(lr)
+        step = self.step_count + 1
+        b1, b2 = self.betas
+        outs = list(out_lowp) if out_lowp else []
+        if self.impl == "cpp":
+            self._kernel(ps, gs, ms, vs, outs, [float(w) for w in weight_decays], lr, b1, b2, self.eps, step,
+                         float(grad_scale))
+        else:
+            _torch_adamw(ps, gs, ms, vs, outs, [float(w) for w in weight_decays], lr, b1, b2, self.eps, step,
+                         float(grad_scale))
+        self.step_count = step
+
     def state_dict(self) -> dict:
         """Hyper-parameters, the step counter and references (not copies) to the state tensors."""
         return {

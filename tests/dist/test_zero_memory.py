@@ -91,3 +91,12 @@ def test_cpu_offload_leaves_no_optimizer_bytes_on_device(peaks, model, name, ran
     host = dev(peaks, name, rank, "host")
     # fp32 master + exp_avg + exp_avg_sq of the owned shard live on the host
     assert host["optim"] == pytest.approx(12 * n / W, rel=1e-3)
+    # ZeRO-Offload's gradient path: each reduced bucket goes to a host fp32 buffer during the backward,
+    # so the device holds no gradient shard, only buckets in flight (zero3: a block's full gradients)
+    assert host["grads"] == pytest.approx(4 * n / W, rel=1e-3)
+    in_flight = 4 * (model["block"] + model["root"]) if name == "zero3_offload" else BUCKET_MB * 2**20 + 4 * model["largest"]
+    assert dev(peaks, name, rank)["grads"] <= 2 * in_flight, (dev(peaks, name, rank)["grads"], in_flight)
+    assert dev(peaks, name, rank)["grads"] < 4 * n / W
+    if name == "zero3_offload":  # offload_param: the parameter shard lives on the host, the device holds gathered blocks only
+        assert host["params"] == pytest.approx(4 * n / W, rel=1e-3)
+        assert dev(peaks, name, rank)["params"] <= 4 * (model["root"] + 2 * model["block"]) + 4 * 64

@@ -19,6 +19,7 @@ from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
 from memopt.optim.adamw import ShardedAdamW
 from memopt.optim.step import StepResult
+from memopt.strategies.cpu_offload import offloads_params
 from memopt.strategies.precision import Precision
 from memopt.strategies.zero import selected_stage
 
@@ -46,7 +47,7 @@ def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
     for gname, members, dim in plan:  # dim: another data-parallel dimension (MoE experts: edp), else part_dim
         live = [(n, model.get_parameter(n), tuple(meta.shape)) for n, meta in members]
         g = FlatGroup(gname, live, part_dim if dim is None else getattr(dims, dim), precision.param_dtype, device,
-                      stage, tracker, grad_dtype)
+                      stage, tracker, grad_dtype, param_host=offloads_params(cfg))
         g.materialize(lambda n, shape: model.init_tensor(n, shape, cfg.seed))
         groups.append(g)
     tracker.register_module(model)

@@ -27,7 +27,9 @@ class FlatGroup:
     """A set of parameters packed into one flat buffer, sharded evenly over the ranks."""
 
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter, tuple[int, ...]]], ctx: Dim,
-                 dtype: torch.dtype, device: torch.device, stage: int, tracker, grad_dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype, device: torch.device, stage: int, tracker, grad_dtype: torch.dtype = torch.float32,
+                 param_host: bool = False):
+        self.param_host = param_host and stage == 3  # cpu_offload.offload_param: the zero3 shard lives on the host
         self.grad_dtype = grad_dtype  # zero2/zero3: dtype of the owned gradient shard (``strategy.zero2.grad_dtype``)
         self.name, self.ctx, self.dtype, self.device, self.stage, self.tracker = name, ctx, dtype, device, stage, tracker
         self.names = [n for n, _, _ in params]
@@ -49,6 +51,7 @@ class FlatGroup:
         self.shard: torch.Tensor | None = None  # zero3: the owned slice, persistent
         self.flat_grad: torch.Tensor | None = None  # ddp/zero1: persistent full gradient buffer
         self.grad_shard: torch.Tensor | None = None  # gradient of the owned range (fp32, or grad_dtype for zero2/3)
+        self.host_grad = None  # cpu_offload: a ``memopt.optim.host_grads.HostGrad`` receiving the owned gradient
         self.pending: list = []  # in-flight async collectives
         self.ready = 0  # parameters whose gradient arrived this backward
         self.gather_work = None
@@ -72,7 +75,12 @@ class FlatGroup:
     def materialize(self, init_fn) -> None:
         """Allocate storage and fill the parameters from ``init_fn(name, shape) -> fp32 CPU tensor``."""
         with self.tracker.category("params"):
-            if self.stage == 3:
+            if self.param_host:
+                with self.tracker.host_scope():
+                    self.shard = torch.zeros(self.shard_size, dtype=self.dtype, device="cpu",
+                                             pin_memory=self.device.type == "cuda")
+                self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            elif self.stage == 3:
                 self.shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
                 self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
             else:
@@ -134,12 +142,16 @@ class FlatGroup:
         if self.stage != 3 or self.gathered or self.gather_work is not None:
             return
         self._resize(self.padded * self.full.element_size())
+        shard = self.shard
+        if self.param_host and self.device.type != "cpu":  # host shard -> device for the collective (NCCL)
+            with self.tracker.category("temp"):
+                shard = self.shard.to(self.device, non_blocking=True)
         if self.ctx.enabled:
-            self.gather_work = self.ctx.all_gather(self.full, self.shard, async_op=async_op)
+            self.gather_work = self.ctx.all_gather(self.full, shard, async_op=async_op)
             if not async_op:
                 self.gather_work = None
         else:
-            self.full.copy_(self.shard)
+            self.full.copy_(shard)
 
     def wait_gather(self) -> None:
         if self.gather_work is not None:
@@ -195,6 +207,11 @@ class FlatGroup:
         self.ready = 0
 
     def _accumulate(self, g: torch.Tensor) -> None:
+        if self.host_grad is not None:  # cpu_offload: the owned range leaves the device now, bucket by bucket
+            self.grad_shard = self.host_grad.receive(g, accumulate=self.grad_shard is not None)
+            if self.flat_grad is not None:  # ddp/zero1 (synced on the last micro-step only): the full buffer is done
+                self.free_grad_buffer()
+            return
         if self.grad_shard is None:
             if g is self.flat_grad or (g._base is not None and g._base is self.flat_grad):
                 # ddp: the full buffer; zero1: its reduced slice. Read in place, in any dtype: the
