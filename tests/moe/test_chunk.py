@@ -1,5 +1,5 @@
-"""``+strategy=moe`` on the chunk engine (PatrickStar's chunks, expert parameters packed in the chunks in
-registration order; ep=1). The reference is the plain fp32 memopt run of the same job: the chunk engine
+"""``+strategy=moe`` on the chunk engine (PatrickStar's chunks; expert parameters in chunks of their own,
+in registration order; ep=1). The reference is the plain fp32 memopt run of the same job: the chunk engine
 changes where bytes live, not the math, so the trajectories agree to float rounding (observed <= 1e-7;
 tolerance 1e-6). The router is a module call, so the chunk hooks fetch its chunk before the gate runs,
 also under a device budget smaller than the model (evictions)."""
@@ -20,11 +20,18 @@ def rel_err(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def test_chunk_engine_with_moe_follows_plain_under_a_small_budget(tmp_path):
+def test_chunk_engine_with_moe_follows_plain_under_a_small_budget(tmp_path, monkeypatch):
+    from memopt.models.moe import Expert
+    from tests.chunk.helpers import train_capture
+
     plain = train(BASE, str(tmp_path / "plain"))
     budget = 6 * 2**20  # below the param + grad chunks: 0.83M params x 4 B x 2 = 6.3 MiB
-    s = train([*BASE, "+strategy=chunk", f"strategy.chunk.device_budget_gb={budget / 2**30}",
-               "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"], str(tmp_path / "chunk"))
+    s, engine = train_capture([*BASE, "+strategy=chunk", f"strategy.chunk.device_budget_gb={budget / 2**30}",
+                               "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"], str(tmp_path / "chunk"), monkeypatch)
+    # expert parameters have chunks of their own: no chunk mixes them with dense parameters
+    experts = {f"{mn}.{pn}" for mn, m in engine.model.named_modules() if isinstance(m, Expert) for pn, _ in m.named_parameters()}
+    kinds = [{t.name in experts for t in c.tensors} for c in engine.mgr.chunks if c.tensors]
+    assert all(len(k) == 1 for k in kinds) and {True} in kinds and {False} in kinds
     assert plain["status"] == s["status"] == "ok" and s["engine"] == "memopt"
     assert s["params"] == plain["params"] and s["active_params"] == plain["active_params"]
     got, ref = losses(str(tmp_path / "chunk")), losses(str(tmp_path / "plain"))

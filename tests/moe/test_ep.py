@@ -105,3 +105,17 @@ def test_all_to_all_buffers_are_counted_as_comm(results):
     for rank in ("0", "1"):
         assert results["ddp"][0]["peak_bytes"][rank]["cpu"]["comm"] >= one_buffer
     assert results["zero3_ep1"][0]["peak_bytes"]["0"]["cpu"]["comm"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_ep1"])
+def test_optimizer_bytes_follow_the_partitioning(results, name):
+    """fp32 Adam keeps 8 B per owned parameter (ZeRO's K without a master copy). ep=2: dense parameters
+    are owned by one of the 2 dp_shard ranks, each rank's 4 local experts by itself (edp has one rank);
+    ep=1 zero3: experts are partitioned with their block over both ranks. Either way a rank owns half
+    of the model: 4 B x total parameters, plus the flat groups' padding (< 2 elements per group)."""
+    cfg = typed(BASE)
+    want = 4 * compose.num_params(cfg)
+    for rank in ("0", "1"):
+        got = results[name][0]["peak_bytes"][rank]["cpu"]["optim"]
+        assert want <= got <= want + 8 * 2 * 64, (name, rank, got, want)

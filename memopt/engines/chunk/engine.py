@@ -17,6 +17,7 @@ from memopt.compose import materialize_params, model_on_meta
 from memopt.engines.base import PrecisionEngine, rank_key, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
+from memopt.models.moe import Expert
 from memopt.optim.step import StepResult
 from memopt.engines.chunk.chunk import DEVICE, HOST
 from memopt.engines.chunk.comm import ChunkComm
@@ -67,8 +68,13 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
             else:
                 seen[id(p)] = [full, p, tuple(p.shape), []]
                 named.append(seen[id(p)])
-    chunk_size = ccfg.chunk_size or search_chunk_size(
-        [[n.numel() for _, n, _, _ in named if n.requires_grad], [n.numel() for _, n, _, _ in named if not n.requires_grad]])
+    # MoE experts get chunks of their own (an expert chunk never carries dense parameters)
+    experts = {f"{mn}.{pn}" for mn, m in model.named_modules() if isinstance(m, Expert) for pn, _ in m.named_parameters()}
+
+    def sizes(trainable: bool, expert: bool) -> list[int]:
+        return [p.numel() for n, p, _, _ in named if p.requires_grad == trainable and (n in experts) == expert]
+
+    chunk_size = ccfg.chunk_size or search_chunk_size([sizes(True, False), sizes(True, True), sizes(False, False)])
     materialize_params(model, device, precision.param_dtype)
     named = [(name, model.get_parameter(name), shape, aliases) for name, _, shape, aliases in named]
 
@@ -85,7 +91,7 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
                           "set trainer.nproc_per_node or run under torchrun", stacklevel=2)
     tracer._chunk_bytes = lambda: mgr.device_bytes + mgr.os_device_bytes
     try:
-        mgr.pack(named)
+        mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
     except ValueError as e:
         raise ConfigError(str(e)) from None
     host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes())

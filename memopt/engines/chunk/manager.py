@@ -91,9 +91,11 @@ class ChunkManager:
         self.comm = None  # ChunkComm with 2+ ranks (set before pack)
 
     # ---- layout -------------------------------------------------------------------------------
-    def pack(self, named: list[tuple[str, torch.nn.Parameter, tuple[int, ...], list[str]]]) -> None:
-        """Place parameters (name, param, shape, aliases) into chunks in order."""
-        open_chunk: dict[bool, Chunk | None] = {True: None, False: None}
+    def pack(self, named: list[tuple[str, torch.nn.Parameter, tuple[int, ...], list[str]]], kinds: set[int] = frozenset()) -> None:
+        """Place parameters (name, param, shape, aliases) into chunks in order. A chunk holds trainable or
+        frozen tensors, and tensors of one kind: the parameters whose id is in ``kinds`` (MoE experts)
+        get chunks of their own, so an expert chunk never carries dense parameters."""
+        open_chunk: dict[tuple[bool, bool], Chunk | None] = {}
         for name, p, shape, aliases in named:
             info = TensorInfo(name, p, tuple(shape), aliases=list(aliases))
             if info.numel > self.chunk_size:
@@ -101,12 +103,13 @@ class ChunkManager:
                                  f"{self.chunk_size}: a tensor must fit in one chunk (raise chunk_size or set it to "
                                  "null to search one)")
             tr = p.requires_grad
-            c = open_chunk[tr]
+            key = (tr, id(p) in kinds)
+            c = open_chunk.get(key)
             if c is None or not c.fits(info.numel):
                 c = Chunk(len(self.chunks), "param", self.chunk_size, self.dtype, self.device, self.tracker,
                           trainable=tr, with_grad=tr)
                 self.chunks.append(c)
-                open_chunk[tr] = c
+                open_chunk[key] = c
             c.add(info)
             self.infos[id(p)] = info
         if self.comm is not None:
