@@ -121,12 +121,16 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _track(self, t: torch.Tensor, category: str, device: str | None = None, retag: bool = False) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+        if not self._counted(t):  # not a tensor, or a subclass accounted through its inner tensors
             return
-        if not self._counted(t):
+        if t.layout != torch.strided or t.is_meta:
             return
         st = t.untyped_storage()
         key = id(st)
+        if not retag:  # the common case, an op's output whose storage is known already (views, in-place ops): no lock
+            info, ref = self._info.get(key), self._refs.get(key)
+            if info is not None and ref is not None and ref() is st:
+                return
         with self._lock:
             info = self._info.get(key)
             if info is not None and self._refs[key]() is st:
@@ -197,8 +201,17 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         cat = self._category[-1]
-        for t in tree_iter(out):
-            if isinstance(t, torch.Tensor):
+        if type(out) is torch.Tensor:  # most ops: one plain tensor, no pytree walk
+            self._track(out, cat)
+        elif type(out) in (tuple, list):
+            for t in out:
+                if type(t) is torch.Tensor:
+                    self._track(t, cat)
+                elif t is not None and not isinstance(t, (int, float, bool)):
+                    for u in tree_iter(t):
+                        self._track(u, cat)
+        elif out is not None:
+            for t in tree_iter(out):
                 self._track(t, cat)
         return out
 
