@@ -234,9 +234,9 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     x, y = data.eval_batches(1, t.micro_batch_size)[0]
                     with tracker.category("temp"):
                         engine.eval_loss(x.to(device), y.to(device))
-                if t.save_checkpoint:
-                    with tracker.category("other"):
-                        state = engine.full_state_dict()  # what rank 0 holds while model.pt is written
+                if t.save_checkpoint:  # fp32 CPU copies: host memory of a GPU run (the device itself on a CPU run)
+                    with tracker.category("other"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
+                        state = engine.full_state_dict()  # what every rank holds while rank 0 writes model.pt
                     del state
     except PlanOverflow as e:
         e.device = keymap.get(e.device, e.device)
