@@ -36,8 +36,18 @@ def claim_run_dir(run_dir: str, resume: str | None, overwrite: bool) -> None:
     """Refuse a directory that already holds a run, unless this run resumes it or overwrites it
     (then the old records are removed here, before anything is written)."""
     prior = prior_records(run_dir)
-    if not prior or resume:
+    if not prior:
         return
+    if resume:
+        from memopt.checkpoint import complete
+
+        if complete(run_dir):  # the new attempt continues this directory's own run
+            return
+        if not overwrite:
+            raise RunDirInUse(
+                f"trainer.resume={resume} into run directory {run_dir}, which holds a run ({', '.join(prior)}) but no "
+                "complete checkpoint of it to continue: its records would mix with a run from another start; "
+                "use trainer.overwrite=true to replace them, or another directory (hydra.run.dir=...)")
     if overwrite:
         for name in prior:
             path = os.path.join(run_dir, name)

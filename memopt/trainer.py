@@ -209,6 +209,7 @@ class Trainer:
             skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale,
         )
         if t.save_checkpoint:
+            self._beat("final weights (model.pt)")
             state = engine.full_state_dict()  # collective under zero3
             if not all_finite(state.values()):  # (identical on every rank: the full weights)
                 raise Diverged("the final weights hold non-finite values: model.pt was not written (the last "
@@ -216,6 +217,7 @@ class Trainer:
             if self.rank == 0:
                 self.save_checkpoint(state)
         # every rank's peaks reach rank 0's summary
+        self._beat("final records")
         mine = {"peaks": tracker.peaks() if tracker.enabled else None, "rss": peak_rss_bytes()}
         if self.device.type == "cuda":
             mine["cuda"] = torch.cuda.max_memory_allocated(self.device)
@@ -230,8 +232,12 @@ class Trainer:
     def _identity(self) -> dict:
         """What a resumed run must share with the run that wrote the checkpoint."""
         cfg = self.cfg
+        from omegaconf import OmegaConf
+
+        options = {n: OmegaConf.to_container(OmegaConf.structured(getattr(cfg.strategy, n))) for n in cfg.strategy.selected()}
         return {"world_size": self.world, "engine": engines.resolve(cfg), "strategy": cfg.strategy.selected(),
-                "model": cfg.model.name, "parallel": self.dims.summary()}
+                "strategy_options": options, "model": cfg.model.name, "parallel": self.dims.summary(),
+                **compose.model_record(cfg)}  # the architecture (model config, moe options) too
 
     def _resume(self, engine, path: str | None) -> int:
         """Restore checkpoint ``path`` (``trainer.resume`` resolved); returns the first step to run (0 without one)."""

@@ -221,11 +221,11 @@ def _to_local_params(model) -> None:
 class TPStrategy(Strategy):
     name, Config, phase, order = "tp", TPConfig, "model", 1  # after moe (refused), before flash_attn / ckpt
     uses = ("tp",)
-    excludes = ("moe", "flash_attn", "chunked_loss")
+    excludes = ("moe", "flash_attn", "chunked_loss", "cpu_offload")
     excludes_why = ("tensor parallelism splits the dense MLP, the sdpa/naive attention core and the output layer "
-                    "through its module; tp with MoE experts, the Triton FlashAttention core or the chunked loss (which "
-                    "reads the head's weight directly) is not built/tested; strategy.tp.loss_parallel=true also "
-                    "avoids the full logits")
+                    "through its module; tp with MoE experts, the Triton FlashAttention core, the chunked loss (which "
+                    "reads the head's weight directly) or cpu_offload (the host optimizer step has no tensor-parallel "
+                    "norm and overflow vote) is not built; strategy.tp.loss_parallel=true also avoids the full logits")
 
     def validate(self, c: TPConfig, cfg) -> None:
         p, m = "strategy.tp", cfg.model

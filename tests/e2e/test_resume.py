@@ -82,6 +82,14 @@ def test_resume_is_exact_one_process_and_merges(tmp_path):
     assert main(["merge", str(straight / "checkpoints" / "step_4"), str(tmp_path / "merged.pt")]) == 0
     merged, final = memopt.load_model(str(tmp_path / "merged.pt")).state_dict(), memopt.load_model(str(straight)).state_dict()
     assert merged.keys() == final.keys() and all(torch.equal(merged[k], final[k]) for k in final)
+    # a checkpoint resumes only the configuration that wrote it: model shape and strategy options included
+    from memopt.api import run_job
+    from memopt.errors import ConfigError
+
+    base, step2 = jobs[1][0], str(straight / "checkpoints" / "step_2")
+    for change, field in (("model.n_layer=1", "model_config"), ("strategy.ckpt.policy=selective", "strategy_options")):
+        with pytest.raises(ConfigError, match=f"cannot resume this run .*{field}"):
+            run_job([*base, f"trainer.resume={step2}", change], str(tmp_path / change))
 
 
 @pytest.mark.slow

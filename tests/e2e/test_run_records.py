@@ -50,6 +50,10 @@ def test_reused_run_dir_is_refused_unless_overwritten(tmp_path, capsys):
     assert str(d) in err and "trainer.resume=auto" in err and "trainer.overwrite=true" in err
     assert json.loads((d / "summary.json").read_text()) == first  # the old run's records are untouched
     assert len(lines(d)) == 1
+    # resuming a run that left no checkpoint would restart from step 0 into its records: refused too
+    assert cli_run(d, ["trainer.resume=auto", "trainer.max_steps=1"]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert json.loads((d / "summary.json").read_text()) == first and len(lines(d)) == 1
 
     assert cli_run(d, ["trainer.overwrite=true", "trainer.max_steps=1"]) == 0
     second = json.loads((d / "summary.json").read_text())
