@@ -17,7 +17,9 @@ from memopt.compose import materialize_params, model_on_meta
 from memopt.engines.base import PrecisionEngine, gather_over_ep, rank_key, refuse_unsupported, with_aux_loss
 from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
+from memopt.errors import ConfigError
 from memopt.optim.adamw import ShardedAdamW
+from memopt.parallel.dims import expected_world, resolve_sizes
 from memopt.optim.step import StepResult
 from memopt.strategies.cpu_offload import offloads_params
 from memopt.strategies.precision import Precision
@@ -30,6 +32,11 @@ PARALLEL = ("dp_shard", "ep", "tp")  # mesh dimensions it uses (ep: experts' gro
 
 def validate(cfg) -> None:
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
+    ep = resolve_sizes(cfg.parallel, expected_world(cfg))["ep"]
+    if ep > 1 and cfg.strategy.cpu_offload is not None:
+        raise ConfigError(f"parallel.ep={ep} with strategy cpu_offload is not built: the host optimizer step (gradients "
+                          "moved to the host during the backward, one fused pass) norms and votes over one data-parallel "
+                          "dimension, and expert groups live on edp; use parallel.ep=1 or drop cpu_offload")
 
 
 def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
