@@ -39,8 +39,8 @@ def candidates(cfg, hw) -> list[list[str]]:
                     for off in a.offload:
                         names = [*PRECISION[p], *ck_s, *([stage] if world > 1 else []), *(["cpu_offload"] if off else [])]
                         out.append([_strategies(names), *ck_o, *batch])
-                preset = CHUNK_PRESET.get("fp16" if p == "fp32" else p)
-                for budget in a.chunk_budget_gb:  # the chunk engine keeps fp16/bf16 params: its fp32 twin is hybrid_adam
+                preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
+                for budget in a.chunk_budget_gb:
                     extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
                     out.append([_strategies([preset, *ck_s]), *ck_o, *extra, *batch])
     unique = []

@@ -65,6 +65,7 @@ def test_dynamic_keeps_more_chunks_on_device_than_static(runs):
     assert moves_d < moves_s  # fewer host->device transfers per step
 
 
+@pytest.mark.slow  # 19 s; Hybrid Adam's parity runs by default (tests/chunk/test_chunk_parity.py)
 def test_hybrid_adam_puts_optimizer_chunks_in_the_margin(tmp_path, monkeypatch):
     # 9 MiB: fp16 param+grad chunks (3.4 MiB) + non-model (~3 MiB) leave a margin of ~3 optimizer groups
     budget = [f"strategy.chunk.device_budget_gb={9 / 1024}", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"]

@@ -158,6 +158,7 @@ def built_state(container: dict):
         teardown()
 
 
+@pytest.mark.slow  # 20 s; the default suite keeps res_check's refusal test
 def test_release_after_init_and_res_check_give_the_serial_init():
     """2-rank init (each rank fills its own chunks; or release_after_init: every chunk, then the
     remote ones are freed; res_check gathers and compares) is bit-identical to the 1-rank chunk

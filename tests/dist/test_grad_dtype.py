@@ -21,6 +21,7 @@ BASE = ["model=gpt_tiny", f"model.seq_len={T}", "data=synthetic", "trainer.max_s
         f"strategy.zero2.bucket_mb={BUCKET_MB}"]
 
 
+@pytest.mark.slow  # 13 s of 2-rank bf16 on AVX2-only CPUs
 def test_param_dtype_gradients_are_the_papers_bytes(tmp_path):
     jobs = {gd: BASE + [f"strategy.zero2.grad_dtype={gd}"] for gd in ("param", "fp32")}
     out = dict(zip(jobs, run_jobs_on_ranks(W, [(o, str(tmp_path / gd)) for gd, o in jobs.items()])))

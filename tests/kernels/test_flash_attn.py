@@ -399,6 +399,7 @@ print("compiled", n)
 """
 
 
+@pytest.mark.slow  # 30 s: ahead-of-time compilation for a GPU target; the interpreter tests run by default
 def test_kernels_compile_for_sm90():
     """Compile the GPU kernels (fp16/bf16/fp32, causal and not) to sm_90 cubin, no GPU needed.
 

@@ -39,7 +39,7 @@ def test_impossible_sizes_are_refused_with_the_numbers(cfg, world, words):
 
 @pytest.mark.parametrize("overrides, words", [
     (["trainer.nproc_per_node=2", "parallel.dp_shard=4"], ["dp_shard=4", "world has 2"]),
-    (["trainer.nproc_per_node=2", "parallel.tp=2"], ["parallel.tp=2", "not supported", "engine=memopt"]),
+    (["trainer.nproc_per_node=2", "parallel.tp=2"], ["parallel.tp=2", "not supported without a strategy", "+strategy=tp"]),
     (["trainer.nproc_per_node=2", "parallel.ep=2"], ["parallel.ep=2", "not supported"]),
     (["trainer.nproc_per_node=2", "parallel.dp_replicate=2", "+strategy=zero2"], ["parallel.dp_replicate=2", "engine=fsdp2"]),
     (["trainer.nproc_per_node=2", "parallel.dp_replicate=2", "+strategy=zero2", "engine=deepspeed"], ["parallel.dp_replicate=2", "DeepSpeed"]),
