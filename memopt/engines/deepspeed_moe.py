@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from memopt.errors import ConfigError
-from memopt.models.moe import AuxLossPart, MoE, capacity, z_loss
+from memopt.models.moe import AuxLossPart, MoE, capacity, router_logits, z_loss
 
 
 def validate(cfg) -> None:
@@ -96,9 +96,7 @@ class DeepSpeedMoE(AuxLossPart, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, l_aux, _ = self.moe(x)
         if self.training and torch.is_grad_enabled():
-            xs = x.reshape(-1, x.shape[-1])  # (S, C)
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                logits = F.linear(xs.float(), self.gate.weight.float())  # (S, E): the gate's own logits
+            logits = router_logits(x.reshape(-1, x.shape[-1]), self.gate.weight)  # (S, E): the gate's own logits
             zl = z_loss(logits)
             self._aux = self.aux_loss_coef * l_aux + self.z_loss_coef * zl
             self._pending = (l_aux.detach(), zl.detach(), *self._drops(logits.detach()))

@@ -119,9 +119,14 @@ class Router(nn.Linear):
     act through module hooks (the chunk engine fetches a module's chunks before its forward) see it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rdt = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x.to(rdt), self.weight.to(rdt))
+        return router_logits(x, self.weight)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in fp32 (float64 stays float64), with autocast off: the gate's logits."""
+    rdt = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.to(rdt), weight.to(rdt))
 
 
 class RoutingStats:
