@@ -228,22 +228,36 @@ def _recorded_status(run_dir: str) -> str:
     return status if status in EXIT_CODES and status != "ok" else "failed"
 
 
+def _summary_so_far(path: str, resolved: dict) -> dict:
+    """What the ranks recorded in summary.json, over the job's identity (a rank that stopped before
+    its Trainer started wrote nothing)."""
+    from memopt.sweep import job_identity
+
+    summary = job_identity(OmegaConf.create(resolved))
+    if os.path.exists(path):
+        with open(path) as f:
+            summary.update(json.load(f))
+    return summary
+
+
 def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -> dict:
     """Start ``nproc`` local ranks; on failure record which rank failed and why, then re-raise."""
+    from memopt.errors import Interrupted
     from memopt.parallel import RankFailure, launch
     from memopt.worker import run_rank
 
     watchdog = _watch_ranks(run_dir, resolved["trainer"].get("watchdog_s") or 0)
+    path = os.path.join(run_dir, "summary.json")
     try:
         results = launch(nproc, run_rank, resolved, run_dir, group)
+    except Interrupted as e:  # the ranks were stopped; one that had not started its loop wrote nothing
+        summary = _summary_so_far(path, resolved)
+        if summary.get("status") != "interrupted":
+            summary.update(status="interrupted", error=str(e))
+            write_json(path, summary)
+        raise
     except RankFailure as e:
-        path = os.path.join(run_dir, "summary.json")
-        from memopt.sweep import job_identity
-
-        summary = job_identity(OmegaConf.create(resolved))  # a rank that died before its Trainer wrote nothing
-        if os.path.exists(path):
-            with open(path) as f:
-                summary.update(json.load(f))
+        summary = _summary_so_far(path, resolved)
         recorded = summary.get("status")  # what the ranks decided (oom, refused, diverged, interrupted)
         if recorded in EXIT_CODES and recorded not in ("ok", "failed"):
             summary.setdefault("error", str(e))

@@ -81,3 +81,26 @@ def test_sigterm_stops_two_ranks_with_a_checkpoint(tmp_path):
     assert len([f for f in os.listdir(ckpt) if f.endswith(".distcp")]) == 2
     assert not left, left  # the ranks (and the launcher's helpers) are gone
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_before_the_ranks_start_their_loop_still_records_interrupted(tmp_path):
+    """A SIGTERM while the 2 ranks are still starting (before their signal handlers exist): the
+    launcher stops them and writes the summary itself (status interrupted, exit 130), no child left."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    p = subprocess.Popen([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run}", *QUICK, "trainer.nproc_per_node=2"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(children(p.pid)) < 3:  # the elastic agent's ranks are spawning
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    assert not (run / "metrics.jsonl").exists()  # no step yet
+    kids = children(p.pid)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    time.sleep(0.5)
+    s = json.loads((run / "summary.json").read_text())
+    assert p.returncode == EXIT_CODES["interrupted"] == 130, err[-3000:]
+    assert s["status"] == "interrupted" and "SIGTERM" in s["error"] and s["engine"] == "memopt"
+    assert not [k for k in kids if alive(k)]
