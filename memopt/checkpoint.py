@@ -42,15 +42,18 @@ def root(run_dir: str) -> str:
 
 
 def complete(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under the run directory, oldest first."""
+    """(step, path) of every complete checkpoint under the run directory, in the order they were
+    written (their meta.json's time), not by step: after a run resumed from an older checkpoint in the
+    same directory, its new steps are newer than the abandoned attempt's higher ones, so
+    ``resume=auto`` continues it and ``keep_checkpoints`` removes the abandoned ones first."""
     base = root(run_dir)
     out = []
     if os.path.isdir(base):
         for name in os.listdir(base):
             path = os.path.join(base, name)
             if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(path, META)):
-                out.append((int(name[5:]), path))
-    return sorted(out)
+                out.append((os.path.getmtime(os.path.join(path, META)), int(name[5:]), path))
+    return [(step, path) for _, step, path in sorted(out)]
 
 
 def resolve(resume: str | None, run_dir: str) -> str | None:

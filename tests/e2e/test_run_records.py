@@ -140,3 +140,20 @@ def test_chunk_engine_host_memory_refusal_is_refused(tmp_path):
                 str(tmp_path))
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["status"] == "refused" and EXIT_CODES[s["status"]] == 2
+
+
+def test_checkpoints_are_ordered_by_when_they_were_written(tmp_path):
+    """A run resumed from step_5 while step_10 of the abandoned attempt is still on disk writes step_7:
+    resume=auto must continue from step_7 (the newest written), and pruning removes step_10 before it."""
+    import os
+
+    from memopt.checkpoint import META, complete, resolve, root
+
+    for i, step in enumerate((5, 10, 7)):  # written in this order
+        d = os.path.join(root(str(tmp_path)), f"step_{step}")
+        os.makedirs(d)
+        with open(os.path.join(d, META), "w") as f:
+            json.dump({"step": step}, f)
+        os.utime(os.path.join(d, META), (1000 + i, 1000 + i))
+    assert [s for s, _ in complete(str(tmp_path))] == [5, 10, 7]
+    assert resolve("auto", str(tmp_path)).endswith("step_7")
