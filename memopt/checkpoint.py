@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from memopt.errors import ConfigError
+from memopt.guards import all_finite
 
 META = "meta.json"
 FAULT_ENV = "MEMOPT_FAULT_SAVE"  # "<step>" or "<step>:<rank>": SIGKILL inside that save (tests)
@@ -102,15 +103,6 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _finite(tensors) -> bool:
-    out = True
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_floating_point():
-            out = out and bool(torch.isfinite(t).all())
-    return out
-
-
 def _agree(ok: bool, device: torch.device) -> bool:
     """True when every rank says so."""
     if not torch.distributed.is_initialized():
@@ -160,7 +152,7 @@ def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta:
     _barrier()
     state = {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state(),
              "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
-    if not _agree(_finite(state["model"].values()), device):  # a checkpoint never holds a diverged state
+    if not _agree(all_finite(state["model"].values()), device):  # a checkpoint never holds a diverged state
         print(f"memopt: checkpoint at step {step} not written: the weights hold non-finite values", file=sys.stderr)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -31,7 +31,9 @@ class DivergenceGuard:
 
 
 def all_finite(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    """True when no floating tensor (a DTensor: its local shard) holds a NaN or an infinity."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
 
 
 class StopSignals:

@@ -79,11 +79,7 @@ def run(cfg: DictConfig) -> dict:
             return {"status": "refused", "error": str(e)}
         raise SystemExit(EXIT_CODES["refused"])
     except ConfigError as e:
-        from memopt.sweep import job_identity
-
-        os.makedirs(run_dir, exist_ok=True)
-        refused = {"status": "refused", "error": str(e), **job_identity(cfg)}  # the report names what was refused
-        write_json(os.path.join(run_dir, "summary.json"), refused)
+        refused = _record_refusal(run_dir, cfg, str(e))
         print(f"memopt: configuration refused: {e}", file=sys.stderr)
         if multirun:
             return refused
@@ -154,8 +150,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     try:
         plan = make_plan(typed, _hardware(typed))
     except ConfigError as e:  # a composition the planner cannot follow (named in the message)
-        refused = {"status": "refused", "mode": "plan", "error": str(e), **job_identity(cfg)}
-        write_json(os.path.join(run_dir, "summary.json"), refused)
+        refused = _record_refusal(run_dir, cfg, str(e), mode="plan")
         print(f"memopt: plan refused: {e}", file=sys.stderr)
         if multirun:
             return refused
@@ -180,7 +175,6 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     from memopt.api import compose_config
     from memopt.config import to_dataclass, validate
     from memopt.planner.search import ranked_table, search
-    from memopt.sweep import job_identity
 
     base = [o for o in _task_overrides() if not o.lstrip("+~").startswith("strategy")]
     rows = search(typed, _hardware(typed), base)
@@ -188,8 +182,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), rows)
     if not rows or not rows[0]["fits"]:
-        refused = {"status": "refused", "error": f"+strategy=auto: none of {len(rows)} candidates fits", **job_identity(cfg)}
-        write_json(os.path.join(run_dir, "summary.json"), refused)
+        refused = _record_refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return None
     print(f"memopt auto: running {rows[0]['label']}")
@@ -202,20 +195,30 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
 def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
     """Plan before launching; the refused summary (written) when the run would not fit, else None."""
     from memopt.planner.preflight import PreflightRefusal, preflight
-    from memopt.sweep import job_identity
 
     try:
         preflight(typed, _hardware(typed), _task_overrides())
     except PreflightRefusal as e:
-        os.makedirs(run_dir, exist_ok=True)
-        refused = {"status": "refused", "error": str(e), **job_identity(cfg)}
+        extra = {}
         if e.plan is not None:
+            os.makedirs(run_dir, exist_ok=True)
             write_json(os.path.join(run_dir, "plan.json"), e.plan)
-            refused["planned_peak_bytes"] = e.plan["peak_bytes"]
-        write_json(os.path.join(run_dir, "summary.json"), refused)
+            extra["planned_peak_bytes"] = e.plan["peak_bytes"]
+        refused = _record_refusal(run_dir, cfg, str(e), **extra)
         print(f"memopt: {e}", file=sys.stderr)
         return refused
     return None
+
+
+def _record_refusal(run_dir: str, cfg: DictConfig, error: str, **extra) -> dict:
+    """Write and return the summary.json of a job refused before it ran (the report names what was
+    refused through the job's identity)."""
+    from memopt.sweep import job_identity
+
+    os.makedirs(run_dir, exist_ok=True)
+    refused = {"status": "refused", "error": error, **extra, **job_identity(cfg)}
+    write_json(os.path.join(run_dir, "summary.json"), refused)
+    return refused
 
 
 def _recorded_status(run_dir: str) -> str:

@@ -138,24 +138,24 @@ def test_resume_is_exact_one_rank_matrix(tmp_path, name):
     assert_exact(jobs)
 
 
-@pytest.mark.slow
-def test_resume_is_exact_one_launched_rank_deepspeed_fsdp2(tmp_path):
+def assert_matrix_exact_on_ranks(tmp_path, matrix: dict, nproc: int) -> None:
+    """Every case's straight and resumed runs in one launch of ``nproc`` ranks, each pair exact."""
     from memopt.api import run_jobs_on_ranks
 
-    jobs = [j for name, o in ONE_LAUNCHED_RANK.items() for j in pair(tmp_path, name, _model(o))]
-    run_jobs_on_ranks(1, jobs)
+    jobs = [j for name, o in matrix.items() for j in pair(tmp_path, name, _model(o))]
+    run_jobs_on_ranks(nproc, jobs)
     for i in range(0, len(jobs), 2):
         assert_exact(jobs[i : i + 2])
+
+
+@pytest.mark.slow
+def test_resume_is_exact_one_launched_rank_deepspeed_fsdp2(tmp_path):
+    assert_matrix_exact_on_ranks(tmp_path, ONE_LAUNCHED_RANK, 1)
 
 
 @pytest.mark.slow
 def test_resume_is_exact_two_ranks_matrix(tmp_path):
-    from memopt.api import run_jobs_on_ranks
-
-    jobs = [j for name, o in TWO_RANKS.items() for j in pair(tmp_path, name, _model(o))]
-    run_jobs_on_ranks(2, jobs)
-    for i in range(0, len(jobs), 2):
-        assert_exact(jobs[i : i + 2])
+    assert_matrix_exact_on_ranks(tmp_path, TWO_RANKS, 2)
 
 
 def _cli(run_dir, args, env_extra=None, timeout=600):
