@@ -77,6 +77,7 @@ def groups_of_this_rank(parallel: dict) -> dict:
         teardown()
 
 
+@pytest.mark.slow  # 4 processes on 2 cores; the 2-rank group tests run by default
 def test_four_ranks_form_the_documented_groups():
     from memopt.parallel import launch
 

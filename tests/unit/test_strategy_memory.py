@@ -56,12 +56,8 @@ def runs(tmp_path_factory):
         "offload": ["+strategy=[ckpt,act_offload]"],
         "naive": ["model.attention=naive"],
         "selective": ["model.attention=naive", "+strategy=ckpt", "strategy.ckpt.policy=selective"],
-        "bf16p": ["+strategy=bf16", "strategy.bf16.params=bf16"],
     }.items():
-        base = SMALL
-        if name == "bf16p":  # only its model-state bytes are checked: one sequence (bf16 matmuls are slow on AVX2 CPUs)
-            base = [o for o in SMALL if not o.startswith("trainer.micro_batch_size")] + ["trainer.micro_batch_size=1"]
-        s = train(base + extra, str(tmp_path_factory.mktemp(name)))
+        s = train(SMALL + extra, str(tmp_path_factory.mktemp(name)))
         assert s["status"] == "ok", s
         out[name] = s
     return out
@@ -99,7 +95,11 @@ def test_act_offload_moves_boundaries_to_host(runs, shapes):
     assert act(runs["full"]) - act(runs["offload"]) >= (L - 1) * shapes["boundary"]
 
 
-def test_bf16_parameters_halve_parameter_bytes(runs, shapes):
+@pytest.mark.slow  # gpt_small in bf16: emulated matmuls on AVX2-only CPUs
+def test_bf16_parameters_halve_parameter_bytes(runs, shapes, tmp_path):
+    # only its model-state bytes are checked: one sequence
+    base = [o for o in SMALL if not o.startswith("trainer.micro_batch_size")] + ["trainer.micro_batch_size=1"]
+    runs = {**runs, "bf16p": train(base + ["+strategy=bf16", "strategy.bf16.params=bf16"], str(tmp_path / "bf16p"))}
     n = count_params(shapes["cfg"])
     assert runs["plain"]["peak_bytes"]["0"]["cpu"]["params"] == 4 * n
     assert runs["bf16p"]["peak_bytes"]["0"]["cpu"]["params"] == 2 * n
