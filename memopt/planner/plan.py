@@ -92,7 +92,8 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         "fits": all(f["fits"] for f in fits.values()), "fit": fits,
         "overflow": _overflow(fits, worst["peaks"], hw),
         "rules": worst.get("rules", "the run's code on fake tensors"),
-        "traffic": worst["traffic"], "flops_per_step": worst["flops"], "step_time": time_est,
+        "traffic": worst["traffic"], "comm_per_step": worst.get("comm_per_step"), "flops_per_step": worst["flops"],
+        "step_time": time_est,
         "plan_seconds": time.perf_counter() - t0,
         "planner_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }

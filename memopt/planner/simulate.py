@@ -14,8 +14,11 @@ for a boolean ``all`` (True: every gradient finite) or ``any`` (False: none is b
 fp16 overflow, gradient norm 0: no clipping, no skipped step). Where a run's bytes depend on
 values (a MoE router's dropless capacity) the plan is the one of that answer.
 
-The tracker also counts what crosses links in the second (steady-state) step: collective payloads
-(bus bytes as nccl-tests define them) and copies between the compute device and the host.
+The tracker also counts what crosses links in the second (steady-state) step: collectives (bus bytes
+as nccl-tests define them), both the ProcessGroup ones behind ``dist.*`` (flat groups, ZeRO, FSDP2)
+and the functional ones DTensor's tensor-parallel layers issue (``_c10d_functional.*``, group named),
+and copies between the compute device and the host. Per kind it also keeps calls and payload bytes
+in ``memopt.parallel.comm``'s convention, so a plan compares with a run's ``trainer.count_comm``.
 """
 from __future__ import annotations
 
@@ -33,10 +36,36 @@ from memopt.memory.tracker import HOST, MemoryTracker
 
 def _flop_formulas() -> dict:
     """PyTorch's FLOP formulas by op (those of ``FlopCounterMode``, whose module tracker would keep
-    tensors alive across checkpoints; the tracker applies them itself)."""
+    tensors alive across checkpoints; the tracker applies them itself). The CPU kernel of fused
+    attention has none in torch 2.13; its arguments lead with those of the flash kernel's, so it takes
+    that formula (4 B H T^2 D forward, twice that backward: the 12 L C T of the model's formula)."""
     from torch.utils.flop_counter import flop_registry
 
-    return flop_registry
+    aten = torch.ops.aten
+    out = dict(flop_registry)
+    for cpu, like in ((aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
+                      (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                       aten._scaled_dot_product_flash_attention_backward)):
+        if cpu not in out and like in out:
+            out[cpu] = out[like]
+    return out
+
+
+def _split_over_mesh(out) -> int:
+    """How many ranks share the work of an op on DTensors: the tracker sees the op with global shapes
+    (the local op runs below the dispatch modes), and each mesh dimension where the output is Shard
+    or Partial splits the work over its ranks (Replicate: every rank computes the whole, counted
+    whole). 1 for plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    first = next((t for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, DTensor)), None)
+    if first is None:
+        return 1
+    n = 1
+    for size, p in zip(first.device_mesh.shape, first.placements):
+        if p.is_shard() or p.is_partial():
+            n *= size
+    return n
 
 
 _FLOPS = _flop_formulas()
@@ -65,6 +94,7 @@ class PlanTracker(MemoryTracker):
         self.limits = dict(limits or {})
         self.counting = False
         self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes (counting windows only)
+        self.comm_ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0, "bus_bytes": 0})
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
 
     @staticmethod
@@ -89,16 +119,16 @@ class PlanTracker(MemoryTracker):
         if func is torch.ops.aten._local_scalar_dense.default:
             ref, healthy = self._healthy.get(id(args[0]), (None, None))
             return healthy if ref is not None and ref() is args[0] else _scalar(args[0])
-        if self.counting and func.namespace == "c10d":
-            self._count_collective(func, args)
         src = self._device_of(args[1]) if self.counting and func is torch.ops.aten.copy_.default else None
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.counting and func.namespace in ("c10d", "_c10d_functional"):
+            self._count_collective(func, args, kwargs or {}, out)
         if func._overloadpacket in _HEALTHY and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
             self._healthy[id(out)] = (weakref.ref(out), _HEALTHY[func._overloadpacket])  # isfinite(g).all() holds, isinf(g).any() does not
         if self.counting:
             formula = _FLOPS.get(func._overloadpacket)
             if formula is not None:
-                self.traffic["flops"] += int(formula(*args, **(kwargs or {}), out_val=out))
+                self.traffic["flops"] += int(formula(*args, **(kwargs or {}), out_val=out)) // _split_over_mesh(out)
             if src is not None and self._device_of(args[0]) not in (None, src):
                 self.traffic["offload_bytes"] += args[1].nbytes
             elif func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
@@ -113,21 +143,53 @@ class PlanTracker(MemoryTracker):
         info = self._info.get(id(t.untyped_storage()))
         return info.device if info is not None else self._device_key(t)
 
-    def _count_collective(self, func, args) -> None:
+    def _count_collective(self, func, args, kwargs, out) -> None:
         """Bus bytes of one collective (nccl-tests' convention): all-reduce 2(n-1)/n x size,
-        all-gather / reduce-scatter / all-to-all (n-1)/n x the full buffer, broadcast / reduce x size."""
-        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        groups = [a for a in args if hasattr(a, "size") and not isinstance(a, torch.Tensor) and callable(getattr(a, "size"))]
-        try:
-            n = groups[0].size() if groups else dist.get_world_size()
-        except Exception:
-            n = 1
-        if n <= 1 or not tensors:
+        all-gather / reduce-scatter / all-to-all (n-1)/n x the full buffer, broadcast x size; n is the
+        size of its group (a ProcessGroup argument, or the group name of a functional collective).
+        Kinds of ``memopt.parallel.comm`` also get calls and payload bytes (its convention)."""
+        from memopt.parallel.comm import KINDS, _bytes, _payload
+
+        n = _group_size(func, args, kwargs)
+        if n <= 1:
             return
-        size = max(t.nbytes for t in tensors)
-        name = func._schema.name
-        factor = 2 * (n - 1) / n if "allreduce" in name else (n - 1) / n if ("allgather" in name or "scatter" in name or "alltoall" in name) else 1.0
-        self.traffic["comm_bytes"] += int(size * factor)
+        kind = KINDS.get(func._schema.name.split("::")[-1])
+        if kind is None:  # wait_tensor, barrier, ...: nothing of their own crosses a link
+            return
+        payload = _bytes(_payload(func.namespace, kind, args, out))
+        factor = 2 * (n - 1) / n if kind == "all_reduce" else 1.0 if kind == "broadcast" else (n - 1) / n
+        bus = int(payload * factor)
+        self.traffic["comm_bytes"] += bus
+        rec = self.comm_ops[kind]
+        rec["count"] += 1
+        rec["bytes"] += payload
+        rec["bus_bytes"] += bus
+
+    def comm_per_step(self) -> dict:
+        """The counted step's collectives as ``trainer.count_comm`` records them, plus bus bytes."""
+        ops = {k: dict(v) for k, v in sorted(self.comm_ops.items())}
+        return {"ops": ops, "bytes": sum(v["bytes"] for v in ops.values()),
+                "count": sum(v["count"] for v in ops.values()), "bus_bytes": sum(v["bus_bytes"] for v in ops.values())}
+
+
+def _group_size(func, args, kwargs) -> int:
+    """Ranks in the collective's group: a ProcessGroup argument (``c10d`` ops), or the group a
+    functional collective names (``group_name``); the world when neither is found."""
+    group = kwargs.get("group_name")
+    if group is None:
+        for a, arg in zip(args, func._schema.arguments):
+            if arg.name == "group_name":
+                group = a
+        if group is None:
+            group = next((a for a in args if not isinstance(a, torch.Tensor) and callable(getattr(a, "size", None))), None)
+    try:
+        if isinstance(group, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(group)
+        return group.size() if group is not None else dist.get_world_size()
+    except Exception:
+        return 1
 
 
 _HEALTHY = {torch.ops.aten.all: True, torch.ops.aten.any: False}
@@ -256,7 +318,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     peaks = {keymap.get(d, d): v for d, v in tracker.peaks().items()}
     traffic = dict(tracker.traffic)
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
-            "seconds": time.perf_counter() - t0}
+            "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0}
 
 
 def _join_fake_world(rank: int, world: int) -> bool:

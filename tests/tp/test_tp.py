@@ -94,6 +94,58 @@ def test_tp2_with_sequence_parallel_follows_single_process(tmp_path):
     assert s["flops_per_token"] == ref["flops_per_token"]
     assert s["mfu"] == pytest.approx(s["tflops"] / (s["peak_tflops_per_device"] * 2))
     check_sequence_parallel_comm(s["comm_per_step"]["ops"], cfg)
+    check_plan_against_run(cfg, s)
+
+
+def planned_rank0(cfg) -> dict:
+    """The planner's simulation of rank 0 (the rank whose collectives summary.json records)."""
+    from memopt.planner.simulate import simulate_rank
+
+    return simulate_rank(cfg, 0, 2)
+
+
+def bus_bytes(ops: dict, n: int) -> int:
+    """nccl-tests' bus bytes from payloads (``trainer.count_comm``'s convention: all-reduce and
+    reduce-scatter count their input, all-gather its output): all-reduce x 2(n-1)/n, all-gather /
+    reduce-scatter / all-to-all x (n-1)/n."""
+    f = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+         "all_to_all": (n - 1) / n, "broadcast": 1.0}
+    return sum(int(v["bytes"] * f[k]) for k, v in ops.items())
+
+
+def executed_flops_per_token(cfg, tp: int, form: str) -> float:
+    """One device's matmul FLOPs per token (forward 2 + backward 4 per weight element: Narayanan et
+    al. 2021's accounting without its d_ff = 4C assumption), for B x T tokens of its data-parallel rank.
+    GEMMs with the weights: qkv 3C^2, proj C^2, fc and proj 2 C F per block, the head V C; split over
+    tp in both forms. Attention core: 4 C T per token forward (QK^T, AV) and 10 C T backward (torch's
+    count for the fused kernel, which recomputes QK^T; the model's formula has 8, like checkpointing
+    its recomputation is executed, not model FLOPs); split by heads in the all_reduce form, computed
+    whole on every rank in the all_gather form (its attention runs on all-gathered q, k, v)."""
+    m = cfg.model
+    C, F, V, L, T = m.d_model, m.ff, m.vocab_size, m.n_layer, m.seq_len
+    linear = 6 * (L * (4 * C * C + 2 * C * F) + V * C)
+    attn = 14 * L * C * T
+    return linear / tp + (attn / tp if form == "all_reduce" else attn)
+
+
+def check_plan_against_run(cfg, s: dict, check_flops: bool = True) -> None:
+    """The planner's simulated rank 0 communicates what the run's rank 0 measured in its first step
+    (the same calls and payloads per kind; the plan's bus bytes are the payloads converted as
+    nccl-tests do, with n = tp = 2), and computes the FLOPs the Megatron accounting gives one device."""
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.plan import step_time
+
+    sim = planned_rank0(cfg)
+    got, want = sim["comm_per_step"], s["comm_per_step"]
+    assert {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in got["ops"].items()} == want["ops"], (got, want)
+    assert sim["traffic"]["comm_bytes"] == got["bus_bytes"] == bus_bytes(want["ops"], 2)
+    hw = HardwareConfig(name="t", device_memory_gb=1, host_memory_gb=1, peak_tflops={"fp32": 1.0}, host_device_gbps=1.0,
+                        device_device_gbps=1.0, devices_per_node=2, device_is_host=True)
+    assert step_time(cfg, hw, sim)["comm_s"] == pytest.approx(bus_bytes(want["ops"], 2) / 1e9)
+    if check_flops:
+        t = cfg.trainer
+        tokens = t.micro_batch_size * t.grad_accum * cfg.model.seq_len  # dp = 1: every rank sees the step's tokens
+        assert sim["flops"] == executed_flops_per_token(cfg, 2, cfg.strategy.tp.form) * tokens
 
 
 def check_sequence_parallel_comm(ops: dict, cfg) -> None:
@@ -169,7 +221,8 @@ FOUR = {  # 4 ranks, tp=2 x dp_shard=2
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp2")
-    out = run_jobs_on_ranks(2, [(BASE + ["parallel.tp=2", *j], str(root / n)) for n, (j, _, _) in TWO.items()])
+    out = run_jobs_on_ranks(2, [(BASE + ["parallel.tp=2", "trainer.count_comm=true", *j], str(root / n))
+                                for n, (j, _, _) in TWO.items()])
     refs = {}
     for n, (_, r, _) in TWO.items():
         if tuple(r) not in refs:
@@ -184,6 +237,18 @@ def test_tp2_matrix_follows_single_process(two, name):
     s, run_dir, ref_dir = two[name]
     assert s["status"] == "ok" and s["parallel"]["tp"] == 2
     check_follows(run_dir, ref_dir, TWO[name][2])
+
+
+PLANNED = {"megatron": True, "all_gather": True, "sp_ckpt": False, "loss_parallel_accum": True}  # name -> FLOPs checked
+# (checkpointing's recomputation is executed: sp_ckpt checks the traffic, which includes its re-gathers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANNED))
+def test_tp2_plan_traffic_and_flops_equal_the_run(two, name):
+    s, _, _ = two[name]
+    cfg = typed(BASE + ["parallel.tp=2", *TWO[name][0], "trainer.nproc_per_node=2"])
+    check_plan_against_run(cfg, s, check_flops=PLANNED[name])
 
 
 @pytest.fixture(scope="module")
