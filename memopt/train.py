@@ -174,10 +174,10 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     (refused summary written) when no candidate fits."""
     from memopt.api import compose_config
     from memopt.config import to_dataclass, validate
-    from memopt.planner.search import ranked_table, search
+    from memopt.planner.search import ranked_table, search, split_base
 
-    base = [o for o in _task_overrides() if not o.lstrip("+~").startswith("strategy")]
-    rows = search(typed, _hardware(typed), base)
+    base = split_base(_task_overrides())[0]  # candidates carry the strategies (and MoE's options) they need
+    rows = search(typed, _hardware(typed), _task_overrides())
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), rows)

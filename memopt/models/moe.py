@@ -80,6 +80,26 @@ def route(logits: torch.Tensor, top_k: int, cap: int | None):
     return probs, experts, weights, position, keep, load
 
 
+def dropless_capacity(load: torch.Tensor, ep=None, tokens: int | None = None) -> int:
+    """Dropless capacity: the largest expert load ``load`` (E,), the maximum over the expert-parallel
+    group ``ep`` (a Dim, or None) so every rank's buffers have one shape; ``tokens`` (S) bounds it (top-k
+    choices are distinct experts, so no expert gets more than S). A value read (``.item()``):
+    the planner, whose fake tensors have no values, answers it with its planned routing
+    (``memopt/planner/routing.py``), which is why it is a function of its own."""
+    top = load.max().reshape(1).clone()
+    if ep is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ep.group)
+    n = int(top.item())
+    return max(min(n, tokens) if tokens else n, 1)
+
+
+def kept(keep: torch.Tensor, slots: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (S, k) tensor's kept assignments ``t[keep]`` (A,), in (token, choice) order; ``slots``
+    (E x N) bounds A. A boolean mask's result has a data-dependent length, which fake tensors do not
+    have: the planner replaces this function by one of its planned count (``memopt/planner/routing.py``)."""
+    return tuple(t[keep] for t in tensors)
+
+
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Switch / GShard auxiliary loss E * sum_e f_e P_e (f from the first choices)."""
     E = probs.size(-1)
@@ -222,19 +242,17 @@ class MoE(AuxLossPart, nn.Module):
         cap = capacity(S, E, k, factor, self.min_capacity) if self.drop_tokens else None
         probs, experts, weights, position, keep, load = route(logits, k, cap)
         if cap is None:  # dropless: the largest load, agreed by the expert-parallel ranks
-            top = load.max().reshape(1).clone()
-            if self.parallel:
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.ep.group)
-            cap = max(int(top.item()), 1)
+            cap = dropless_capacity(load, self.ep if self.parallel else None, S)
 
         # dispatch: kept assignments -> slot (expert * N + position) of an (E * N, C) buffer
-        token = torch.arange(S, device=x.device).unsqueeze(1).expand(S, k)[keep]  # (A,) kept assignments
-        slot = experts[keep] * cap + position[keep]  # (A,)
+        token, e_kept, p_kept, w_kept = kept(keep, E * cap, torch.arange(S, device=x.device).unsqueeze(1).expand(S, k),
+                                             experts, position, weights)  # (A,) each: the kept assignments
+        slot = e_kept * cap + p_kept  # (A,)
         buf = xs.new_zeros(E * cap, C).index_copy(0, slot, xs[token])  # (E*N, C)
         out = self._experts(buf.view(E, cap, C)).reshape(E * cap, C)  # (E*N, C)
 
         # combine: y_s = sum_j w_sj * out[slot_sj]
-        w = weights[keep].to(out.dtype).unsqueeze(1)  # (A, 1)
+        w = w_kept.to(out.dtype).unsqueeze(1)  # (A, 1)
         y = xs.new_zeros(S, C, dtype=out.dtype).index_add(0, token, out[slot] * w)  # (S, C)
 
         if self.training and torch.is_grad_enabled():

@@ -5,8 +5,13 @@ Axes (``strategy.auto``): precision x checkpointing x ZeRO stage x optimizer off
 global batch stays the same). Each candidate is planned by the planner (the run's code on fake
 tensors); one that goes over a limit stops at that op, so hopeless candidates cost little. On a
 CPU-only machine only fp32 is searched: without bf16/fp16 matrix units their matmuls are emulated
-(hundreds of times slower), which the profile's peak FLOP/s cannot express. MoE and tensor
-parallelism are not searched (they change the model, not only where its bytes live).
+(hundreds of times slower), which the profile's peak FLOP/s cannot express. MoE itself is the user's
+choice (it changes the model), but when it is selected the expert-parallel size ``parallel.ep`` is
+searched (every size that divides both the data-parallel ranks and the experts, or
+``strategy.auto.ep``): it changes where the expert parameters, gradients and optimizer states live
+and adds the all-to-all buffers. ep > 1 is combined with the memopt engine without cpu_offload only
+(the chunk engine and the fused host step handle one data-parallel dimension). Tensor parallelism is
+not searched.
 """
 from __future__ import annotations
 
@@ -20,10 +25,45 @@ CKPT = {"none": ([], []), "full": (["ckpt"], []), "every_k": (["ckpt"], ["strate
         "selective": (["ckpt"], ["strategy.ckpt.policy=selective"])}
 
 
-def candidates(cfg, hw) -> list[list[str]]:
-    """Override lists, one per candidate (strategies as one ``+strategy=[...]``)."""
+def split_base(overrides: list[str]) -> tuple[list[str], list[str], bool]:
+    """(the command's overrides without what the search chooses, MoE's options for every candidate,
+    whether the command named moe in ``+strategy=[...]``). The strategy selection and options are the
+    search's, except MoE's, which define the model; ``parallel.ep`` is searched when MoE is on."""
+    base, carry, named = [], [], False
+    for o in overrides:
+        key = o.lstrip("+~")
+        name, _, value = key.partition("=")
+        if name.startswith("strategy.moe."):
+            carry.append(o)
+        elif name == "strategy":
+            named = named or "moe" in [v.strip() for v in value.strip("[]").split(",")]
+        elif not (name.startswith("strategy") or name == "parallel.ep"):
+            base.append(o)
+    return base, carry, named
+
+
+def ep_sizes(cfg) -> list[int]:
+    """Expert-parallel sizes to search: ``strategy.auto.ep``, or every size dividing both the
+    data-parallel shard ranks and the number of experts ([1] without MoE)."""
+    from memopt.parallel.dims import expected_world
+
+    moe = cfg.strategy.moe
+    if moe is None:
+        return [1]
+    p = cfg.parallel
+    world = expected_world(cfg)
+    shard = p.dp_shard if p.dp_shard > 0 else world // max(1, p.dp_replicate * p.tp)
+    valid = [e for e in range(1, shard + 1) if shard % e == 0 and moe.num_experts % e == 0]
+    return [e for e in cfg.strategy.auto.ep if e in valid] if cfg.strategy.auto.ep else valid
+
+
+def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[list[str]]:
+    """Override lists, one per candidate (strategies as one ``+strategy=[...]``). ``carry`` and
+    ``moe_named``: from ``split_base`` (MoE's options; moe among each candidate's strategies)."""
     a, t = cfg.strategy.auto, cfg.trainer
     world = t.nproc_per_node * t.nnodes
+    carry, model_names = list(carry), (["moe"] if moe_named else [])
+    eps = ep_sizes(cfg)
     precisions = ["fp32"] if hw.device_is_host else list(a.precision)
     global_mb = t.micro_batch_size * t.grad_accum
     mbs = list(a.micro_batch_size) or sorted({max(1, t.micro_batch_size // d) for d in (1, 2, 4)}, reverse=True)
@@ -35,14 +75,21 @@ def candidates(cfg, hw) -> list[list[str]]:
         for ck in a.ckpt:
             ck_s, ck_o = CKPT[ck]
             for p in precisions:
-                for stage in stages:
-                    for off in a.offload:
-                        names = [*PRECISION[p], *ck_s, *([stage] if world > 1 else []), *(["cpu_offload"] if off else [])]
-                        out.append([_strategies(names), *ck_o, *batch])
-                preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
-                for budget in a.chunk_budget_gb:
-                    extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
-                    out.append([_strategies([preset, *ck_s]), *ck_o, *extra, *batch])
+                for ep in eps:
+                    par = [f"parallel.ep={ep}"] if cfg.strategy.moe is not None else []
+                    for stage in stages:
+                        for off in a.offload:
+                            if off and ep > 1:  # refused: the fused host step handles one data-parallel dimension
+                                continue
+                            names = [*model_names, *PRECISION[p], *ck_s, *([stage] if world > 1 else []),
+                                     *(["cpu_offload"] if off else [])]
+                            out.append([_strategies(names), *carry, *ck_o, *par, *batch])
+                    if ep > 1:  # the chunk engine runs ep = 1 only
+                        continue
+                    preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
+                    for budget in a.chunk_budget_gb:
+                        extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
+                        out.append([_strategies([*model_names, preset, *ck_s]), *carry, *ck_o, *extra, *par, *batch])
     unique = []
     for c in out:
         if c not in unique:
@@ -59,10 +106,10 @@ def search(cfg, hw, base: list[str]) -> list[dict]:
     from memopt.api import compose_config
     from memopt.config import to_dataclass, validate
 
-    base = [o for o in base if not o.lstrip("+~").startswith("strategy")]
+    base, carry, moe_named = split_base(base)
     limits = limits_of(hw, cfg.trainer.nproc_per_node)
     rows = []
-    for ov in candidates(cfg, hw):
+    for ov in candidates(cfg, hw, carry, moe_named):
         row = {"overrides": ov, "label": " ".join(ov), "fits": False}
         try:
             cand = to_dataclass(compose_config([*base, *ov]))

@@ -12,7 +12,8 @@ Values are not computed, so a value-dependent decision takes a fixed answer: ``.
 constant FakeTensorMode propagated (step counters, flags made from Python numbers), the healthy answer
 for a boolean ``all`` (True: every gradient finite) or ``any`` (False: none is bad), otherwise 0 (no
 fp16 overflow, gradient norm 0: no clipping, no skipped step). Where a run's bytes depend on
-values (a MoE router's dropless capacity) the plan is the one of that answer.
+values (MoE routing: how many assignments each expert keeps, the dropless capacity) the plan takes
+the case that bounds them from above (``planner/routing.py``).
 
 The tracker also counts what crosses links in the second (steady-state) step: collectives (bus bytes
 as nccl-tests define them), both the ProcessGroup ones behind ``dist.*`` (flat groups, ZeRO, FSDP2)
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST, MemoryTracker
+from memopt.planner.routing import planned_routing
 
 
 def _flop_formulas() -> dict:
@@ -278,7 +280,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
         t = cfg.trainer
         with tracker:
             data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
-            with FakeTensorMode(allow_non_fake_inputs=True), (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()):
+            with FakeTensorMode(allow_non_fake_inputs=True), planned_routing(), \
+                    (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()):
                 engine = engines.build_engine(cfg, device, dims, tracker)
                 engine.model.train()
                 for step in range(steps):
@@ -306,8 +309,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise PlanUnsupported(
             f"the planner cannot follow {cfg.strategy.selected() or 'this model'}: {e.func} has a data-dependent "
-            "shape or value (MoE routing: which tokens reach which expert), which fake tensors do not have; "
-            "plan the dense model, or run with trainer.preflight=false") from None
+            "shape or value, which fake tensors do not have (MoE routing has a planned answer, planner/routing.py; "
+            "this op has none); run with trainer.preflight=false") from None
     except Exception as e:
         if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
             raise PlanOverflow("host" if "host" in str(e) else "device", {}, 0, f"{type(e).__name__}: {e}") from None

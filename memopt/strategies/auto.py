@@ -3,7 +3,8 @@
 Not a memory strategy itself: before any rank starts, ``python -m memopt.train`` replaces it by the
 fastest predicted composition that fits the ``hardware`` profile, searched over precision x
 checkpointing x ZeRO stage x optimizer offload x chunk engine budget x micro-batch (gradient
-accumulation keeps the global batch), prints the ranked candidates and runs the winner. An engine
+accumulation keeps the global batch), and with ``+strategy=[auto,moe]`` (or an MoE model preset) the
+expert-parallel size ``parallel.ep``, prints the ranked candidates and runs the winner. An engine
 never sees it.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ class AutoConfig:
     offload: list[bool] = field(default_factory=lambda: [False, True])  # cpu_offload
     chunk_budget_gb: list[float] = field(default_factory=lambda: [0.0])  # hybrid_adam device budgets; 0: whole device
     micro_batch_size: list[int] = field(default_factory=list)  # empty: trainer.micro_batch_size, halved up to 2 times
+    ep: list[int] = field(default_factory=list)  # with +strategy=moe: expert-parallel sizes; empty: every valid one
     top: int = 10  # ranked candidates printed
 
 
@@ -32,9 +34,12 @@ class Auto(Strategy):
     name, Config, phase = "auto", AutoConfig, "offload"
 
     def validate(self, opts, cfg) -> None:
-        others = [n for n in cfg.strategy.selected() if n != "auto"]
+        others = [n for n in cfg.strategy.selected() if n not in ("auto", "moe")]  # moe: the model, searched over ep
         if others:
-            raise ConfigError(f"+strategy=auto chooses the whole composition; drop {', '.join(others)} (or drop auto)")
+            raise ConfigError(f"+strategy=auto chooses the whole composition; drop {', '.join(others)} (or drop auto); "
+                              f"only moe (which changes the model) may be selected with it")
+        if any(e < 1 for e in opts.ep):
+            raise ConfigError(f"strategy.auto.ep={list(opts.ep)}: expert-parallel sizes must be >= 1 (empty: every valid one)")
         for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16")),
                                       ("ckpt", opts.ckpt, ("none", "full", "every_k", "selective")),
                                       ("stage", opts.stage, ("ddp", "zero1", "zero2", "zero3"))):

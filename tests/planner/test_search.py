@@ -72,3 +72,59 @@ def test_preflight_refuses_gpt_10b_here_with_status_and_exit_code(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["status"] == "refused" and "params" in summary["error"] and "no composition fits" in summary["error"]
+
+
+def test_auto_with_moe_searches_every_valid_expert_parallel_size():
+    """+strategy=[auto,moe] keeps MoE and its options in every candidate and searches parallel.ep over
+    the sizes that divide both the ranks and the experts; ep > 1 never meets the engines that refuse it."""
+    from memopt.planner.search import candidates, split_base
+
+    cmd = ["model=gpt_tiny", "+strategy=[auto,moe]", "strategy.moe.num_experts=6", "trainer.nproc_per_node=4",
+           "parallel.ep=2", "logger=none"]
+    cfg = typed([*cmd, "strategy.auto.chunk_budget_gb=[0.0]"])
+    base, carry, named = split_base(cmd)
+    assert base == ["model=gpt_tiny", "trainer.nproc_per_node=4", "logger=none"] and named
+    assert carry == ["strategy.moe.num_experts=6"]
+    rows = candidates(cfg, small_hw(64), carry, named)
+    eps = {next(o for o in r if o.startswith("parallel.ep=")) for r in rows}
+    assert eps == {"parallel.ep=1", "parallel.ep=2"}  # 4 ranks, 6 experts: 1 and 2 divide both (4 does not divide 6)
+    assert all(r[0].startswith("+strategy=[moe,") and "strategy.moe.num_experts=6" in r for r in rows)
+    for r in rows:
+        if "parallel.ep=2" in r:
+            assert "cpu_offload" not in r[0] and "chunk" not in r[0], r
+    dense = typed(["model=gpt_tiny", "+strategy=auto", "trainer.nproc_per_node=4", "logger=none"])
+    assert not any(o.startswith("parallel.ep") for r in candidates(dense, small_hw(64)) for o in r)
+
+
+def test_auto_refuses_other_strategies_but_allows_moe():
+    from memopt.config import validate
+    from memopt.errors import ConfigError
+
+    validate(typed(["model=moe_tiny", "+strategy=auto", "logger=none"]))
+    with pytest.raises(ConfigError, match="drop zero2"):
+        validate(typed(["model=moe_tiny", "+strategy=[auto,zero2]", "trainer.nproc_per_node=2", "logger=none"]))
+
+
+def _ep(row: dict) -> str:
+    return next(o for o in row["overrides"] if o.startswith("parallel.ep="))
+
+
+@pytest.mark.slow
+def test_auto_chooses_expert_parallelism_when_only_it_fits():
+    """moe_tiny on 2 ranks under zero2: with ep=2 each rank holds half the experts' parameters, gradients
+    and optimizer states, so a node limit between the two plans' peaks leaves ep=2 the only fitting candidate."""
+    from memopt.planner.plan import runtime_bytes
+    from memopt.planner.search import search
+
+    base = ["model=moe_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
+            "trainer.save_checkpoint=false", "trainer.eval_every=0", "trainer.nproc_per_node=2"]
+    auto = ["+strategy=auto", "strategy.auto.ckpt=[none]", "strategy.auto.stage=[zero2]", "strategy.auto.offload=[false]",
+            "strategy.auto.chunk_budget_gb=[]", "strategy.auto.micro_batch_size=[2]"]
+    cfg = typed([*base, *auto])
+    roomy = search(cfg, small_hw(512), [*base, *auto])
+    assert sorted(_ep(r) for r in roomy) == ["parallel.ep=1", "parallel.ep=2"] and all(r["fits"] for r in roomy)
+    peak = {_ep(r): r["peak"] for r in roomy}  # the node's bytes (both ranks and their runtime)
+    assert peak["parallel.ep=2"] < peak["parallel.ep=1"]
+    mid = (peak["parallel.ep=1"] + peak["parallel.ep=2"]) / 2
+    tight = search(cfg, small_hw((mid - runtime_bytes()) / 2**20), [*base, *auto])  # small_hw adds one runtime
+    assert [_ep(r) for r in tight if r["fits"]] == ["parallel.ep=2"], [(r["label"], r.get("why")) for r in tight]
