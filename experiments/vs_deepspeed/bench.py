@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_small")
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--engines", default="memopt,deepspeed,fsdp2")
+    ap.add_argument("--with", dest="extra", default="",
+                    help="strategies added to every job on every engine, e.g. ckpt (comma-separated)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--repeats", type=int, default=2,
                     help="run the matrix this many times (engine order rotated each time); tokens/s is the best "
@@ -74,7 +76,7 @@ def main() -> None:
             for engine in order:
                 if not applies(engine, config, cuda):
                     continue
-                over = CONFIGS[config] + DTYPES[args.dtype]
+                over = CONFIGS[config] + DTYPES[args.dtype] + [f"+strategy={x}" for x in args.extra.split(",") if x]
                 keys.append((config, engine))
                 jobs.append((base + [f"engine={engine}"] + over, os.path.join(tmp, f"{rep}-{config}-{engine}")))
     print(f"running {len(jobs)} jobs on 2 ranks ...", file=sys.stderr)
@@ -113,7 +115,7 @@ def main() -> None:
             p0 = s["peak_bytes"]["0"]
             cats.append([config, e] + [mib(p0.get(dev, {}).get(c, 0)) for c in CATS] + [mib(p0.get("host", {}).get("optim", 0))])
     print(machine_line())
-    print(f"model={args.model} dtype={args.dtype} micro_batch={args.micro_batch} ranks=2 steps={args.steps} "
+    print(f"model={args.model} dtype={args.dtype} with={args.extra or '-'} micro_batch={args.micro_batch} ranks=2 steps={args.steps} "
           f"repeats={args.repeats}; tokens/s: median over steps {args.warmup}..{args.steps - 1}, best repeat "
           f"(worst in parentheses); 1-min load average {load0:.1f} at start, {load1:.1f} at end\n")
     print(table(["config", "engine", "tokens/s (worst)", f"peak {dev} MiB r0 / r1", "peak host MiB r0 / r1", "final loss",

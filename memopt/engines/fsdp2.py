@@ -243,14 +243,12 @@ class FSDP2Engine(PrecisionEngine):
         grads = [_local(p.grad) for p, h in zip(self.params, have) if h]
         split = [s for s, h in zip(self.tp_split, have) if h]
         dev = grads[0].device if grads else self.device
-        seq = StepSequence(self.precision, self.grad_clip, self.dims.dp_shard, summed_over=1, device=dev)
+        seq = StepSequence(self.precision, self.grad_clip, self.dims.dp_shard, summed_over=1, device=dev, tp=self.tp)
         bad = None
         if self.precision.scaler is not None:
             bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-            if self.tp is not None:
-                self.tp.all_reduce_(bad, op=torch.distributed.ReduceOp.MAX)
         if seq.skip(bad):
             self.optimizer.zero_grad(set_to_none=True)
             return seq.skipped()
@@ -259,13 +257,13 @@ class FSDP2Engine(PrecisionEngine):
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for g in grads:  # shards are disjoint: the squared norms of the local shards sum to the global one
             sq = sq + g.float().pow(2).sum()
-        if self.tp is not None:  # add the other tp ranks' split gradients (replicated ones count once)
+        mine = None
+        if self.tp is not None:  # this rank's split gradients (the sequence adds the other tp ranks')
             mine = torch.zeros((), dtype=torch.float32, device=dev)
             for g, s in zip(grads, split):
                 if s:
                     mine = mine + g.float().pow(2).sum()
-            sq = sq + (self.tp.all_reduce_(mine.clone()) - mine)
-        norm, coef = seq.clip(sq, sharded=True)
+        norm, coef = seq.clip(sq, sharded=True, split_sq=mine)
         if coef is not None:
             torch._foreach_mul_(grads, coef)
         for g in self.optimizer.param_groups:

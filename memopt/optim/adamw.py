@@ -48,7 +48,7 @@ class ShardedAdamW:
         # weight decay on matrices and embeddings (ndim >= 2), not on biases or LayerNorm weights
         self.decay_segments: list[list[tuple[int, int]]] = []
         for g in groups:
-            src = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            src = g.owned_params
             if src.dtype == torch.float32 and not offload:
                 self.master.append(src)  # update the parameters' own fp32 storage in place
             else:
@@ -89,14 +89,12 @@ class ShardedAdamW:
                 with self.tracker.category("grads"):
                     grads[i] = torch.zeros_like(self.groups[i].full if self.groups[i].stage != 3 else self.groups[i].shard, dtype=torch.float32)[: self.master[i].numel()]
         dev = grads[0].device if grads else torch.device("cpu")
-        seq = StepSequence(self.precision, self.cfg.grad_clip, self.ctx, summed_over=self.ctx.size, device=dev)
+        seq = StepSequence(self.precision, self.cfg.grad_clip, self.ctx, summed_over=self.ctx.size, device=dev, tp=self.tp)
         bad = None
         if self.precision.scaler is not None:  # overflow check, agreed by every rank
             bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-            if self.tp is not None:  # split gradients differ between tp ranks: they vote too
-                self.tp.all_reduce_(bad, op=torch.distributed.ReduceOp.MAX)
         if seq.skip(bad):
             self.zero_grad()
             return seq.skipped()
@@ -131,11 +129,9 @@ class ShardedAdamW:
                 sq = sq + x.pow(2).sum()
                 del x
         sharded = any(gr.sharded for gr in self.groups)
-        if self.tp is not None:
-            sq = sq + self._tp_other_ranks(grads, low, inv)
         if other:
             sq, sharded = self._norm_over_dims(sq, grads, other, inv), True
-        norm, coef = seq.clip(sq, sharded=sharded)
+        norm, coef = seq.clip(sq, sharded=sharded, split_sq=self._split_sq(grads, low, inv) if self.tp is not None else None)
         if coef is not None and f32:
             torch._foreach_mul_(f32, coef)
 
@@ -196,7 +192,7 @@ class ShardedAdamW:
         factor = inv * (coef if coef is not None else 1.0)  # what multiplies every gradient element
         ps, gs, ms, vs, wds, outs, written = [], [], [], [], [], [], set()
         for i, (g, m) in enumerate(zip(self.groups, self.master)):
-            dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            dst = g.owned_params
             fuse = dst.dtype in (torch.float16, torch.bfloat16) and dst.device.type == "cpu"
             if fuse:
                 written.add(i)
@@ -232,16 +228,15 @@ class ShardedAdamW:
             sq = sq + (part if gr.sharded else part / gr.ctx.size)
         return sq
 
-    def _tp_other_ranks(self, grads: list, low: list, inv: float) -> torch.Tensor:
-        """The squared norm of the other tp ranks' split gradients (``sq`` holds this rank's own once,
-        and the replicated gradients, identical on every tp rank, once)."""
+    def _split_sq(self, grads: list, low: list, inv: float) -> torch.Tensor:
+        """This rank's squared norm of its tp-split gradients (part of ``sq``; the step sequence adds
+        the other tp ranks' parts)."""
         mine = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         for g, lo, segs in zip(grads, low, self.tp_segments):
             for a, b in segs:
                 x = g[a:b].float() * inv if lo else g[a:b]  # fp32 gradients are already unscaled
                 mine = mine + x.pow(2).sum()
-        total = self.tp.all_reduce_(mine.clone())
-        return total - mine
+        return mine
 
     def _decay(self, lr: float) -> None:
         wd = self.cfg.weight_decay
@@ -262,7 +257,7 @@ class ShardedAdamW:
         """Masters into the parameters' dtype (groups in ``skip`` were written by the fused kernel), then
         the zero1/zero2 all-gather of the updated shards."""
         for i, (g, m) in enumerate(zip(self.groups, self.master)):
-            dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            dst = g.owned_params
             if m is not dst and i not in skip:
                 dst.copy_(m, non_blocking=False)
             if g.sharded and g.stage in (1, 2):
@@ -296,7 +291,7 @@ class ShardedAdamW:
     def _write_back_local(self) -> None:
         """The masters into the parameters this rank owns (no collective: every rank loaded its own)."""
         for g, m in zip(self.groups, self.master):
-            dst = g.shard if g.stage == 3 else g.full[g.lo : g.hi] if g.sharded else g.full
+            dst = g.owned_params
             if m is not dst:
                 dst.copy_(m)
 

@@ -8,6 +8,10 @@
    partition dimension when gradients are sharded, and the clip coefficient ``clip / (norm + 1e-6)``
    when the norm exceeds ``optim.grad_clip``
 
+With tensor parallelism (``tp``: the mesh's tp dimension) the split gradients differ between tp ranks:
+they vote on overflow too, and the other tp ranks' squared norms of their split gradients are added
+(replicated gradients, identical on every tp rank, count once).
+
 The engine supplies the local pieces (which gradients it owns, in which dtype and where); the
 collectives and decisions are here, so the three engines cannot drift apart.
 """
@@ -32,11 +36,14 @@ class StepSequence:
 
     ``dim``: the dimension whose ranks own the gradients (its collectives); ``summed_over``: how many
     ranks' gradients were summed into each one (1 where the reduction already averaged);
-    ``device``: where the collectives' tensors live (NCCL reduces device tensors only).
+    ``device``: where the collectives' tensors live (NCCL reduces device tensors only); ``tp``: the
+    tensor-parallel dimension when some gradients are split over it.
     """
 
-    def __init__(self, precision, grad_clip: float, dim, summed_over: int = 1, device: torch.device | str = "cpu"):
+    def __init__(self, precision, grad_clip: float, dim, summed_over: int = 1, device: torch.device | str = "cpu",
+                 tp=None):
         self.precision, self.grad_clip, self.dim, self.device = precision, grad_clip, dim, device
+        self.tp = tp if tp is not None and tp.enabled else None
         self.scale = precision.loss_scale
         self.inv = 1.0 / (self.scale * summed_over)
 
@@ -47,13 +54,18 @@ class StepSequence:
             return False
         flag = local_overflow if isinstance(local_overflow, torch.Tensor) else \
             torch.tensor(float(local_overflow), dtype=torch.float32, device=self.device)
+        if self.tp is not None:
+            self.tp.all_reduce_(flag, op=dist.ReduceOp.MAX)
         self.dim.all_reduce_(flag, op=dist.ReduceOp.MAX)
         overflow = bool(flag.item())
         self.precision.scaler.update(overflow)
         return overflow
 
-    def clip(self, local_sq: torch.Tensor, sharded: bool) -> tuple[float, float | None]:
-        """(global norm, clip coefficient or None) from this rank's squared norm of its unscaled gradients."""
+    def clip(self, local_sq: torch.Tensor, sharded: bool, split_sq: torch.Tensor | None = None) -> tuple[float, float | None]:
+        """(global norm, clip coefficient or None) from this rank's squared norm of its unscaled gradients;
+        ``split_sq``: the part of it from tp-split gradients (the other tp ranks' parts are added)."""
+        if self.tp is not None and split_sq is not None:
+            local_sq = local_sq + (self.tp.all_reduce_(split_sq.clone()) - split_sq)
         if sharded and self.dim.enabled:
             local_sq = local_sq.to(self.device, torch.float32)
             self.dim.all_reduce_(local_sq)

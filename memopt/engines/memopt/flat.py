@@ -68,6 +68,12 @@ class FlatGroup:
         return out
 
     @property
+    def owned_params(self) -> torch.Tensor:
+        """The parameters of the owned range: the zero3 shard, the owned slice of the full buffer
+        (zero1/zero2), or all of it (one rank, ddp)."""
+        return self.shard if self.stage == 3 else self.full[self.lo : self.hi] if self.sharded else self.full
+
+    @property
     def owned_size(self) -> int:
         return self.shard_size if self.sharded else self.padded
 
