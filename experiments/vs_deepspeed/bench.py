@@ -25,14 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from experiments.common import bench_dir, machine_line, mib, table, wandb_overrides  # noqa: E402
 from memopt.api import run_jobs_on_ranks  # noqa: E402
 
-CONFIGS = {
-    "zero1": ["+strategy=zero1"],
-    "zero2": ["+strategy=zero2"],
-    "zero3": ["+strategy=zero3"],
-    "zero2+cpu_offload": ["+strategy=[zero2,cpu_offload]"],
-    "zero3+cpu_offload": ["+strategy=[zero3,cpu_offload]"],
-}
-DTYPES = {"fp32": [], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"]}
+CONFIGS = {c: c.split("+") for c in ("zero1", "zero2", "zero3", "zero2+cpu_offload", "zero3+cpu_offload")}
+DTYPES = {"fp32": ([], []), "bf16": (["bf16"], ["strategy.bf16.params=bf16"])}  # strategies, options
 CATS = ("params", "grads", "optim", "activations", "temp", "other")
 
 
@@ -76,7 +70,8 @@ def main() -> None:
             for engine in order:
                 if not applies(engine, config, cuda):
                     continue
-                over = CONFIGS[config] + DTYPES[args.dtype] + [f"+strategy={x}" for x in args.extra.split(",") if x]
+                strategies = CONFIGS[config] + DTYPES[args.dtype][0] + [x for x in args.extra.split(",") if x]
+                over = [f"+strategy=[{','.join(strategies)}]", *DTYPES[args.dtype][1]]
                 keys.append((config, engine))
                 jobs.append((base + [f"engine={engine}"] + over, os.path.join(tmp, f"{rep}-{config}-{engine}")))
     print(f"running {len(jobs)} jobs on 2 ranks ...", file=sys.stderr)
