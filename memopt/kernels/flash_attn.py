@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -115,8 +116,159 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 # ==========================================================================
-# Kernels.  They are plain functions here and are wrapped for Triton lazily,
-# per call, by ``_kernels(interpreted)`` (see there for why).
+# Tile loops and the causal stage split.
+#
+# For causal attention a (query rows, key columns) tile pair is one of three
+# kinds: *off-band* (every key <= every query row: nothing to mask), *diagonal*
+# (the tile straddles the diagonal: a per-element causal mask) or *above*
+# (every key > every row: never visited, by the loop bounds).  Each kernel
+# walks its tiles in stages over contiguous ranges, calling one jit helper per
+# stage with the masks as constexpr flags, so the compiled off-band loop has
+# no compare/select at all and only the diagonal band (about one tile per
+# program) pays for the mask.  The sequence end is a separate concern: when N
+# is not a multiple of the tile, the last tile is ragged whether or not it is
+# diagonal, so the stage that can reach it masks its loads and scores against
+# N (``END_MASK``); the stages that cannot reach it load without masks.
+#
+# Rows a program computes but never stores (queries past N_Q in the last query
+# block, keys past N_K in the last key block) are fed zero-filled operands and
+# may hold any value; each output row depends only on its own operand row
+# (row-wise softmax, row-major matmuls), so they cannot leak into stored rows.
+#
+# They are plain functions here and wrapped for Triton lazily, together with
+# the kernels, by ``_kernels(interpreted)`` (see there for why).
+# ==========================================================================
+def _fwd_tiles(
+    acc, l_i, m_i, q, offs_m,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    lo, hi, N_K, qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    END_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One forward stage: online-softmax update of a query block over key tiles [lo, hi)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if END_MASK:
+            n_valid = offs_n < N_K
+            k = tl.load(k_ptrs, mask=n_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if CAUSAL_MASK:
+            keep = offs_n[None, :] <= offs_m[:, None]
+            if END_MASK:
+                keep = keep & n_valid[None, :]
+            s = tl.where(keep, s, float("-inf"))
+        elif END_MASK:
+            s = tl.where(n_valid[None, :], s, float("-inf"))
+        # Every stage sequence starts at the tile holding key 0, which every
+        # row sees, so m_new is finite from the first tile on and no
+        # (-inf) - (-inf) NaN arises in later, possibly all-masked, rows.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if END_MASK:
+            v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+def _dkdv_tiles(
+    dk, dv, k, v, offs_n,
+    q_base, do_base, lse_base, delta_base,
+    stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_den,
+    lo, hi, N_Q, qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    END_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One dK/dV stage: a key block's dK, dV accumulated over query tiles [lo, hi)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
+        do_ptrs = do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
+        if END_MASK:
+            m_valid = offs_m < N_Q
+            q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=m_valid[:, None], other=0.0)
+            lse = tl.load(lse_base + offs_m * stride_ln, mask=m_valid, other=0.0)
+            delta = tl.load(delta_base + offs_m * stride_den, mask=m_valid, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_base + offs_m * stride_ln)
+            delta = tl.load(delta_base + offs_m * stride_den)
+        # Transposed probabilities P^T (BLOCK_N x BLOCK_M), recomputed from LSE.
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
+        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if CAUSAL_MASK:
+            keep = offs_m[None, :] >= offs_n[:, None]
+            if END_MASK:
+                keep = keep & m_valid[None, :]
+            p_t = tl.where(keep, p_t, 0.0)
+        elif END_MASK:
+            p_t = tl.where(m_valid[None, :], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+def _dq_tiles(
+    dq, q, do, lse_log2, delta, offs_m,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    lo, hi, N_K, qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    END_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One dQ stage: a query block's dQ accumulated over key tiles [lo, hi)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if END_MASK:
+            n_valid = offs_n < N_K
+            k = tl.load(k_ptrs, mask=n_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        p = tl.exp2(s - lse_log2[:, None])
+        if CAUSAL_MASK:
+            keep = offs_n[None, :] <= offs_m[:, None]
+            if END_MASK:
+                keep = keep & n_valid[None, :]
+            p = tl.where(keep, p, 0.0)
+        elif END_MASK:
+            p = tl.where(n_valid[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+# ==========================================================================
+# Kernels.  Each owns one block of rows and runs the stages over the other
+# side's tiles; like the helpers they are wrapped lazily by ``_kernels``.
 # ==========================================================================
 def _flash_fwd_kernel(
     Q, K, V, O, LSE,
@@ -141,9 +293,9 @@ def _flash_fwd_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    arange_n = tl.arange(0, BLOCK_N)
     m_valid = offs_m < N_Q
 
     q = tl.load(
@@ -156,34 +308,24 @@ def _flash_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if CAUSAL:
-        # Keys beyond the last query row of this block are all masked.
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, N_K)
+        # Off-band: key tiles ending before the block's first row (keys < start_m
+        # < N_K).  Band: from there to the block's last row; keys beyond are masked.
+        split = (start_m // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
     else:
+        # Whole key tiles, then the ragged last one (if any).
+        split = (N_K // BLOCK_N) * BLOCK_N
         hi = N_K
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + arange_n
-        n_valid = offs_n < N_K
-        k = tl.load(
-            k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-            mask=n_valid[:, None], other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        keep = n_valid[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        # Every row sees at least key 0 in the first block (Nk >= 1, causal
-        # row i >= 0), so m_new is finite and no (-inf) - (-inf) NaN arises.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=n_valid[:, None], other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        0, split, N_K, qk_scale_log2,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=False, END_MASK=False, DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, offs_m, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        split, hi, N_K, qk_scale_log2,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=CAUSAL, END_MASK=True, DOT_PRECISION=DOT_PRECISION,
+    )
 
     acc = acc / l_i[:, None]
     # Natural-log LSE: log(sum_j exp(scale * q.k_j)).
@@ -255,7 +397,6 @@ def _flash_bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    arange_m = tl.arange(0, BLOCK_M)
     n_valid = offs_n < N_K
 
     k = tl.load(
@@ -269,37 +410,34 @@ def _flash_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
+    full_end = (N_Q // BLOCK_M) * BLOCK_M  # query tiles before this one are whole
     if CAUSAL:
-        # Queries i < start_n cannot see any key of this block.
+        # Query tiles ending before start_n see none of these keys (skipped); the
+        # band runs from the tile holding row start_n to the first tile starting
+        # at or after the block's end, from where every row sees every key.
         lo = (start_n // BLOCK_M) * BLOCK_M
+        split = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
+            stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_den,
+            lo, tl.minimum(split, N_Q), N_Q, qk_scale_log2,
+            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=True, END_MASK=True, DOT_PRECISION=DOT_PRECISION,
+        )
     else:
-        lo = 0
-    for start_m in range(lo, N_Q, BLOCK_M):
-        offs_m = start_m + arange_m
-        m_valid = offs_m < N_Q
-        q = tl.load(
-            q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-            mask=m_valid[:, None], other=0.0,
-        )
-        do = tl.load(
-            do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-            mask=m_valid[:, None], other=0.0,
-        )
-        lse = tl.load(lse_base + offs_m * stride_ln, mask=m_valid, other=0.0)
-        delta = tl.load(delta_base + offs_m * stride_den, mask=m_valid, other=0.0)
-
-        # Transposed probabilities P^T (BLOCK_N x BLOCK_M), recomputed from LSE.
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
-        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
-        keep = n_valid[:, None] & m_valid[None, :]
-        if CAUSAL:
-            keep = keep & (offs_m[None, :] >= offs_n[:, None])
-        p_t = tl.where(keep, p_t, 0.0)
-
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        split = 0
+    # Off-band whole tiles, then the ragged last tile if the band did not take it.
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
+        stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_den,
+        split, full_end, N_Q, qk_scale_log2,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=False, END_MASK=False, DOT_PRECISION=DOT_PRECISION,
+    )
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
+        stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_den,
+        tl.maximum(split, full_end), N_Q, N_Q, qk_scale_log2,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=False, END_MASK=True, DOT_PRECISION=DOT_PRECISION,
+    )
 
     dk = dk * sm_scale
     tl.store(
@@ -337,9 +475,9 @@ def _flash_bwd_dq_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    arange_n = tl.arange(0, BLOCK_N)
     m_valid = offs_m < N_Q
 
     q = tl.load(
@@ -355,30 +493,23 @@ def _flash_bwd_dq_kernel(
     lse_log2 = lse * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    # The forward pass's stages (see _flash_fwd_kernel).
     if CAUSAL:
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, N_K)
+        split = (start_m // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
     else:
+        split = (N_K // BLOCK_N) * BLOCK_N
         hi = N_K
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + arange_n
-        n_valid = offs_n < N_K
-        k = tl.load(
-            k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-            mask=n_valid[:, None], other=0.0,
-        )
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=n_valid[:, None], other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        p = tl.exp2(s - lse_log2[:, None])
-        keep = m_valid[:, None] & n_valid[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq = _dq_tiles(
+        dq, q, do, lse_log2, delta, offs_m, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        0, split, N_K, qk_scale_log2,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=False, END_MASK=False, DOT_PRECISION=DOT_PRECISION,
+    )
+    dq = _dq_tiles(
+        dq, q, do, lse_log2, delta, offs_m, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        split, hi, N_K, qk_scale_log2,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=CAUSAL, END_MASK=True, DOT_PRECISION=DOT_PRECISION,
+    )
 
     dq = dq * sm_scale
     tl.store(
@@ -436,6 +567,15 @@ class _KernelSet:
 
 
 _KERNEL_SETS: dict[bool, _KernelSet] = {}
+_TILE_HELPERS = (_fwd_tiles, _dkdv_tiles, _dq_tiles)
+
+
+def _rebind(fn, ns: dict):
+    """A copy of ``fn`` (same code, so Triton reads the same source) whose globals are ``ns``."""
+    out = types.FunctionType(fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
+    out.__qualname__, out.__module__, out.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return out
 
 
 def _kernels(interpreted: bool) -> _KernelSet:
@@ -447,6 +587,12 @@ def _kernels(interpreted: bool) -> _KernelSet:
     *triton* was first imported; if the variable changed in between, the two
     disagree and kernels crash.  Wrapping lazily with the mode triton itself is
     in (``_triton_interpreted``) keeps them consistent whatever the import order.
+
+    A kernel finds the tile helpers it calls by name in its globals, and both
+    modes may be wrapped in one process (the block-choice test builds compiled
+    wrappers under the interpreter), so each mode gets its own copy of this
+    module's namespace in which the helper names are that mode's wrappers, and
+    the kernels are rebound to it.
     """
     ks = _KERNEL_SETS.get(interpreted)
     if ks is not None:
@@ -455,14 +601,20 @@ def _kernels(interpreted: bool) -> _KernelSet:
         from triton.runtime.interpreter import InterpretedFunction as wrap
     else:
         from triton.runtime.jit import JITFunction as wrap
-    fwd, dkdv, dq = wrap(_flash_fwd_kernel), wrap(_flash_bwd_dkdv_kernel), wrap(_flash_bwd_dq_kernel)
+    ns = dict(globals())
+    for helper in _TILE_HELPERS:
+        ns[helper.__name__] = wrap(_rebind(helper, ns))
+    fwd, dkdv, dq, pre = (
+        wrap(_rebind(fn, ns))
+        for fn in (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel)
+    )
     tuned = [None, None, None]
     if not interpreted:
         tuned = [
             triton.autotune(configs=_configs(cfgs), key=_TUNE_KEY, prune_configs_by=_PRUNE)(fn)
             for fn, cfgs in ((fwd, _FWD_TUNE), (dkdv, _DKDV_TUNE), (dq, _DQ_TUNE))
         ]
-    ks = _KernelSet(fwd, wrap(_flash_bwd_preprocess_kernel), dkdv, dq, *tuned)
+    ks = _KernelSet(fwd, pre, dkdv, dq, *tuned)
     _KERNEL_SETS[interpreted] = ks
     return ks
 
