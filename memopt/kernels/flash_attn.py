@@ -127,8 +127,11 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # no compare/select at all and only the diagonal band (about one tile per
 # program) pays for the mask.  The sequence end is a separate concern: when N
 # is not a multiple of the tile, the last tile is ragged whether or not it is
-# diagonal, so the stage that can reach it masks its loads and scores against
-# N (``END_MASK``); the stages that cannot reach it load without masks.
+# diagonal, so the stage that can reach it masks its loads against N
+# (``END_MASK``) and, in the forward and dQ kernels, hides the zero-filled keys
+# from the softmax (the non-causal end stage by that mask, the causal band by
+# its causal mask, as Nq == Nk); the stages that cannot reach it load unmasked.
+# (dK/dV needs no score mask at the end: zero-filled query rows add exactly 0.)
 #
 # Rows a program computes but never stores (queries past N_Q in the last query
 # block, keys past N_K in the last key block) are fed zero-filled operands and
@@ -160,11 +163,8 @@ def _fwd_tiles(
         else:
             k = tl.load(k_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        if CAUSAL_MASK:
-            keep = offs_n[None, :] <= offs_m[:, None]
-            if END_MASK:
-                keep = keep & n_valid[None, :]
-            s = tl.where(keep, s, float("-inf"))
+        if CAUSAL_MASK:  # also hides keys past N_K from every stored row (Nq == Nk)
+            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
         elif END_MASK:
             s = tl.where(n_valid[None, :], s, float("-inf"))
         # Every stage sequence starts at the tile holding key 0, which every
@@ -214,13 +214,11 @@ def _dkdv_tiles(
         # Transposed probabilities P^T (BLOCK_N x BLOCK_M), recomputed from LSE.
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2
         p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        # Query rows past N_Q need no mask here: their q, dO, LSE and delta load
+        # as 0, so their p_t is exactly 1 and both dV += p_t dO and
+        # dK += p_t (dP - delta) q add exactly 0.
         if CAUSAL_MASK:
-            keep = offs_m[None, :] >= offs_n[:, None]
-            if END_MASK:
-                keep = keep & m_valid[None, :]
-            p_t = tl.where(keep, p_t, 0.0)
-        elif END_MASK:
-            p_t = tl.where(m_valid[None, :], p_t, 0.0)
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -253,11 +251,10 @@ def _dq_tiles(
             v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         p = tl.exp2(s - lse_log2[:, None])
-        if CAUSAL_MASK:
-            keep = offs_n[None, :] <= offs_m[:, None]
-            if END_MASK:
-                keep = keep & n_valid[None, :]
-            p = tl.where(keep, p, 0.0)
+        # Keys past N_K load as 0, so their p = exp2(-LSE) overflows to inf when
+        # LSE < -88 and inf * 0 would be NaN in dS K: they must be masked.
+        if CAUSAL_MASK:  # also hides keys past N_K from every stored row (Nq == Nk)
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
         elif END_MASK:
             p = tl.where(n_valid[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
