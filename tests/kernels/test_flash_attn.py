@@ -386,14 +386,26 @@ def compile_one(fn, dt, consts, blk):
         elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"): sig[name] = PTR[dt]
         elif name in ("qk_scale_log2", "sm_scale"): sig[name] = "fp32"
         else: sig[name] = "i32"
-    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=blk.num_warps, num_stages=blk.num_stages))
+    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=blk.num_warps, num_stages=blk.num_stages))
+def masked_loops(ttir):
+    # Per tile loop (scf.for, not nested here), in program order: does its body compare or select?
+    bodies = [b.split("scf.yield")[0] for b in ttir.split("scf.for ")[1:]]
+    return ["masked" if ("arith.cmpi" in b or "arith.select" in b) else "unmasked" for b in bodies]
+# The stage split: off-band tiles and whole tiles run in loops with no mask at all.
+STAGES = {
+    ("fwd", True): ["unmasked", "masked"], ("fwd", False): ["unmasked", "masked"],
+    ("dq", True): ["unmasked", "masked"], ("dq", False): ["unmasked", "masked"],
+    ("dkdv", True): ["masked", "unmasked", "masked"], ("dkdv", False): ["unmasked", "masked"],
+}
 n = 0
 for dt, d, causal in (("fp16", 128, True), ("bf16", 128, True), ("bf16", 64, False), ("fp32", 64, True)):
     blk = fa._fixed_blocks(d, False, 4 if dt == "fp32" else 2)
     c = dict(HEAD_DIM=d, CAUSAL=causal, DOT_PRECISION="ieee" if dt == "fp32" else "tf32")
-    for fn, (bm, bn) in ((ks.fwd, blk.fwd), (ks.dkdv, blk.dkdv), (ks.dq, blk.dq)):
-        compile_one(fn, dt, {**c, "BLOCK_M": bm, "BLOCK_N": bn}, blk); n += 1
+    for name, fn, (bm, bn) in (("fwd", ks.fwd, blk.fwd), ("dkdv", ks.dkdv, blk.dkdv), ("dq", ks.dq, blk.dq)):
+        kernel = compile_one(fn, dt, {**c, "BLOCK_M": bm, "BLOCK_N": bn}, blk); n += 1
+        loops = masked_loops(kernel.asm["ttir"])
+        assert loops == STAGES[name, causal], (name, dt, d, causal, loops)
     compile_one(ks.pre, dt, {"HEAD_DIM": d, "BLOCK_M": blk.pre}, blk); n += 1
 print("compiled", n)
 """
@@ -405,7 +417,9 @@ def test_kernels_compile_for_sm90():
 
     The interpreter never runs Triton's compiler, so this catches GPU-only
     errors (dot operand shapes/dtypes, input_precision, layouts) on CPU CI, and
-    is the only CPU-side check the bf16 path gets.
+    is the only CPU-side check the bf16 path gets.  It also reads the compiled
+    TTIR: the off-band (causal) and whole-tile loops must hold no compare or
+    select, i.e. the stage split survives compilation.
     """
     import subprocess
     import sys
