@@ -30,6 +30,13 @@ Kernels
 * ``_flash_bwd_dq_kernel``: one program per (query block, batch*head); loops
   over key blocks and accumulates ``dQ = scale * dS K`` in fp32.
 
+Each loop runs in stages (jit helpers ``_fwd_tiles``, ``_dkdv_tiles``,
+``_dq_tiles`` with constexpr mask flags): for causal attention the tiles wholly
+below the diagonal without any mask and only the diagonal band with the
+causal mask; the ragged tile at a sequence end that is not a multiple of the
+block is masked against N in whichever stage reaches it.  See "Tile loops and
+the causal stage split" below.
+
 The backward uses two kernels (dK/dV, then dQ) rather than one fused kernel
 with atomic adds on dQ: each output element is written by exactly one
 program, so results are deterministic, no zero-initialised fp32 scratch buffer
@@ -42,7 +49,8 @@ Causal attention uses the top-left aligned mask (query ``i`` sees keys
 ``j <= i``) and requires ``Nq == Nk``.
 
 Every load/store goes through explicit pointer arithmetic with the strides of
-each tensor and boundary masks (``tl.make_block_ptr`` is not used), so any
+each tensor and, where a tile can cross the sequence end, boundary masks
+(``tl.make_block_ptr`` is not used), so any
 sequence length (1, 17, 200, ...) and any strided layout work.  Head dims are
 16, 32, 64 or 128 (a tile spans the whole head dim, so no head-dim masking).
 
