@@ -47,6 +47,7 @@ class TrainerConfig:
 
     mode: str = "train"  # train | plan (predict every rank's peak bytes, the fit and the step time; no training)
     preflight: bool = True  # plan before launching ranks and refuse (status refused) what would not fit
+    plan_exact: bool = False  # plan every block (else deep models are planned from two shallow ones, planner/extrapolate.py)
     nnodes: int = 1  # nodes of the world (plan mode; a multi-node run is started by an external launcher)
     max_steps: int = 300
     micro_batch_size: int = 16  # sequences per rank per micro-step

@@ -42,9 +42,9 @@ def deepspeed_model_states(cfg, world: int, per_node: int) -> dict[str, dict[str
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int) -> dict:
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states from DeepSpeed's rules."""
     from memopt.memory.tracker import CATEGORIES
-    from memopt.planner.simulate import simulate_rank
+    from memopt.planner.extrapolate import simulate
 
-    sim = simulate_rank(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend)
+    sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend)
     states = deepspeed_model_states(cfg, world, per_node)
     peaks = {}
     for mem in ("device", "host"):

@@ -53,7 +53,8 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     from memopt import compose
     from memopt.engines import resolve
     from memopt.parallel.dims import expected_world
-    from memopt.planner.simulate import PlanOverflow, simulate_rank
+    from memopt.planner.extrapolate import simulate
+    from memopt.planner.simulate import PlanOverflow
 
     t0 = time.perf_counter()
     world = expected_world(cfg)
@@ -66,7 +67,7 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
 
             sims = [deepspeed_sim(cfg, r, world, limits, backend, local) for r in simulated_ranks(world)]
         else:
-            sims = [simulate_rank(cfg, r, world, limits, backend=backend) for r in simulated_ranks(world)]
+            sims = [simulate(cfg, r, world, limits, backend=backend) for r in simulated_ranks(world)]
     except PlanOverflow as e:
         if limits is not None or e.reason is None:
             raise
@@ -92,6 +93,7 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         "fits": all(f["fits"] for f in fits.values()), "fit": fits,
         "overflow": _overflow(fits, worst["peaks"], hw),
         "rules": worst.get("rules", "the run's code on fake tensors"),
+        "method": {str(s["rank"]): s.get("method", "exact") for s in sims},
         "traffic": worst["traffic"], "comm_per_step": worst.get("comm_per_step"), "flops_per_step": worst["flops"],
         "step_time": time_est,
         "plan_seconds": time.perf_counter() - t0,
@@ -191,7 +193,9 @@ def plan_table(plan: dict) -> str:
         lines.append(f"  step time (estimate, terms not overlapped): {st['total_s']:.3g} s = compute "
                      f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])}; "
                      f"{st['dominant']} dominates ({st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s)")
-    lines.append(f"  planned in {plan['plan_seconds']:.1f} s, planner peak RSS {fmt(plan['planner_peak_rss_bytes'])}")
+    methods = sorted(set(plan.get("method", {}).values()))
+    lines.append(f"  planned in {plan['plan_seconds']:.1f} s ({'; '.join(methods) or 'exact'}), "
+                 f"planner peak RSS {fmt(plan['planner_peak_rss_bytes'])}")
     return "\n".join(lines)
 
 

@@ -295,6 +295,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     with tracker.category("temp"):
                         engine.step(1e-3)
                     tracker.counting = False
+                metrics = engine.step_metrics() if hasattr(engine, "step_metrics") else {}
                 if t.eval_every and len(data.val) > cfg.model.seq_len:
                     x, y = data.eval_batches(1, t.micro_batch_size)[0]
                     with tracker.category("temp"):
@@ -321,7 +322,20 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     peaks = {keymap.get(d, d): v for d, v in tracker.peaks().items()}
     traffic = dict(tracker.traffic)
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
-            "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0}
+            "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics}
+
+
+@contextlib.contextmanager
+def fake_world(cfg, rank: int, world: int):
+    """The parallel dimensions of rank ``rank`` of a fake world (for layout questions, no tensors)."""
+    from memopt.parallel.dims import build_dims
+
+    started = _join_fake_world(rank, world)
+    try:
+        yield build_dims(cfg.parallel, "cpu")
+    finally:
+        if started:
+            dist.destroy_process_group()
 
 
 def _join_fake_world(rank: int, world: int) -> bool:

@@ -56,25 +56,8 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     budget = int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(capacity * ccfg.overall_gpu_mem_ratio)
     warmup = int(budget * ccfg.warmup_gpu_chunk_mem_ratio)
 
-    # distinct parameters in registration order; tied ones keep their first name
-    named, seen = [], {}
-    for mod_name, mod in model.named_modules():
-        for pname, p in mod._parameters.items():
-            if p is None:
-                continue
-            full = f"{mod_name}.{pname}" if mod_name else pname
-            if id(p) in seen:
-                seen[id(p)][3].append(full)
-            else:
-                seen[id(p)] = [full, p, tuple(p.shape), []]
-                named.append(seen[id(p)])
-    # MoE experts get chunks of their own (an expert chunk never carries dense parameters)
-    experts = {f"{mn}.{pn}" for mn, m in model.named_modules() if isinstance(m, Expert) for pn, _ in m.named_parameters()}
-
-    def sizes(trainable: bool, expert: bool) -> list[int]:
-        return [p.numel() for n, p, _, _ in named if p.requires_grad == trainable and (n in experts) == expert]
-
-    chunk_size = ccfg.chunk_size or search_chunk_size([sizes(True, False), sizes(True, True), sizes(False, False)])
+    named, experts = distinct_params(model)
+    chunk_size = resolve_chunk_size(ccfg, named, experts)
     materialize_params(model, device, precision.param_dtype)
     named = [(name, model.get_parameter(name), shape, aliases) for name, _, shape, aliases in named]
 
@@ -111,6 +94,53 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     optimizer = ChunkAdam(mgr, cfg.optim, precision, dims.dp_shard, tracker, hybrid=s.hybrid_adam, margin_use_ratio=ccfg.margin_use_ratio,
                           cpu_impl=ccfg.cpu_adam_impl)
     return ChunkEngine(model, mgr, hooks, optimizer, precision, device, dims, tracker)
+
+
+def distinct_params(model) -> tuple[list, set[str]]:
+    """[[name, param, shape, aliases]] of the distinct parameters in registration order (tied ones keep
+    their first name, the others are aliases) and the names of MoE expert parameters."""
+    named, seen = [], {}
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if id(p) in seen:
+                seen[id(p)][3].append(full)
+            else:
+                seen[id(p)] = [full, p, tuple(p.shape), []]
+                named.append(seen[id(p)])
+    experts = {f"{mn}.{pn}" for mn, m in model.named_modules() if isinstance(m, Expert) for pn, _ in m.named_parameters()}
+    return named, experts
+
+
+def resolve_chunk_size(ccfg, named: list, experts: set[str]) -> int:
+    """``strategy.chunk.chunk_size``, or the searched size (MoE experts get chunks of their own, so
+    trainable dense, trainable expert and frozen tensors are three packing groups)."""
+    def sizes(trainable: bool, expert: bool) -> list[int]:
+        return [p.numel() for n, p, _, _ in named if p.requires_grad == trainable and (n in experts) == expert]
+
+    return ccfg.chunk_size or search_chunk_size([sizes(True, False), sizes(True, True), sizes(False, False)])
+
+
+def chunk_layout(cfg, model, dims) -> dict:
+    """This rank's chunk layout of ``model`` (meta parameters), packed and assigned by the manager's own
+    code without allocating anything: the planner checks that the shallow models it simulates have a
+    layout that grows with depth the way the planned model's does."""
+    from memopt.memory.tracker import NullTracker
+
+    ccfg = cfg.strategy.chunk
+    named, experts = distinct_params(model)
+    size = resolve_chunk_size(ccfg, named, experts)
+    cpu, null = torch.device("cpu"), NullTracker()
+    mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null))
+    if dims.dp_shard.enabled:
+        mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, null)
+    mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
+    local = mgr.local_chunks
+    return {"chunk_size": size, "chunks": len(mgr.chunks), "local": sum(bool(c.tensors) for c in local),
+            "local_padding": sum(not c.tensors for c in local),
+            "optim_groups": sum(bool(c.tensors) for c in mgr.trainable_chunks)}
 
 
 def init_chunks(mgr: ChunkManager, init, tracker, everything: bool) -> None:
@@ -163,6 +193,7 @@ class ChunkEngine(PrecisionEngine):
         self.model, self.mgr, self.hooks, self.optimizer, self.precision = model, mgr, hooks, optimizer, precision
         self.device, self.dims, self.tracker = device, dims, tracker
         self.history: list[dict] = []  # step_metrics() of every step (tests and reports read it)
+        self.placement_margin = None  # device bytes Hybrid Adam could use, decided at the end of warm-up
         self._last: dict = {}
 
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
@@ -189,6 +220,7 @@ class ChunkEngine(PrecisionEngine):
             if mgr.static:
                 used = min(used, mgr.warmup_budget)
             margin = mgr.device_budget - mgr.tracer.max_nonmodel - used
+            self.placement_margin = margin
             self.optimizer.place_on_device(margin)
             mgr.make_room(mgr.device_budget - mgr.tracer.max_nonmodel - mgr.os_device_bytes if not mgr.static else mgr.warmup_budget)
         self._last = self._metrics(res)
@@ -225,6 +257,7 @@ class ChunkEngine(PrecisionEngine):
             "chunk_size": mgr.chunk_size,
             "device_budget_bytes": mgr.device_budget,
             "max_nonmodel_bytes": mgr.tracer.max_nonmodel,  # the warm-up's non-model peak on the device
+            "placement_margin_bytes": self.placement_margin,
             "warmup": mgr.tracer.warmup,
             **self._comm_metrics(),
         }

@@ -32,6 +32,15 @@ from memopt.optim.step import StepResult, StepSequence
 from memopt.strategies.precision import Precision
 
 
+def groups_that_fit(margin: int, group_bytes: int, groups: int, ratio: float, cap: int | None) -> int:
+    """Hybrid Adam's placement rule: ``floor(ratio * margin / group bytes)`` optimizer groups on the
+    device, at most ``groups`` and ``cap`` (the planner applies the same rule to a deeper model)."""
+    if margin <= 0 or group_bytes <= 0:
+        return 0
+    n = min(int(ratio * margin) // group_bytes, groups)
+    return n if cap is None else min(n, cap)
+
+
 class ChunkAdam:
     def __init__(self, mgr: ChunkManager, cfg, precision: Precision, dim, tracker, hybrid=None, margin_use_ratio: float = 0.8,
                  cpu_impl: str = "auto"):
@@ -74,10 +83,7 @@ class ChunkAdam:
         """Hybrid Adam: move ``floor(margin_use_ratio * margin / group bytes)`` groups to the device."""
         if self.hybrid is None or not self.groups or margin <= 0:
             return 0
-        n = int(self.margin_use_ratio * margin) // self.group_bytes
-        n = min(n, len(self.groups))
-        if self.hybrid.max_device_chunks is not None:
-            n = min(n, self.hybrid.max_device_chunks)
+        n = groups_that_fit(margin, self.group_bytes, len(self.groups), self.margin_use_ratio, self.hybrid.max_device_chunks)
         for g in self.groups[:n]:
             for o in g[1:]:
                 o.move(DEVICE)

@@ -1,0 +1,199 @@
+"""Deep models planned from two shallow ones: the blocks are identical, so the peaks are affine in depth.
+
+A fake step costs ~0.3-0.5 ms per op whatever the tensor sizes, so a full plan of gpt_10b (50 blocks,
+two ranks, two steps) takes minutes. Every block adds the same parameters, gradients, optimizer
+states, checkpoint boundaries and FLOPs, so each rank's peak per memory and category, its traffic
+and its FLOPs are affine in the number of blocks n: ``p(N) = p(n1) + (p(n2) - p(n1)) (N - n1) / (n2 - n1)``.
+``simulate`` runs the run's own code (``simulate_rank``) at two depths n1 < n2 and extrapolates to
+the configured depth N; everything else of the configuration is the run's.
+
+Where it is not exact, and what is done about it:
+  * Depth-dependent defaults are pinned to the planned model's values: ``strategy.ckpt.k`` (every_k:
+    round(sqrt(n_layer))) and the chunk engine's searched ``chunk_size``.
+  * Periodic structure: checkpoint segments of k blocks and MoE layers every k blocks repeat with
+    period k, so n1 = N (mod period) and n2 = n1 + period.
+  * The chunk engine's discrete decisions are checked, not assumed: this rank's chunk layout (chunks,
+    its own real and padding chunks, its optimizer groups: the manager's own packing code on meta
+    parameters), Hybrid Adam's placement (the engine's rule ``groups_that_fit`` applied to the
+    extrapolated margin must give the extrapolated number of device groups) and eviction (none at
+    either depth and none needed at N, or some at both). A large chunk (gpt_10b: 3.7 blocks) in
+    groups of W ranks changes a rank's layout only every W chunks, which no shallow pair follows;
+    such a plan falls back to the exact simulation and says so.
+  * ZeRO-1/2 size buckets and flat-group padding round per bucket / group (a few elements).
+Small models (n1 + n2 > N / 2) and ``trainer.plan_exact=true`` are simulated block by block.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+MIN_DEPTH = 3  # from 3 blocks on, the slope is the deep model's (the first and last blocks differ; measured)
+
+
+def period(cfg) -> int:
+    """Blocks after which the model's structure repeats (checkpoint segments, MoE layers)."""
+    p = 1
+    s, n = cfg.strategy, cfg.model.n_layer
+    ckpt = getattr(s, "ckpt", None)
+    if ckpt is not None and ckpt.policy == "every_k":
+        from memopt.strategies.ckpt import resolve_k
+
+        p = math.lcm(p, resolve_k(ckpt, n))
+    moe = getattr(s, "moe", None)
+    if moe is not None:
+        p = math.lcm(p, moe.every_k_layers)
+    return p
+
+
+def sample_depths(cfg) -> list[tuple[int, int]]:
+    """Candidate (n1, n2) pairs to simulate, cheapest first: n1 >= MIN_DEPTH, both = N (mod period),
+    n1 + n2 <= N / 2 (else the full depth is about as cheap); none with ``trainer.plan_exact=true``."""
+    if getattr(cfg.trainer, "plan_exact", False):
+        return []
+    n, p = cfg.model.n_layer, period(cfg)
+    n1 = max(MIN_DEPTH, p)
+    n1 += (n - n1) % p
+    pairs = [(a, b) for a in range(n1, n, p) for b in range(a + p, n, p) if a + b <= n // 2]
+    return sorted(pairs, key=lambda ab: (ab[0] + ab[1], ab[0]))
+
+
+def at_depth(cfg, n: int):
+    """``cfg`` with ``n`` blocks, depth-dependent defaults pinned to the planned model's values."""
+    s = cfg.strategy
+    ckpt = getattr(s, "ckpt", None)
+    if ckpt is not None and ckpt.policy == "every_k" and ckpt.k is None:
+        from memopt.strategies.ckpt import resolve_k
+
+        s = replace(s, ckpt=replace(ckpt, k=resolve_k(ckpt, cfg.model.n_layer)))
+    return replace(cfg, model=replace(cfg.model, n_layer=n), strategy=s)
+
+
+def lerp(a: float, b: float, n1: int, n2: int, n: int) -> float:
+    return a + (b - a) * (n - n1) / (n2 - n1)
+
+
+def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
+    out = {}
+    for k in {*a, *b}:
+        x, y = a.get(k, 0), b.get(k, 0)
+        if isinstance(x, dict) or isinstance(y, dict):
+            out[k] = _nested(x or {}, y or {}, n1, n2, n)
+        else:
+            out[k] = max(0, round(lerp(x, y, n1, n2, n)))
+    return out
+
+
+def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: str = "gloo",
+             pairs: list[tuple[int, int]] | None = None) -> dict:
+    """``simulate_rank``'s result for ``cfg``: exact for small models, else extrapolated from two depths
+    (the first of ``sample_depths``, or of ``pairs``, the chunk layout allows); ``method`` says which, and why the exact path was taken when
+    extrapolation was possible."""
+    from memopt.planner.simulate import simulate_rank
+
+    pairs = pairs or sample_depths(cfg)
+    if not pairs:
+        return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
+    n = cfg.model.n_layer
+    chunk = _engine(cfg) == "chunk"
+    base = _pin_chunk_size(cfg, rank, world) if chunk else cfg
+    why, lays = None, None
+    if chunk:  # the first pair whose layout grows the way the planned model's does (layouts cost no tensors)
+        layout = {d: _layout(at_depth(base, d), rank, world) for d in {n, *(d for ab in pairs for d in ab)}}
+        for n1, n2 in pairs:
+            lays = [layout[n1], layout[n2], layout[n]]
+            why = _layout_inconsistency(lays, rank, n1, n2, n)
+            if why is None:
+                break
+        else:
+            n1, n2 = pairs[0]
+            why = _layout_inconsistency([layout[n1], layout[n2], layout[n]], rank, n1, n2, n)
+    else:
+        n1, n2 = pairs[0]
+    a = b = None
+    if why is None:
+        a = simulate_rank(at_depth(base, n1), rank, world, None, backend=backend)
+        b = simulate_rank(at_depth(base, n2), rank, world, None, backend=backend)
+        why = _decision_inconsistency(base, a, b, n1, n2, lays[2]["optim_groups"]) if chunk else None
+    if why is not None:
+        sim = simulate_rank(cfg, rank, world, limits, backend=backend)
+        spent = sum(x["seconds"] for x in (a, b) if x is not None)
+        return {**sim, "seconds": sim["seconds"] + spent, "method": f"exact ({why})"}
+    peaks = _nested(a["peaks"], b["peaks"], n1, n2, n)
+    sim = {"rank": rank, "peaks": peaks, "traffic": _nested(a["traffic"], b["traffic"], n1, n2, n),
+           "flops": round(lerp(a["flops"], b["flops"], n1, n2, n)), "seconds": a["seconds"] + b["seconds"],
+           "engine_metrics": {}, "method": f"extrapolated from n_layer={n1},{n2}"}
+    _check_limits(peaks, limits)
+    return sim
+
+
+def _engine(cfg) -> str:
+    from memopt.engines import resolve
+
+    return resolve(cfg)
+
+
+def _pin_chunk_size(cfg, rank: int, world: int):
+    """The chunk engine searches its chunk size over the whole model: the shallow ones take the planned one's."""
+    if cfg.strategy.chunk.chunk_size:
+        return cfg
+    size = _layout(cfg, rank, world)["chunk_size"]
+    return replace(cfg, strategy=replace(cfg.strategy, chunk=replace(cfg.strategy.chunk, chunk_size=size)))
+
+
+def _layout(cfg, rank: int, world: int) -> dict:
+    import torch
+
+    from memopt.compose import model_on_meta
+    from memopt.engines.chunk.engine import chunk_layout
+    from memopt.memory.tracker import NullTracker
+    from memopt.planner.simulate import fake_world
+
+    with fake_world(cfg, rank, world) as dims:
+        model = model_on_meta(cfg, torch.device("cpu"), dims, NullTracker())
+        return chunk_layout(cfg, model, dims)
+
+
+def _layout_inconsistency(lays: list[dict], rank: int, n1: int, n2: int, n: int) -> str | None:
+    """Why this rank's chunk layout at depth N does not follow the two sampled depths (None: it does)."""
+    for k in ("chunks", "local", "local_padding", "optim_groups"):
+        if lerp(lays[0][k], lays[1][k], n1, n2, n) != lays[2][k]:
+            return f"rank {rank}'s chunk layout is not affine in depth ({k}: {lays[0][k]}, {lays[1][k]} at n_layer={n1},{n2}, {lays[2][k]} at {n})"
+    return None
+
+
+def _decision_inconsistency(cfg, a: dict, b: dict, n1: int, n2: int, groups_n: int) -> str | None:
+    """Why the chunk engine's eviction or Hybrid Adam placement at depth N would not follow the samples."""
+    from memopt.engines.chunk.hybrid_adam import groups_that_fit
+
+    n = cfg.model.n_layer
+    ma, mb = a["engine_metrics"], b["engine_metrics"]
+    if (ma.get("evictions", 0) > 0) != (mb.get("evictions", 0) > 0):
+        return "chunks are evicted at one sampled depth only"
+    nonmodel = lerp(ma.get("max_nonmodel_bytes", 0), mb.get("max_nonmodel_bytes", 0), n1, n2, n)
+    dev_chunks = lerp(a["peaks"].get("device", {}).get("chunks", 0), b["peaks"].get("device", {}).get("chunks", 0), n1, n2, n)
+    if not ma.get("evictions") and ma.get("device_budget_bytes") and dev_chunks + nonmodel > ma["device_budget_bytes"]:
+        return "the deeper model's chunks would be evicted, the sampled ones are not"
+    hybrid = cfg.strategy.hybrid_adam
+    if hybrid is not None and ma.get("placement_margin_bytes") is not None:
+        groups = lerp(ma["optim_chunks_on_device"], mb["optim_chunks_on_device"], n1, n2, n)
+        margin = lerp(ma["placement_margin_bytes"], mb["placement_margin_bytes"], n1, n2, n)
+        rule = groups_that_fit(int(margin), 12 * cfg.strategy.chunk.chunk_size, groups_n,
+                               cfg.strategy.chunk.margin_use_ratio, hybrid.max_device_chunks)
+        if groups != rule:
+            return f"Hybrid Adam would place {rule} optimizer groups on the device, the samples extrapolate to {groups:g}"
+    return None
+
+
+def _check_limits(peaks: dict, limits: dict | None) -> None:
+    """The preflight's limits, judged on the extrapolated peaks (the exact path stops at the first op over)."""
+    from memopt.planner.simulate import PlanOverflow
+
+    for mem, limit in (limits or {}).items():
+        if limit is None:
+            continue
+        cats = peaks.get(mem, {}) if mem != "all" else {
+            c: sum(p.get(c, 0) for p in peaks.values()) for c in {c for p in peaks.values() for c in p}}
+        live = {c: v for c, v in cats.items() if c != "total"}
+        total = cats.get("total", 0)
+        if total > limit:
+            raise PlanOverflow(mem, live, limit)
