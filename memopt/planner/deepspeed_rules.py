@@ -39,12 +39,12 @@ def deepspeed_model_states(cfg, world: int, per_node: int) -> dict[str, dict[str
     return {"device": {"params": p16, "optim": max(0, device - p16)}, "host": {"optim": host_rank}}
 
 
-def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int) -> dict:
+def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states from DeepSpeed's rules."""
     from memopt.memory.tracker import CATEGORIES
     from memopt.planner.extrapolate import simulate
 
-    sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend)
+    sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
     states = deepspeed_model_states(cfg, world, per_node)
     peaks = {}
     for mem in ("device", "host"):

@@ -45,16 +45,18 @@ def period(cfg) -> int:
     return p
 
 
-def sample_depths(cfg) -> list[tuple[int, int]]:
-    """Candidate (n1, n2) pairs to simulate, cheapest first: n1 >= MIN_DEPTH, both = N (mod period),
-    n1 + n2 <= N / 2 (else the full depth is about as cheap); none with ``trainer.plan_exact=true``."""
+def sample_depths(cfg) -> list[tuple[int, int, int]]:
+    """Candidate windows (n1, n2, n3) of sampled depths, cheapest first: n1 >= MIN_DEPTH, all = N (mod
+    period), n1 + n2 + n3 <= N / 2 (else the full depth is about as cheap); none with
+    ``trainer.plan_exact=true``."""
     if getattr(cfg.trainer, "plan_exact", False):
         return []
     n, p = cfg.model.n_layer, period(cfg)
     n1 = max(MIN_DEPTH, p)
     n1 += (n - n1) % p
-    pairs = [(a, b) for a in range(n1, n, p) for b in range(a + p, n, p) if a + b <= n // 2]
-    return sorted(pairs, key=lambda ab: (ab[0] + ab[1], ab[0]))
+    depths = range(n1, n, p)
+    wins = [(a, b, c) for a in depths for b in depths if b > a for c in depths if c > b and a + b + c <= n // 2]
+    return sorted(wins, key=lambda w: (sum(w), w))
 
 
 def at_depth(cfg, n: int):
@@ -84,46 +86,77 @@ def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
 
 
 def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: str = "gloo",
-             pairs: list[tuple[int, int]] | None = None) -> dict:
-    """``simulate_rank``'s result for ``cfg``: exact for small models, else extrapolated from two depths
-    (the first of ``sample_depths``, or of ``pairs``, the chunk layout allows); ``method`` says which, and why the exact path was taken when
-    extrapolation was possible."""
+             windows: list[tuple[int, int, int]] | None = None, verify: bool = True) -> dict:
+    """``simulate_rank``'s result for ``cfg``: exact for small models, else extrapolated from the last
+    two depths of the first window (``sample_depths``, or ``windows``) that passes the checks: the
+    first two depths extrapolate to the same plan as the last two (within 0.1%; ``verify=False`` skips
+    this, for a rank after one that passed it), the chunk layout is affine over the window and the
+    planned depth, the chunk engine's decisions follow. ``method`` says which, and why the exact
+    simulation was taken when extrapolation was tried; ``window`` is the window used."""
     from memopt.planner.simulate import simulate_rank
 
-    pairs = pairs or sample_depths(cfg)
-    if not pairs:
-        return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
     n = cfg.model.n_layer
+    wins = windows or sample_depths(cfg)
+    if not wins:
+        return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
     chunk = _engine(cfg) == "chunk"
     base = _pin_chunk_size(cfg, rank, world) if chunk else cfg
-    why, lays = None, None
-    if chunk:  # the first pair whose layout grows the way the planned model's does (layouts cost no tensors)
-        layout = {d: _layout(at_depth(base, d), rank, world) for d in {n, *(d for ab in pairs for d in ab)}}
-        for n1, n2 in pairs:
-            lays = [layout[n1], layout[n2], layout[n]]
-            why = _layout_inconsistency(lays, rank, n1, n2, n)
-            if why is None:
-                break
-        else:
-            n1, n2 = pairs[0]
-            why = _layout_inconsistency([layout[n1], layout[n2], layout[n]], rank, n1, n2, n)
-    else:
-        n1, n2 = pairs[0]
-    a = b = None
-    if why is None:
-        a = simulate_rank(at_depth(base, n1), rank, world, None, backend=backend)
-        b = simulate_rank(at_depth(base, n2), rank, world, None, backend=backend)
-        why = _decision_inconsistency(base, a, b, n1, n2, lays[2]["optim_groups"]) if chunk else None
-    if why is not None:
-        sim = simulate_rank(cfg, rank, world, limits, backend=backend)
-        spent = sum(x["seconds"] for x in (a, b) if x is not None)
-        return {**sim, "seconds": sim["seconds"] + spent, "method": f"exact ({why})"}
-    peaks = _nested(a["peaks"], b["peaks"], n1, n2, n)
-    sim = {"rank": rank, "peaks": peaks, "traffic": _nested(a["traffic"], b["traffic"], n1, n2, n),
-           "flops": round(lerp(a["flops"], b["flops"], n1, n2, n)), "seconds": a["seconds"] + b["seconds"],
-           "engine_metrics": {}, "method": f"extrapolated from n_layer={n1},{n2}"}
-    _check_limits(peaks, limits)
-    return sim
+    layouts: dict[int, dict] = {}
+    sims: dict[int, dict] = {}
+    why = "no sampled depths"
+    for a, b, c in wins:
+        if chunk:
+            for d in (a, b, c, n):
+                if d not in layouts:
+                    layouts[d] = _layout(at_depth(base, d), rank, world)
+            why = _layout_inconsistency([layouts[d] for d in (a, b, c, n)], rank, (a, b, c, n))
+            if why is not None:
+                continue
+        need = [d for d in ((a, b, c) if verify else (b, c)) if d not in sims]
+        if windows is None and sum(sims) + sum(need) > n:  # sampling would cost more than the full depth
+            why = why if sims else "sampling costs more than the full depth"
+            break
+        for d in need:
+            sims[d] = simulate_rank(at_depth(base, d), rank, world, None, backend=backend)
+        if verify:
+            why = _disagreement(sims[a], sims[b], sims[c], (a, b, c), n)
+            if why is not None:
+                continue
+        if chunk:
+            why = _decision_inconsistency(base, sims[b], sims[c], b, c, layouts[n]["optim_groups"])
+            if why is not None:
+                continue
+        sa, sb = sims[b], sims[c]
+        peaks = _nested(sa["peaks"], sb["peaks"], b, c, n)
+        out = {"rank": rank, "peaks": peaks, "traffic": _nested(sa["traffic"], sb["traffic"], b, c, n),
+               "flops": round(lerp(sa["flops"], sb["flops"], b, c, n)), "seconds": sum(x["seconds"] for x in sims.values()),
+               "engine_metrics": {}, "window": (a, b, c),
+               "method": f"extrapolated from n_layer={b},{c}" + (f" (checked at {a})" if verify else "")}
+        _check_limits(peaks, limits)
+        return out
+    sim = simulate_rank(cfg, rank, world, limits, backend=backend)
+    return {**sim, "seconds": sim["seconds"] + sum(x["seconds"] for x in sims.values()), "method": f"exact ({why})"}
+
+
+REL, FLOOR = 1e-3, 4096
+
+
+def _disagreement(sa: dict, sb: dict, sc: dict, depths: tuple[int, int, int], n: int) -> str | None:
+    """Why (n1, n2) and (n2, n3) extrapolate to different plans at depth n (None: they agree)."""
+    a, b, c = depths
+
+    def flat(sim: dict) -> dict:
+        out = {"flops": sim["flops"], **{f"traffic {k}": v for k, v in sim["traffic"].items()}}
+        out.update({f"{m} {cat}": v for m, cats in sim["peaks"].items() for cat, v in cats.items()})
+        return out
+
+    fa, fb, fc = flat(sa), flat(sb), flat(sc)
+    for k in {*fa, *fb, *fc}:
+        x, y, z = fa.get(k, 0), fb.get(k, 0), fc.get(k, 0)
+        lo, hi = lerp(x, y, a, b, n), lerp(y, z, b, c, n)
+        if abs(lo - hi) > max(REL * abs(hi), FLOOR):
+            return f"{k} is not yet affine at n_layer={a},{b},{c}"
+    return None
 
 
 def _engine(cfg) -> str:
@@ -153,11 +186,13 @@ def _layout(cfg, rank: int, world: int) -> dict:
         return chunk_layout(cfg, model, dims)
 
 
-def _layout_inconsistency(lays: list[dict], rank: int, n1: int, n2: int, n: int) -> str | None:
-    """Why this rank's chunk layout at depth N does not follow the two sampled depths (None: it does)."""
+def _layout_inconsistency(lays: list[dict], rank: int, depths: tuple[int, ...]) -> str | None:
+    """Why this rank's chunk layout is not affine over ``depths`` (the window, then the planned depth)."""
+    d0, d1 = depths[:2]
     for k in ("chunks", "local", "local_padding", "optim_groups"):
-        if lerp(lays[0][k], lays[1][k], n1, n2, n) != lays[2][k]:
-            return f"rank {rank}'s chunk layout is not affine in depth ({k}: {lays[0][k]}, {lays[1][k]} at n_layer={n1},{n2}, {lays[2][k]} at {n})"
+        if any(lerp(lays[0][k], lays[1][k], d0, d1, d) != lay[k] for d, lay in zip(depths[2:], lays[2:])):
+            vals = ", ".join(f"{lay[k]} at {d}" for d, lay in zip(depths, lays))
+            return f"rank {rank}'s chunk layout is not affine in depth ({k}: {vals} blocks)"
     return None
 
 

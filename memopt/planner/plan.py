@@ -62,12 +62,15 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     runtime = runtime_bytes()
     try:
         backend = "gloo" if hw.device_is_host else "nccl"
-        if resolve(cfg) == "deepspeed":  # DeepSpeed does not run on fake tensors: its own rules (deepspeed_rules.py)
+        rules = resolve(cfg) == "deepspeed"  # DeepSpeed does not run on fake tensors: its own rules (deepspeed_rules.py)
+        if rules:
             from memopt.planner.deepspeed_rules import deepspeed_sim
-
-            sims = [deepspeed_sim(cfg, r, world, limits, backend, local) for r in simulated_ranks(world)]
-        else:
-            sims = [simulate(cfg, r, world, limits, backend=backend) for r in simulated_ranks(world)]
+        sims = []
+        for r in simulated_ranks(world):
+            # the depths the first rank checked serve the others (the blocks are the same on every rank)
+            hint = {"windows": [sims[0]["window"]], "verify": False} if sims and sims[0].get("window") else {}
+            sims.append(deepspeed_sim(cfg, r, world, limits, backend, local, **hint) if rules
+                        else simulate(cfg, r, world, limits, backend=backend, **hint))
     except PlanOverflow as e:
         if limits is not None or e.reason is None:
             raise

@@ -1,0 +1,70 @@
+"""Deep models planned from two shallow ones (``planner/extrapolate.py``) against the simulation of every
+block (the reference: the run's code on fake tensors at the full depth), per rank, memory and category,
+within 1%; FLOPs and link traffic too. Two ranks, so chunk groups, ZeRO shards and their padding are in play."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import typed
+
+TOL = 0.01
+COMMON = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "trainer.eval_every=0",
+          "trainer.save_checkpoint=false", "logger=none", "trainer.nproc_per_node=2"]
+
+
+def check(overrides: list[str], n_layer: int, windows: list[tuple[int, int, int]], expect: str, ranks=(0, 1)) -> None:
+    from memopt.planner.extrapolate import simulate
+    from memopt.planner.simulate import simulate_rank
+
+    cfg = typed([*COMMON, *overrides, f"model.n_layer={n_layer}"])
+    for rank in ranks:
+        got = simulate(cfg, rank, 2, windows=windows)
+        assert got["method"] == expect, got["method"]
+        full = simulate_rank(cfg, rank, 2)
+        bad = []
+        for mem, cats in full["peaks"].items():
+            for cat, want in cats.items():
+                have = got["peaks"].get(mem, {}).get(cat, 0)
+                if abs(have - want) > TOL * want:
+                    bad.append(f"rank {rank} {mem} {cat}: extrapolated {have}, full {want}")
+        assert not bad, "\n".join(bad)
+        assert got["flops"] == pytest.approx(full["flops"], rel=TOL)
+        for k, v in full["traffic"].items():
+            assert got["traffic"].get(k, 0) == pytest.approx(v, rel=TOL), k
+
+
+@pytest.mark.slow
+def test_zero3_cpu_offload_extrapolates_to_the_full_depth_once_the_slope_settles():
+    # without checkpointing the device's peak moment moves until 4 blocks: the window (3, 4, 5) disagrees
+    # with itself and is passed over; (4, 5, 6) agrees
+    check(["+strategy=[zero3,cpu_offload]"], 9, [(3, 4, 5), (4, 5, 6)], "extrapolated from n_layer=5,6 (checked at 4)")
+
+
+def test_hybrid_adam_takes_the_first_pair_whose_chunk_layout_grows_like_the_model():
+    # one block's parameters per chunk: on 2 ranks a rank's chunks grow by one every two blocks, so the
+    # window (3, 4, 5) does not follow depth 12's layout (odd chunk counts are padded) and (4, 6, 8) does
+    # (the last rank: it holds the padding chunk; both ranks in the slow test below)
+    check(["+strategy=hybrid_adam", "strategy.chunk.chunk_size=198272"], 12, [(3, 4, 5), (4, 6, 8)],
+          "extrapolated from n_layer=6,8 (checked at 4)", ranks=(1,))
+
+
+@pytest.mark.slow
+def test_hybrid_adam_extrapolates_on_both_ranks():
+    check(["+strategy=hybrid_adam", "strategy.chunk.chunk_size=198272"], 12, [(3, 4, 5), (4, 6, 8)],
+          "extrapolated from n_layer=6,8 (checked at 4)")
+
+
+@pytest.mark.slow
+def test_ddp_ckpt_extrapolates_to_the_full_depth():
+    check(["+strategy=[ddp,ckpt]"], 9, [(3, 4, 5)], "extrapolated from n_layer=4,5 (checked at 3)")
+
+
+def test_sample_depths_follow_the_period_and_leave_small_models_exact():
+    from memopt.planner.extrapolate import sample_depths
+
+    base = ["model=gpt_10b", "hardware=v100_patrickstar", "logger=none"]
+    assert sample_depths(typed(base))[0] == (3, 4, 5)
+    every_k = sample_depths(typed([*base, "+strategy=ckpt", "strategy.ckpt.policy=every_k"]))  # k = round(sqrt(50)) = 7
+    assert every_k == []  # (8, 15, 22) would cost 45 blocks of 50
+    assert sample_depths(typed(["model=gpt_tiny"])) == []  # 4 blocks: simulated block by block
+    assert sample_depths(typed([*base, "trainer.plan_exact=true"])) == []
