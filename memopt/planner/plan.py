@@ -196,9 +196,10 @@ def plan_table(plan: dict) -> str:
         lines.append(f"  step time (estimate, terms not overlapped): {st['total_s']:.3g} s = compute "
                      f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])}; "
                      f"{st['dominant']} dominates ({st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s)")
-    methods = sorted(set(plan.get("method", {}).values()))
-    lines.append(f"  planned in {plan['plan_seconds']:.1f} s ({'; '.join(methods) or 'exact'}), "
-                 f"planner peak RSS {fmt(plan['planner_peak_rss_bytes'])}")
+    methods = list(plan.get("method", {}).items())  # rank 0's says what was checked; the others reuse its depths
+    how = methods[0][1] if methods else "exact"
+    how += "".join(f"; rank {r}: {m}" for r, m in methods[1:] if m.split()[0] != how.split()[0])
+    lines.append(f"  planned in {plan['plan_seconds']:.1f} s ({how}), planner peak RSS {fmt(plan['planner_peak_rss_bytes'])}")
     return "\n".join(lines)
 
 
