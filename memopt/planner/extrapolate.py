@@ -129,7 +129,9 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
         sa, sb = sims[b], sims[c]
         peaks = _nested(sa["peaks"], sb["peaks"], b, c, n)
         out = {"rank": rank, "peaks": peaks, "traffic": _nested(sa["traffic"], sb["traffic"], b, c, n),
-               "flops": round(lerp(sa["flops"], sb["flops"], b, c, n)), "seconds": sum(x["seconds"] for x in sims.values()),
+               "flops": round(lerp(sa["flops"], sb["flops"], b, c, n)),
+               "comm_per_step": _nested(sa.get("comm_per_step") or {}, sb.get("comm_per_step") or {}, b, c, n),
+               "seconds": sum(x["seconds"] for x in sims.values()),
                "engine_metrics": {}, "window": (a, b, c),
                "method": f"extrapolated from n_layer={b},{c}" + (f" (checked at {a})" if verify else "")}
         _check_limits(peaks, limits)
