@@ -25,7 +25,12 @@ class Partitioner:
         self.overlap, self.prefetch = overlap, prefetch
         self.sync_this_backward = True
         self.in_backward = False
-        self.max_inflight = 2  # async collectives in flight before the oldest is waited for (bounds bucket memory)
+        # zero2/zero3: reduce-scatters in flight while the backward fills the next group. One, as in
+        # DeepSpeed's two IPG buckets (one reducing, one filling): a group's collective overlaps the
+        # backward that fills the next one and is waited for when that one is ready. Each in-flight
+        # group holds its flat copy, its output shard and, on gloo, an input-sized scratch: two in
+        # flight measured 36 MiB more temp than one on gpt_small zero2 (25 MiB buckets, 2 ranks).
+        self.max_inflight = 1
         self._inflight: list[FlatGroup] = []
         self._group_of = {}
         for g in groups:
