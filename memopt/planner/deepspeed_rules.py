@@ -1,63 +1,117 @@
 """``engine=deepspeed`` planned under DeepSpeed's own rules.
 
 DeepSpeed's engine does not run on fake tensors (its ``module.to(device)`` cannot swap fake
-parameters), so its model states come from DeepSpeed's published estimators
-(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``, called from the
-installed DeepSpeed: fp16 parameters and gradients, fp32 master and Adam moments, its 1.5 host buffer
-factor), and the activations and temporaries from the memopt engine's fake step of the same model
-and strategies (DeepSpeed trains the same model code, so what autograd keeps is the same). Stage 0/1
-use the stage-2 estimator (DeepSpeed has none for them); the device's model-state bytes are reported
-as ``params`` + ``optim`` split the way the estimators' comments split them.
+parameters), so its model states and buffers are counted from the buffers its ZeRO optimizers
+allocate for the config memopt translates (``engines/deepspeed.py``: bucket sizes, overlap,
+offload), and the activations and temporaries come from the memopt engine's fake step of the same
+model and strategies (DeepSpeed trains the same model code, so what autograd keeps is the same).
+
+Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16 / bf16 weights, else
+4; DeepSpeed accumulates gradients in the parameters' dtype by default), part = P / W:
+
+  stage 0   params P b; grads P b (param.grad); optim 8 P (fp32: moments, the weights are the masters)
+            or 12 P (fp16/bf16: fp32 masters + moments); a flat copy of the gradients for the
+            all-reduce (its 500M-element buckets hold any model this small whole)
+  stage 1/2 params P b (the flat low-precision copy); optim 12 part (fp32 master partition + moments;
+            DeepSpeed clones the partition even in fp32); the reduction buckets, reduce_bucket_size
+            elements x b, two with overlap_comm (allocated at every backward whatever the model size,
+            so 2 x 25 MiB dominate a small model); stage 2 also the gradient partition part x b
+  stage 3   params part b (host with offload_param) + the live gathered blocks
+            (stage3_max_live_parameters x b); optim 12 part; the gradient partition part x b; one
+            reduce bucket (one block's elements x b)
+  offload   optim and the fp32 gradient partition (4 part) on the host
+
+Not modelled: alignment padding (< 2 W elements per group), DeepSpeed's init-time transients (a
+flattening copy, counted as ``other`` by the tracker, before any activation exists). Which category
+DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
+(``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
+and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
+``params``, ``optim``, ``activations`` and the total per device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 
-def deepspeed_model_states(cfg, world: int, per_node: int) -> dict[str, dict[str, int]]:
-    """{"device": {...}, "host": {...}} model-state bytes of one rank under DeepSpeed's estimators."""
+def _param_bytes(cfg) -> int:
+    s = cfg.strategy
+    if s.fp16 is not None:
+        return 2  # DeepSpeed's fp16 keeps fp16 weights (params=fp32 is refused)
+    if s.bf16 is not None and s.bf16.params == "bf16":
+        return 2
+    return 4  # fp32, or bf16 autocast over fp32 weights
+
+
+def _block_numel(cfg) -> int:
+    """memopt's zero3 unit as the translation computes it: one block, or the root group (embeddings,
+    final LayerNorm, untied head) when that is larger."""
     from memopt import compose
+
+    mc = cfg.model
+    ln = mc.d_model * (2 if mc.bias else 1)
+    root = mc.vocab_size * mc.d_model * (1 if mc.tie_embeddings else 2) + ln
+    root += mc.seq_len * mc.d_model if mc.pos_emb == "learned" else 0
+    return max((compose.num_params(cfg) - root) // max(1, mc.n_layer), root, 1)
+
+
+def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
+    """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers."""
+    from memopt import compose
+    from memopt.strategies.precision import Precision
     from memopt.strategies.zero import selected_stage
 
-    params = compose.num_params(cfg)
-    nodes = max(1, world // per_node)
+    P, W, b = compose.num_params(cfg), max(1, world), _param_bytes(cfg)
+    part = math.ceil(P / W)
+    _, stage, scfg = selected_stage(cfg)
     offload = cfg.strategy.cpu_offload is not None
-    _, stage, _ = selected_stage(cfg)
-    if stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        largest = cfg.model.vocab_size * cfg.model.d_model  # the token embedding is the largest module
-        host, device, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes, cpu_offload=offload,
-                                                                cpu_offload_params=False, zero_init=True)
-        p16 = 4 * largest + (2 * params // world if offload else 2 * params // world)
+    dev = {"params": 0, "grads": 0, "optim": 0}
+    host = {"params": 0, "grads": 0, "optim": 0}
+    opt_mem = host if offload else dev
+    if stage == 0:
+        dev["params"], dev["grads"] = P * b, 2 * P * b  # param.grad + the flat all-reduce copy
+        dev["optim"] = 8 * P if Precision.of(cfg).param_dtype.itemsize == 4 else 12 * P
+    elif stage in (1, 2):
+        bucket = max(1, int(scfg.bucket_mb * 2**20 / b))  # reduce_bucket_size, elements of the parameter dtype
+        buffers = 2 if stage == 2 and scfg.overlap_comm else 1
+        dev["params"] = P * b
+        opt_mem["optim"] = 12 * part
+        dev["grads"] = buffers * bucket * b + (part * b if stage == 2 and not offload else 0)
+        if offload:
+            host["grads"] = 4 * part  # the fp32 gradient partition the host Adam reads
     else:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        host, device = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=offload)
-        p16 = 2 * params
-    host_rank = host // per_node  # the estimator's host bytes are per node
-    return {"device": {"params": p16, "optim": max(0, device - p16)}, "host": {"optim": host_rank}}
+        block = _block_numel(cfg)
+        live = (2 if scfg.prefetch else 1) * block * b  # stage3_max_live_parameters
+        offload_param = offload and cfg.strategy.cpu_offload.offload_param
+        (host if offload_param else dev)["params"] = part * b
+        dev["params"] += live
+        opt_mem["optim"] = 12 * part
+        dev["grads"] = block * b  # the reduce bucket
+        (host if offload else dev)["grads"] += part * b  # grad_partitions_flat_buffer
+    return {"device": dev, "host": host}
 
 
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
-    """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states from DeepSpeed's rules."""
+    """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
+    buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
     from memopt.memory.tracker import CATEGORIES
     from memopt.planner.extrapolate import simulate
 
     sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
-    states = deepspeed_model_states(cfg, world, per_node)
+    states = deepspeed_model_states(cfg, world)
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
         cats = {c: 0 for c in CATEGORIES}
-        for c in ("activations", "temp", "other"):
-            cats[c] = measured.get(c, 0) if mem == "device" else 0
-        for c, b in states[mem].items():
-            cats[c] += b
-        model_states_now = sum(states[mem].values())
-        non_model_peak = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks"))
-        cats["total"] = model_states_now + (max(0, non_model_peak) if mem == "device" else 0)
-        peaks[mem] = cats
+        if mem == "device":
+            for c in ("activations", "temp", "other"):
+                cats[c] = measured.get(c, 0)
+        for c, v in states[mem].items():
+            cats[c] += v
+        non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
+        cats["total"] = sum(states[mem].values()) + (max(0, non_model) if mem == "device" else 0)
+        if cats["total"]:
+            peaks[mem] = cats
     sim["peaks"] = peaks
-    sim["rules"] = "deepspeed estimators (model states) + memopt fake step (activations, temp)"
+    sim["rules"] = "DeepSpeed's buffers for the translated config (model states) + memopt fake step (activations, temp)"
     return sim

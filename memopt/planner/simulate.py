@@ -274,9 +274,14 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     keymap = {"cpu": "device", HOST: "host"}
     inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}
     tracker = PlanTracker(device, {inverse[k]: v for k, v in (limits or {}).items() if v is not None})
-    started = _join_fake_world(rank, world)
+    fsdp2 = cfg.engine.name == "fsdp2"
+    started = _join_fake_world(rank, world, always=fsdp2)  # FSDP2 needs a process group even for one rank
     try:
         dims = build_dims(cfg.parallel, "cpu")
+        if fsdp2 and world == 1 and dims.dp_shard.mesh is None:  # the mesh FSDP2 would make, made before the
+            from torch.distributed.device_mesh import init_device_mesh  # fake mode (its coordinates are values)
+
+            dims.dp_shard.mesh = init_device_mesh("cpu", (1,))
         t = cfg.trainer
         with tracker:
             data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
@@ -338,9 +343,10 @@ def fake_world(cfg, rank: int, world: int):
             dist.destroy_process_group()
 
 
-def _join_fake_world(rank: int, world: int) -> bool:
-    """This process as rank ``rank`` of a fake world (no-op collectives); False for one rank."""
-    if world <= 1:
+def _join_fake_world(rank: int, world: int, always: bool = False) -> bool:
+    """This process as rank ``rank`` of a fake world (no-op collectives); False for one rank (unless
+    ``always``: an engine that needs a process group even then)."""
+    if world <= 1 and not always:
         return False
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
