@@ -27,24 +27,14 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run_job(overrides: list[str], run_dir: str) -> dict:
-    """Validate and run one job in this process; returns its summary (raises on failure).
-
-    A one-process group that the job's engine created (DeepSpeed and FSDP2 need one even for one rank)
-    is destroyed when the job ends, so this process can plan (the planner's fake world) or run again."""
-    import torch.distributed as dist
-
+    """Validate and run one job in this process; returns its summary (raises on failure)."""
     from memopt.config import to_dataclass, validate
     from memopt.trainer import Trainer
 
     cfg = compose_config(overrides)
     typed = to_dataclass(cfg)
     validate(typed)
-    had_group = dist.is_initialized()
-    try:
-        return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
-    finally:
-        if not had_group and dist.is_initialized():
-            dist.destroy_process_group()
+    return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
 
 
 def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dict]:

@@ -21,8 +21,13 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             reduce bucket (one block's elements x b)
   offload   optim and the fp32 gradient partition (4 part) on the host
 
-Not modelled: alignment padding (< 2 W elements per group), DeepSpeed's init-time transients (a
-flattening copy, counted as ``other`` by the tracker, before any activation exists). Which category
+The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
+DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
+DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
+activation exists). Measured gaps left (tests/planner/test_accuracy_deepspeed.py, expected failures):
+stage 3 keeps more gathered parameters alive after the forward than memopt's fake step (gpt_tiny: b x
+510,848 elements more ``activations``, total 8% over the plan), and zero2 + cpu_offload's device total
+is ~3.3% above the plan. Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
 and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
@@ -88,7 +93,13 @@ def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
         opt_mem["optim"] = 12 * part
         dev["grads"] = block * b  # the reduce bucket
         (host if offload else dev)["grads"] += part * b  # grad_partitions_flat_buffer
-    return {"device": dev, "host": host}
+    # at the training peak (the backward's reductions) stage 1/2's gradient partition is not yet
+    # counted beside the buckets: it is left out of the total (measured: the totals then agree within 3%)
+    in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
+    # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
+    # partitions it: the params peak is at least that copy (not in the training total)
+    dev["params"] = max(dev["params"], 4 * P)
+    return {"device": dev, "host": host, "device_total": in_total}
 
 
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
@@ -109,7 +120,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         for c, v in states[mem].items():
             cats[c] += v
         non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
-        cats["total"] = sum(states[mem].values()) + (max(0, non_model) if mem == "device" else 0)
+        cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks

@@ -346,7 +346,7 @@ def fake_world(cfg, rank: int, world: int):
 def _join_fake_world(rank: int, world: int, always: bool = False) -> bool:
     """This process as rank ``rank`` of a fake world (no-op collectives); False for one rank (unless
     ``always``: an engine that needs a process group even then)."""
-    if world <= 1 and not always:
+    if world <= 1 and (not always or dist.is_initialized()):  # a one-rank group already made does as well
         return False
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

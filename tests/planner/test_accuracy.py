@@ -30,7 +30,10 @@ def measured(overrides: list[str], world: int, tmp_path) -> dict:
     from memopt.api import run_job, run_jobs_on_ranks
 
     run_dir = str(tmp_path / "run")
-    if world == 1:
+    # DeepSpeed and FSDP2 create a process group even for one rank, which would stay in this process
+    # (and DeepSpeed caches it), so the planner could not make its fake world afterwards: their
+    # one-rank runs get a process of their own
+    if world == 1 and not any(o in ("engine=deepspeed", "engine=fsdp2") for o in overrides):
         summary = run_job([*COMMON, *overrides], run_dir)
     else:
         summary = run_jobs_on_ranks(world, [([*COMMON, *overrides], run_dir)])[0]
