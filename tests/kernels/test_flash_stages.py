@@ -72,7 +72,7 @@ def _lengths(geom):
     return [
         (7, 7, True),  # shorter than every block: only the diagonal stage, ragged
         (ONE_TILE[geom], ONE_TILE[geom], True),  # exactly one diagonal tile, nothing ragged
-        (41, 41, True),  # off-band tiles, then a ragged diagonal tile
+        (41, 41, True),  # off-band tiles, a ragged diagonal tile; dK/dV: ragged off-band query tile
         (64, 64, True),  # exact multiple: the off-band stage runs to the end unmasked
         (23, 41, False),  # whole key tiles, then the ragged last one
         (41, 16, False),  # one whole key tile, no ragged one; ragged query blocks
