@@ -8,6 +8,7 @@ memory. A 6 MiB device budget is well below the model's 17 MiB of chunks.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -103,6 +104,7 @@ def test_too_small_budget_is_an_oom_with_a_diagnosis(tmp_path):
     assert "104857" in msg or "107374" in msg  # the budget in bytes (0.1 x 1 MiB-ish)
     assert "274432 B" in msg  # the bytes needed: one fp32 chunk of 68608 elements
     assert "warmup_gpu_chunk_mem_ratio" in msg  # and the fix
+    assert f"at least {math.ceil(100 * 274432 / (0.001 * 2**30)) / 100:.2f}" in msg  # the ratio that holds this moment's chunk
     with open(os.path.join(d, "summary.json")) as f:
         assert json.load(f)["status"] == "oom"
 

@@ -260,7 +260,12 @@ class ChunkManager:
         if self.static or self.tracer.warmup:
             how = (f"the {'static partition' if self.static else 'warm-up'} chunk budget W = "
                    f"warmup_gpu_chunk_mem_ratio x device budget = {_mb(budget)}")
-            fix = "raise strategy.chunk.warmup_gpu_chunk_mem_ratio or strategy.chunk.device_budget_gb, or lower strategy.chunk.chunk_size"
+            at_least = math.ceil(100 * (mine + pinned_b) / max(1, self.device_budget)) / 100  # what this moment holds at once
+            fix = (f"raise strategy.chunk.warmup_gpu_chunk_mem_ratio (to at least {at_least:.2f} for this moment) or "
+                   "strategy.chunk.device_budget_gb, or lower strategy.chunk.chunk_size")
+            if self.comm is not None and not self.comm.mem_saving and len(chunks) > 1:
+                fix += (f", or set strategy.chunk.mem_saving_comm=true (its {len(chunks)} chunks are gathered together "
+                        "by one all-gather; with it, one broadcast per chunk)")
         else:
             nm = self.tracer.nonmodel_at(pos)
             how = (f"the chunk budget {_mb(budget)} = device budget {_mb(self.device_budget)} - non-model memory "
