@@ -4,9 +4,11 @@
 
 Every row is the planner's bisection over model.n_layer (memopt/planner/search.py: largest_model) on
 the same width, sequence length, micro-batch and world: memopt's chunk engine with Hybrid Adam,
-memopt's zero3 + cpu_offload, and DeepSpeed ZeRO-3-Offload planned under DeepSpeed's own rules
-(its model-state estimators + memopt's fake step for activations). Nothing is trained; fp16 with
-activation checkpointing everywhere, as in the PatrickStar and ZeRO-Offload tables.
+memopt's chunk engine alone (optimizer on the host), memopt's zero3 + cpu_offload (parameters on the
+host too), and DeepSpeed ZeRO-3-Offload planned under DeepSpeed's own rules (its model-state
+estimators + memopt's fake step for activations). Nothing is trained; fp16 with activation
+checkpointing everywhere, as in the PatrickStar and ZeRO-Offload tables. Deep probes are planned from
+shallow ones where the planner's checks allow (memopt/planner/extrapolate.py); the last column says how.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from experiments.common import machine_line, table  # noqa: E402
 STRATEGIES = {
     "memopt hybrid_adam (chunk)": ["+strategy=[hybrid_adam,ckpt]", "strategy.chunk.mem_saving_comm=true",
                                    "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"],
+    "memopt chunk (host Adam)": ["+strategy=[chunk,fp16,ckpt]", "strategy.chunk.mem_saving_comm=true",
+                                 "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"],
     "memopt zero3 + cpu_offload": ["+strategy=[fp16,zero3,cpu_offload,ckpt]"],
     "DeepSpeed ZeRO-3-Offload (its rules)": ["engine=deepspeed", "+strategy=[fp16,zero3,cpu_offload,ckpt]"],
 }
@@ -55,17 +59,18 @@ def main() -> None:
         n, plan, tried = largest_model([*base, *extra], hw, hi=args.hi)
         secs = time.perf_counter() - t0
         if plan is None:
-            rows.append([name, "none fits", "-", "-", "-", "-", f"{secs:.0f}"])
+            rows.append([name, "none fits", "-", "-", "-", "-", "-", f"{secs:.0f}"])
             continue
         dev = max(p["device"]["total"] for p in plan["peak_bytes"].values())
         st = plan["step_time"]
+        how = plan.get("method", {}).get("0", "exact").split(" (")[0]  # extrapolated from n_layer=a,b | exact
         rows.append([name, n, f"{plan['params'] / 1e9:.1f}", f"{dev / GiB:.1f}", f"{plan['node_host_bytes'] / GiB:.0f}",
-                     f"{st['total_s']:.1f} ({st['dominant']})", f"{secs:.0f} ({len(tried)} plans)"])
+                     f"{st['total_s']:.1f} ({st['dominant']})", how, f"{secs:.0f} ({len(tried)} plans)"])
         print(name, tried, flush=True)
     print(f"hardware {hw.name}: {hw.devices_per_node} x {hw.device_memory_gb} GiB devices, {hw.host_memory_gb} GiB host; "
           f"{args.nproc} ranks, micro-batch {args.micro_batch}, seq_len 1024, width 4096")
     print(table(["strategy", "largest n_layer", "params (B)", "device peak GiB", "node host GiB", "step s (dominant)",
-                 "search s"], rows))
+                 "largest planned as", "search s"], rows))
 
 
 if __name__ == "__main__":

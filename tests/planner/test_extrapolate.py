@@ -68,3 +68,4 @@ def test_sample_depths_follow_the_period_and_leave_small_models_exact():
     assert every_k == []  # (8, 15, 22) would cost 45 blocks of 50
     assert sample_depths(typed(["model=gpt_tiny"])) == []  # 4 blocks: simulated block by block
     assert sample_depths(typed([*base, "trainer.plan_exact=true"])) == []
+
