@@ -19,8 +19,8 @@ class DivergenceGuard:
     """Counts consecutive bad steps (non-finite loss, or an fp16 step the loss scaler skipped) and
     raises ``Diverged`` when there are ``limit`` of them (0: never)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.bad = limit, 0
+    def __init__(self, limit: int, bad: int = 0):
+        self.limit, self.bad = limit, bad  # bad: the count a resumed run carries over from its checkpoint
 
     def update(self, step: int, loss: float, skipped: bool) -> None:
         self.bad = self.bad + 1 if (not math.isfinite(loss) or skipped) else 0

@@ -59,6 +59,7 @@ def classify_failure(exc: BaseException) -> str:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, group: str | None = None):
         self.cfg, self.run_dir = cfg, run_dir
+        self._carried_bad = 0  # the divergence count a resumed run continues (from the checkpoint's meta.json)
         self.device = resolve_device(cfg.trainer.device)
         self.dims = setup(self.device, cfg.parallel)
         self.rank, self.world = self.dims.rank, self.dims.world_size
@@ -116,6 +117,7 @@ class Trainer:
         if resume is not None:
             meta = checkpoint.read_meta(resume)
             checkpoint.check_compatible(meta, self._identity(), resume)
+            self._carried_bad = int(meta.get("divergence_bad", 0))  # consecutive bad steps before the checkpoint
             if meta["step"] >= t.max_steps:
                 raise ConfigError(f"checkpoint {resume} is at step {meta['step']}: nothing is left to run with "
                                   f"trainer.max_steps={t.max_steps}; raise trainer.max_steps to train further")
@@ -139,7 +141,7 @@ class Trainer:
 
             bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         step_times, optim_times, losses, val_loss = [], [], [], None
-        guard = DivergenceGuard(t.divergence_steps)
+        guard = DivergenceGuard(t.divergence_steps, bad=self._carried_bad)
         for step in range(start, t.max_steps):
             self._sync()
             t0 = time.perf_counter()
@@ -249,8 +251,8 @@ class Trainer:
             print(f"memopt: resumed from {path} at step {start}", file=sys.stderr)
         return start
 
-    def _save_resumable(self, engine, done: int) -> None:
-        meta = {**self._identity(), "run_id": self.run_id, **compose.model_record(self.cfg)}
+    def _save_resumable(self, engine, done: int, guard: DivergenceGuard) -> None:
+        meta = {**self._identity(), "run_id": self.run_id, **compose.model_record(self.cfg), "divergence_bad": guard.bad}
         path = checkpoint.save(self.run_dir, done, engine, self.rank, self.device, meta, self.cfg.trainer.keep_checkpoints)
         if path is not None:  # None: the weights were not finite, the previous checkpoint stays the last one
             self.summary["last_checkpoint"] = path
@@ -265,7 +267,7 @@ class Trainer:
         signum = self.signals.agreed(self.dims.world, self.device)
         if (due or (signum and t.checkpoint_every)) and math.isfinite(loss):
             self._beat("checkpoint save", step)
-            self._save_resumable(engine, step + 1)
+            self._save_resumable(engine, step + 1, guard)
         if signum:
             import signal
 

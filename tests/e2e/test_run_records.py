@@ -116,6 +116,21 @@ def test_resume_from_a_missing_checkpoint_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+def test_divergence_count_continues_after_resume(tmp_path):
+    """A loss scale of 2^60 overflows every fp16 step (finite losses, skipped steps). 2 skipped steps
+    end a 2-step run (limit 3) with a checkpoint; resumed to 6 steps, the first step is the third bad
+    one in a row: diverged at steps_done 3 (a count restarting at 0 would stop at 5)."""
+    d = tmp_path / "run"
+    common = ["+strategy=fp16", "strategy.fp16.init_scale=1.152921504606847e18", "trainer.divergence_steps=3",
+              "trainer.checkpoint_every=2", "trainer.eval_every=0"]
+    assert cli_run(d, [*common, "trainer.max_steps=2"]) == 0
+    assert all(r["skipped_steps"] > 0 for r in lines(d))
+    assert cli_run(d, [*common, "trainer.max_steps=6", "trainer.resume=auto"]) == EXIT_CODES["diverged"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "diverged" and s["steps_done"] == 3 and "3 consecutive steps" in s["error"], s
+
+
+@pytest.mark.slow
 def test_fp16_steps_all_skipped_is_diverged(tmp_path):
     """fp16 with optim.lr=1e4: every step overflows and is skipped; status diverged, exit 4."""
     d = tmp_path / "run"
