@@ -26,8 +26,9 @@ DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elemen
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
 activation exists). Measured gaps left (tests/planner/test_accuracy_deepspeed.py, expected failures):
 stage 3 keeps more gathered parameters alive after the forward than memopt's fake step (gpt_tiny: b x
-510,848 elements more ``activations``, total 8% over the plan), and zero2 + cpu_offload's device total
-is ~3.3% above the plan. Which category
+510,848 elements more ``activations``, total 8% over the plan); zero2 + cpu_offload's device total is
+3.3% above the plan on gpt_tiny (within 3% on the wider model); zero1 + fp16 on one rank is planned
+4-10% above the run. Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
 and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
