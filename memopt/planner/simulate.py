@@ -324,6 +324,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     finally:
         if started:
             dist.destroy_process_group()
+            _forget_dtensor_plans()
     peaks = {keymap.get(d, d): v for d, v in tracker.peaks().items()}
     traffic = dict(tracker.traffic)
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
@@ -341,6 +342,28 @@ def fake_world(cfg, rank: int, world: int):
     finally:
         if started:
             dist.destroy_process_group()
+            _forget_dtensor_plans()
+
+
+def _forget_dtensor_plans() -> None:
+    """DTensor caches its sharding decisions by op and input specs, and a spec's mesh compares equal to
+    another rank's mesh of the same shape; the cached output spec then carries the previous simulated
+    rank's mesh, whose group names died with its fake world (rank 3 of tp 2 x dp 2 failed to resolve
+    rank 0's tp group). Each simulated rank starts with empty caches."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        return
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for cache in (getattr(prop, "propagate_op_sharding", None), _gen_transform_infos,
+                  getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's own
+    if native is not None:
+        native()
 
 
 def _join_fake_world(rank: int, world: int, always: bool = False) -> bool:

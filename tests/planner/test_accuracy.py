@@ -40,13 +40,17 @@ def measured(overrides: list[str], world: int, tmp_path) -> dict:
     return {r: {("device" if d == "cpu" else d): v for d, v in devs.items()} for r, devs in summary["peak_bytes"].items()}
 
 
-def compare(plan: dict, real: dict) -> list[str]:
+def compare(plan: dict, real: dict, slack: dict | None = None) -> list[str]:
+    """Per rank, memory and category: |planned - measured| within the tolerance; ``slack`` ({category:
+    bytes}) lets the measured peak exceed the plan by that much more (what a run holds for a time no
+    plan can know; each use says what)."""
     bad = []
     for rank, devs in plan.items():
         for dev, cats in devs.items():
             for cat, want in real[rank].get(dev, {}).items():
                 got = cats.get(cat, 0)
-                if abs(got - want) > max(TOL * want, FLOOR):
+                tol = max(TOL * want, FLOOR)
+                if got - want > tol or want - got > tol + (slack or {}).get(cat, 0):
                     bad.append(f"rank {rank} {dev} {cat}: planned {got}, measured {want}")
         for dev in real[rank]:
             if dev not in devs and real[rank][dev].get("total", 0) > FLOOR:
@@ -54,10 +58,10 @@ def compare(plan: dict, real: dict) -> list[str]:
     return bad
 
 
-def check(overrides: list[str], world: int, tmp_path, skip: tuple[str, ...] = ()) -> None:
+def check(overrides: list[str], world: int, tmp_path, skip: tuple[str, ...] = (), slack: dict | None = None) -> None:
     plan = planned(overrides, world)
     real = measured(overrides, world, tmp_path)
-    bad = [b for b in compare(plan, real) if not any(f" {c}:" in b for c in skip)]
+    bad = [b for b in compare(plan, real, slack) if not any(f" {c}:" in b for c in skip)]
     assert not bad, f"{overrides} on {world} rank(s):\n" + "\n".join(bad)
 
 
@@ -132,3 +136,38 @@ def test_moe_dropless_plans_the_fullest_expert(tmp_path):
         for dev, cats in devs.items():
             assert plan[rank][dev]["activations"] >= cats["activations"]
             assert plan[rank][dev]["total"] >= cats["total"]
+
+
+# tp=2 (tests/tp): on 2 ranks (dp 1) and on 4 (tp 2 x dp_shard 2: the ZeRO stages partition tp-local
+# tensors). Logits all-gathered over tp (no loss_parallel): gloo's worker thread may drop its Work, and
+# with it the gathered (tp, B, T, V/tp) buffer, only after DTensor has copied it into the (B, T, V)
+# logits, so a rank's activations (and total) can hold one logits-sized buffer more than planned, at
+# random (seen on rank 0 once in four runs); the plan counts the buffer freed when the copy is done.
+TP2 = {"megatron": ["+strategy=tp"], "sp": ["+strategy=tp", "strategy.tp.sequence_parallel=true"],
+       "lp": ["+strategy=tp", "strategy.tp.loss_parallel=true"], "all_gather": ["+strategy=tp", "strategy.tp.form=all_gather"],
+       "sp_lp_ckpt": ["+strategy=[tp,ckpt]", "strategy.tp.sequence_parallel=true", "strategy.tp.loss_parallel=true"],
+       "zero3_sp": ["+strategy=[tp,zero3]", "strategy.tp.sequence_parallel=true"]}
+TP4 = {"zero1": ["+strategy=[tp,zero1]"], "zero2_sp": ["+strategy=[tp,zero2]", "strategy.tp.sequence_parallel=true"],
+       "zero3_lp": ["+strategy=[tp,zero3]", "strategy.tp.loss_parallel=true"],
+       "zero3_sp_lp_ckpt": ["+strategy=[tp,zero3,ckpt]", "strategy.tp.sequence_parallel=true", "strategy.tp.loss_parallel=true"]}
+
+
+def _tp_slack(overrides: list[str]) -> dict:
+    if "strategy.tp.loss_parallel=true" in overrides:
+        return {}
+    logits = 2 * 64 * 256 * 4  # micro-batch x seq_len x gpt_tiny's vocabulary, fp32
+    return {"activations": logits, "total": logits}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TP2))
+def test_matrix_tp2_two_ranks(name, tmp_path):
+    o = ["model=gpt_tiny", "parallel.tp=2", *TP2[name]]
+    check(o, 2, tmp_path, slack=_tp_slack(o))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TP4))
+def test_matrix_tp2_x_dp2_four_ranks(name, tmp_path):
+    o = ["model=gpt_tiny", "parallel.tp=2", *TP4[name]]
+    check(o, 4, tmp_path, slack=_tp_slack(o))
