@@ -280,21 +280,38 @@ class FSDP2Engine(PrecisionEngine):
         return self.model.full_state(out)
 
     # ---- resumable checkpoints: the sharded DTensors as they are (DCP writes each rank's shards) ----
+    # With +strategy=tp the DTensors are dp_shard shards of tp-local tensors: the two tp ranks' shards
+    # carry the same name and offsets, so DCP would keep one. The weights are then saved whole
+    # (single-process tensors, gathered over tp and dp_shard: what merge reads) and each rank slices
+    # its rows and its shard back; the optimizer states keep their DTensors under ``optim_tp<t>``,
+    # one key space per tp rank (the mesh, hence each rank's tp coordinate, is checked on resume).
+    def _optim_key(self) -> str:
+        return "optim" if self.tp is None else f"optim_tp{self.tp.rank}"
+
     def checkpoint_model(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.state_dict())
+        return dict(self.model.state_dict()) if self.tp is None else self.full_state_dict()
 
     def checkpoint_state(self) -> dict:
         optim = {name: dict(self.optimizer.state[p]) for name, p in self.model.named_parameters()}
-        return {"optim": optim, rank_key(): {"scaler": self.scaler_state()}}
+        return {self._optim_key(): optim, rank_key(): {"scaler": self.scaler_state()}}
 
     @torch.no_grad()
     def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if self.tp is not None:  # single-process tensors: this tp rank's rows, then this dp rank's shard
+            model = self.model.local_state(model)
         for name, t in self.model.state_dict().items():  # DCP loaded in place; copy what it did not
-            if model[name] is not t:
-                _local(t).copy_(_local(model[name]))
+            src = model[name]
+            if src is t:
+                continue
+            if isinstance(t, DTensor) and not isinstance(src, DTensor):
+                src = distribute_tensor(src.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+            _local(t).copy_(_local(src))
+        optim = state[self._optim_key()]
         for name, p in self.model.named_parameters():
             live = self.optimizer.state[p]
-            for k, v in state["optim"][name].items():
+            for k, v in optim[name].items():
                 if v is not live[k]:
                     _local(live[k]).copy_(_local(v))
         self.load_scaler_state(state[rank_key()]["scaler"])

@@ -23,6 +23,7 @@ outside ``memopt/models/`` names a model's attributes.
     step_metrics()           statistics the parts kept since the last call (MoE routing), logged per step
     tensor_parallel          None, or the TPLayout of +strategy=tp (which parameters are split over dims.tp)
     full_state(state)        the single-process tensors from this rank's state dict (gathered over tp)
+    local_state(state)       its inverse: this rank's rows of single-process tensors (resume)
 """
 from __future__ import annotations
 
@@ -160,6 +161,11 @@ class Model(nn.Module):
         """The single-process tensors from this rank's ``state`` dict: itself, or under tensor parallelism
         the split parameters gathered over tp (a collective: call on every rank)."""
         return state if self.tensor_parallel is None else self.tensor_parallel.full_state(state)
+
+    def local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors from single-process ones (``full_state``'s inverse: under tensor
+        parallelism a split parameter's rows; no communication)."""
+        return state if self.tensor_parallel is None else self.tensor_parallel.local_state(state)
 
     # ---- slots -------------------------------------------------------------------------------
     def slot(self, i: int, name: str) -> nn.Module:

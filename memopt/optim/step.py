@@ -65,7 +65,7 @@ class StepSequence:
         """(global norm, clip coefficient or None) from this rank's squared norm of its unscaled gradients;
         ``split_sq``: the part of it from tp-split gradients (the other tp ranks' parts are added)."""
         if self.tp is not None and split_sq is not None:
-            local_sq = local_sq + (self.tp.all_reduce_(split_sq.clone()) - split_sq)
+            local_sq = tp_squared_norm(local_sq, split_sq, self.tp)
         if sharded and self.dim.enabled:
             local_sq = local_sq.to(self.device, torch.float32)
             self.dim.all_reduce_(local_sq)
@@ -78,3 +78,18 @@ class StepSequence:
 
     def done(self, norm: float) -> StepResult:
         return StepResult(False, norm, self.scale)
+
+
+def tp_squared_norm(sq: torch.Tensor, mine: torch.Tensor, tp) -> torch.Tensor:
+    """The squared gradient norm of a tensor-parallel model, the same value on every tp rank.
+
+    ``sq``: this rank's sum over every gradient it holds; ``mine``: the part of it from parameters
+    split over tp (replicated ones are identical on every tp rank and count once). One all-reduce of
+    (mine, sq - mine) gives the split parts of every rank and tp copies of the replicated part, so
+    every rank computes the same number from the same two sums. (``sq + all_reduce(mine) - mine``
+    rounds differently on each rank: the clip coefficients then differed in the last bit, the
+    replicated parameters drifted apart between tp ranks, and a checkpoint, which stores one copy of
+    a replicated tensor, resumed the other rank off by that much.)"""
+    both = torch.stack([mine, sq - mine])
+    tp.all_reduce_(both)
+    return both[0] + both[1] / tp.size

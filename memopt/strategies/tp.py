@@ -87,6 +87,11 @@ class TPLayout:
             out[name] = full.to(state[name].device)
         return out
 
+    def local_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors from single-process ones (``full_state``'s inverse, no communication):
+        a split parameter's rows or columns, the others unchanged (resuming a checkpoint)."""
+        return {name: self.rules[name].local(t) if name in self.rules else t for name, t in state.items()}
+
 
 def _index(n: int, tp: int, rank: int, blocks: int = 1) -> torch.Tensor:
     """Positions of rank's share of a dimension of size n made of ``blocks`` equal parts (qkv: 3)
@@ -248,12 +253,6 @@ class TPStrategy(Strategy):
         if c.sequence_parallel and m.seq_len % tp:
             raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by parallel.tp={tp}: sequence parallelism "
                               f"gives each rank seq_len / tp positions")
-        t = cfg.trainer
-        if t.checkpoint_every or t.resume:
-            raise ConfigError(f"strategy tp with resumable checkpoints (trainer.checkpoint_every={t.checkpoint_every}, "
-                              f"trainer.resume={t.resume}) is not built: loading would have to slice the saved "
-                              "single-process tensors into each rank's rows; set trainer.checkpoint_every=0 and "
-                              "trainer.resume=null (the final model.pt is written, with single-process tensors)")
         if m.dropout > 0:
             raise ConfigError(f"model.dropout={m.dropout} with strategy tp is not built: dropout inside split regions "
                               "needs per-rank random streams (Megatron's RNG tracker); set model.dropout=0")

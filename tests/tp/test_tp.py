@@ -154,13 +154,14 @@ def check_sequence_parallel_comm(ops: dict, cfg) -> None:
     all-gathers its (B, T, C) input and reduce-scatters its output, forward and backward (roles swapped);
     no activation is all-reduced. Besides: the positions' gradient all-gathered once (T, C), the
     LayerNorms' replicated weight and bias gradients all-reduced (2 x (2L+1) vectors of C), the
-    vocabulary-parallel loss's 3 all-reduces of B x T values, and the gradient norm's scalar."""
+    vocabulary-parallel loss's 3 all-reduces of B x T values, and the gradient norm's two sums (split
+    and replicated parts: ``tp_squared_norm``)."""
     m, B = cfg.model, cfg.trainer.micro_batch_size
     L, T, C, f = m.n_layer, m.seq_len, m.d_model, 4
     act, regions = B * T * C * f, 2 * m.n_layer + 1
     assert ops["reduce_scatter"] == {"count": 2 * regions, "bytes": 2 * regions * act}
     assert ops["all_gather"] == {"count": 2 * regions + 1, "bytes": 2 * regions * act + T * C * f}
-    assert ops["all_reduce"] == {"count": 2 * (2 * L + 1) + 3 + 1, "bytes": 2 * (2 * L + 1) * C * f + 3 * B * T * f + f}
+    assert ops["all_reduce"] == {"count": 2 * (2 * L + 1) + 3 + 1, "bytes": 2 * (2 * L + 1) * C * f + 3 * B * T * f + 2 * f}
 
 
 REFUSED = {
@@ -174,12 +175,11 @@ REFUSED = {
     "fsdp2_no_dp": (["engine=fsdp2", "+strategy=[tp,zero3]"], "needs parallel.dp_shard >= 2"),
     "sp_all_gather": (["strategy.tp.form=all_gather", "strategy.tp.sequence_parallel=true"], "needs strategy.tp.form=all_reduce"),
     "dropout": (["model.dropout=0.1"], "model.dropout=0.1 with strategy tp is not built"),
-    "resumable": (["trainer.checkpoint_every=2"], "resumable checkpoints"),
     "chunked_loss": (["+strategy=[tp,chunked_loss]"], "strategies tp and chunked_loss are mutually exclusive"),
 }
 
 
-SLOW_REFUSALS = {"vocab", "deepspeed", "chunk", "sp_all_gather", "dropout", "resumable", "chunked_loss"}  # the same checks' other fields
+SLOW_REFUSALS = {"vocab", "deepspeed", "chunk", "sp_all_gather", "dropout", "chunked_loss"}  # the same checks' other fields
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_REFUSALS else n for n in REFUSED])

@@ -108,6 +108,7 @@ class MemoptEngine(PrecisionEngine):
 
     @torch.no_grad()
     def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
+        model = self.model.local_state(model)  # tensor parallelism: this rank's rows of the saved full tensors
         for g in self.part.groups:  # the weights (every rank's whole buffer, or its zero3 shard)
             for name, off, n in zip(g.names, g.offsets, g.numels):
                 val = model[name].reshape(-1)
