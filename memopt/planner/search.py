@@ -11,7 +11,13 @@ searched (every size that divides both the data-parallel ranks and the experts, 
 ``strategy.auto.ep``): it changes where the expert parameters, gradients and optimizer states live
 and adds the all-to-all buffers. ep > 1 is combined with the memopt engine without cpu_offload only
 (the chunk engine and the fused host step handle one data-parallel dimension). Tensor parallelism is
-not searched.
+searched (``strategy.auto.tp``) when the world has more than one rank and MoE is off: ``parallel.tp``
+among the divisors of the world size that the model's shape allows, with and without sequence
+parallelism and the vocabulary-parallel loss, times the ZeRO stages over the remaining data-parallel
+ranks (no offload, no chunk engine: tp refuses them). Its plans count the tp collectives and each
+rank's share of the FLOPs, so tp competes on the same step-time estimate; its ranks share their
+micro-batches, so tp x the accumulation keeps the global batch. Every candidate then names its
+``parallel.tp`` (1 for the others).
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ CKPT = {"none": ([], []), "full": (["ckpt"], []), "every_k": (["ckpt"], ["strate
 def split_base(overrides: list[str]) -> tuple[list[str], list[str], bool]:
     """(the command's overrides without what the search chooses, MoE's options for every candidate,
     whether the command named moe in ``+strategy=[...]``). The strategy selection and options are the
-    search's, except MoE's, which define the model; ``parallel.ep`` is searched when MoE is on."""
+    search's, except MoE's, which define the model; ``parallel.ep`` is searched when MoE is on,
+    ``parallel.tp`` when it is off (and the world has several ranks)."""
     base, carry, named = [], [], False
     for o in overrides:
         key = o.lstrip("+~")
@@ -37,7 +44,7 @@ def split_base(overrides: list[str]) -> tuple[list[str], list[str], bool]:
             carry.append(o)
         elif name == "strategy":
             named = named or "moe" in [v.strip() for v in value.strip("[]").split(",")]
-        elif not (name.startswith("strategy") or name == "parallel.ep"):
+        elif not (name.startswith("strategy") or name in ("parallel.ep", "parallel.tp")):
             base.append(o)
     return base, carry, named
 
@@ -90,11 +97,46 @@ def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[
                     for budget in a.chunk_budget_gb:
                         extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
                         out.append([_strategies([*model_names, preset, *ck_s]), *carry, *ck_o, *extra, *par, *batch])
+    tps = tp_sizes(cfg.model, world) if a.tp and world > 1 and cfg.strategy.moe is None else []
+    if tps:
+        out = [[*c, "parallel.tp=1"] for c in out] + _tp_candidates(cfg, tps, precisions, mbs, global_mb, world)
     unique = []
     for c in out:
         if c not in unique:
             unique.append(c)
     return unique
+
+
+def tp_sizes(model, world: int) -> list[int]:
+    """``parallel.tp`` values a GPT can be split over: divisors of the world size > 1 dividing the heads,
+    the MLP width, the vocabulary and the width (``TPStrategy.validate``'s rules); none for other
+    architectures or with dropout (tp refuses them)."""
+    if model.arch != "gpt" or model.dropout > 0:
+        return []
+    return [d for d in range(2, world + 1) if world % d == 0
+            and all(n % d == 0 for n in (model.n_head, model.ff, model.vocab_size, model.d_model))]
+
+
+def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], global_mb: int, world: int) -> list[list[str]]:
+    a = cfg.strategy.auto
+    out = []
+    for tp in tps:
+        stages = list(a.stage) if world // tp > 1 else [None]  # one data-parallel rank: nothing to partition
+        sps = [False, True] if cfg.model.seq_len % tp == 0 else [False]
+        for mb in mbs:
+            # tp ranks share their micro-batches: tp x the accumulation keeps the global batch of the others
+            batch = [f"trainer.micro_batch_size={mb}", f"trainer.grad_accum={max(1, global_mb * tp // mb)}"]
+            for ck in a.ckpt:
+                ck_s, ck_o = CKPT[ck]
+                for p in precisions:
+                    for stage in stages:
+                        for sp in sps:
+                            for lp in (False, True):
+                                names = [*PRECISION[p], *ck_s, "tp", *([stage] if stage else [])]
+                                out.append([_strategies(names), *ck_o, *batch, f"parallel.tp={tp}",
+                                            f"strategy.tp.sequence_parallel={str(sp).lower()}",
+                                            f"strategy.tp.loss_parallel={str(lp).lower()}"])
+    return out
 
 
 def _strategies(names: list[str]) -> str:

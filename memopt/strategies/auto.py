@@ -4,8 +4,8 @@ Not a memory strategy itself: before any rank starts, ``python -m memopt.train``
 fastest predicted composition that fits the ``hardware`` profile, searched over precision x
 checkpointing x ZeRO stage x optimizer offload x chunk engine budget x micro-batch (gradient
 accumulation keeps the global batch), and with ``+strategy=[auto,moe]`` (or an MoE model preset) the
-expert-parallel size ``parallel.ep``, prints the ranked candidates and runs the winner. An engine
-never sees it.
+expert-parallel size ``parallel.ep``, without MoE on several ranks tensor parallelism; it prints the
+ranked candidates and runs the winner. An engine never sees it.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class AutoConfig:
     chunk_budget_gb: list[float] = field(default_factory=lambda: [0.0])  # hybrid_adam device budgets; 0: whole device
     micro_batch_size: list[int] = field(default_factory=list)  # empty: trainer.micro_batch_size, halved up to 2 times
     ep: list[int] = field(default_factory=list)  # with +strategy=moe: expert-parallel sizes; empty: every valid one
+    tp: bool = True  # several ranks, no MoE: also tensor parallelism (parallel.tp, sequence_parallel, loss_parallel)
     top: int = 10  # ranked candidates printed
 
 

@@ -128,3 +128,37 @@ def test_auto_chooses_expert_parallelism_when_only_it_fits():
     mid = (peak["parallel.ep=1"] + peak["parallel.ep=2"]) / 2
     tight = search(cfg, small_hw((mid - runtime_bytes()) / 2**20), [*base, *auto])  # small_hw adds one runtime
     assert [_ep(r) for r in tight if r["fits"]] == ["parallel.ep=2"], [(r["label"], r.get("why")) for r in tight]
+
+
+def node_hw(nbytes: int):
+    """A CPU-only node of 2 ranks with ``nbytes`` of RAM (what a plan's ``peak`` of a fit compares with)."""
+    from memopt.memory.hardware import HardwareConfig
+
+    return HardwareConfig(name="node", device_memory_gb=1.0, host_memory_gb=nbytes / 2**30, peak_tflops={"fp32": 1.0},
+                          host_device_gbps=1.0, device_device_gbps=1.0, devices_per_node=2, device_is_host=True)
+
+
+@pytest.mark.slow
+def test_auto_searches_tensor_parallelism_on_two_ranks():
+    """World of 2: tp=2 with and without sequence / loss parallelism is planned beside data parallelism
+    (tp keeps the global batch with twice the accumulation). With room for all, each tp candidate's
+    node needs less than ddp's (half the model states per rank); with a limit between ddp's need and
+    the smallest tp need, ddp no longer fits and a tp candidate wins."""
+    from memopt.planner.search import search
+
+    base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
+            "trainer.save_checkpoint=false", "trainer.eval_every=0", "trainer.nproc_per_node=2"]
+    axes = ["strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[2]", "strategy.auto.stage=[ddp]",
+            "strategy.auto.offload=[false]"]
+    cfg = typed([*base, "+strategy=auto", *axes])
+    rows = search(cfg, node_hw(2**40), base)
+    tp = [r for r in rows if "parallel.tp=2" in r["overrides"]]
+    assert {(("strategy.tp.sequence_parallel=true" in r["overrides"]), ("strategy.tp.loss_parallel=true" in r["overrides"]))
+            for r in tp} == {(False, False), (False, True), (True, False), (True, True)}
+    assert all(r["fits"] and "trainer.grad_accum=2" in r["overrides"] for r in tp), tp
+    (ddp,) = [r for r in rows if r["overrides"][0] == "+strategy=[ddp]"]
+    assert ddp["fits"] and "trainer.grad_accum=1" in ddp["overrides"]
+    assert max(r["peak"] for r in tp) < ddp["peak"], (ddp, tp)
+    tight = search(cfg, node_hw((min(r["peak"] for r in tp) + ddp["peak"]) // 2), base)
+    assert tight[0]["fits"] and "parallel.tp=2" in tight[0]["overrides"], tight[0]
+    assert not [r for r in tight if r["overrides"][0] == "+strategy=[ddp]"][0]["fits"]
