@@ -1,26 +1,31 @@
-"""Deep models planned from two shallow ones: the blocks are identical, so the peaks are affine in depth.
+"""Deep models planned from shallow ones: the blocks are identical, so the peaks are affine in depth.
 
 A fake step costs ~0.3-0.5 ms per op whatever the tensor sizes, so a full plan of gpt_10b (50 blocks,
-two ranks, two steps) takes minutes. Every block adds the same parameters, gradients, optimizer
-states, checkpoint boundaries and FLOPs, so each rank's peak per memory and category, its traffic
-and its FLOPs are affine in the number of blocks n: ``p(N) = p(n1) + (p(n2) - p(n1)) (N - n1) / (n2 - n1)``.
-``simulate`` runs the run's own code (``simulate_rank``) at two depths n1 < n2 and extrapolates to
-the configured depth N; everything else of the configuration is the run's.
+two ranks, two steps) takes a minute or more. Every block adds the same parameters, gradients,
+optimizer states, checkpoint boundaries and FLOPs, so once the peak moment has settled each rank's
+peak per memory and category, its traffic and its FLOPs are affine in the number of blocks n:
+``p(N) = p(n2) + (p(n3) - p(n2)) (N - n2) / (n3 - n2)``. ``simulate`` runs the run's own code
+(``simulate_rank``) at three depths n1 < n2 < n3, checks that (n1, n2) and (n2, n3) extrapolate to
+the same plan at the configured depth N (0.1%), and uses (n2, n3); a window that fails the checks
+is passed over for the next one, and when none passes before sampling would cost the full depth, the
+rank is simulated block by block. Everything else of the configuration is the run's.
 
 Where it is not exact, and what is done about it:
+  * The first blocks: the peak moment moves while the model is shallow (without checkpointing, until
+    ~4 blocks: measured), hence n1 >= MIN_DEPTH and the three-depth check.
   * Depth-dependent defaults are pinned to the planned model's values: ``strategy.ckpt.k`` (every_k:
     round(sqrt(n_layer))) and the chunk engine's searched ``chunk_size``.
   * Periodic structure: checkpoint segments of k blocks and MoE layers every k blocks repeat with
-    period k, so n1 = N (mod period) and n2 = n1 + period.
+    period k, so every sampled depth is N (mod period).
   * The chunk engine's discrete decisions are checked, not assumed: this rank's chunk layout (chunks,
     its own real and padding chunks, its optimizer groups: the manager's own packing code on meta
-    parameters), Hybrid Adam's placement (the engine's rule ``groups_that_fit`` applied to the
-    extrapolated margin must give the extrapolated number of device groups) and eviction (none at
-    either depth and none needed at N, or some at both). A large chunk (gpt_10b: 3.7 blocks) in
-    groups of W ranks changes a rank's layout only every W chunks, which no shallow pair follows;
-    such a plan falls back to the exact simulation and says so.
+    parameters, ``chunk_layout``) must be affine over the window and N, Hybrid Adam's placement (the
+    engine's rule ``groups_that_fit`` applied to the extrapolated margin must give the extrapolated
+    number of device groups) and eviction (none at either depth and none needed at N, or some at
+    both). A large chunk (gpt_10b: 3.7 blocks) in groups of W ranks changes a rank's layout only every
+    W chunks, which no shallow window follows: such a plan is simulated block by block and says why.
   * ZeRO-1/2 size buckets and flat-group padding round per bucket / group (a few elements).
-Small models (n1 + n2 > N / 2) and ``trainer.plan_exact=true`` are simulated block by block.
+Small models (n1 + n2 + n3 > N / 2) and ``trainer.plan_exact=true`` are simulated block by block.
 """
 from __future__ import annotations
 
@@ -76,7 +81,7 @@ def lerp(a: float, b: float, n1: int, n2: int, n: int) -> float:
 
 def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     out = {}
-    for k in {*a, *b}:
+    for k in [*a, *(k for k in b if k not in a)]:  # the simulation's order (device before host)
         x, y = a.get(k, 0), b.get(k, 0)
         if isinstance(x, dict) or isinstance(y, dict):
             out[k] = _nested(x or {}, y or {}, n1, n2, n)

@@ -68,6 +68,9 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
                f"rank 0 alone goes over its share of {where} ({fmt(e.limit)}) while {e.category} holds "
                f"{fmt(e.live[e.category])} (the largest category)"))
         raise PreflightRefusal(msg + "; " + suggest(cfg, hw, overrides) + _off(t0)) from None
+    except ConfigError as e:  # the engine refuses the model at build (the chunk engine's host budget)
+        raise PreflightRefusal(f"preflight: {what} is refused by the engine on hardware={hw.name}: {e}; "
+                               + suggest(cfg, hw, overrides) + _off(t0)) from None
     if not plan["fits"]:
         o = plan["overflow"]
         msg = (f"preflight: {what} needs {fmt(plan['fit'][o['memory']]['bytes'])} of {o['memory']} memory, "

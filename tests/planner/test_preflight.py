@@ -32,3 +32,16 @@ def test_trivially_fitting_run_is_not_simulated():
 
     cfg = typed(["model=gpt_tiny", "logger=none"])
     assert preflight(cfg, hw(64.0)) is None
+
+
+def test_engine_refusal_at_build_is_a_preflight_refusal():
+    """The chunk engine refuses a model whose chunks exceed its host budget while building (a ConfigError,
+    before any chunk is allocated): the preflight turns it into a refusal with the engine's reason."""
+    from memopt.planner.preflight import PreflightRefusal, preflight
+
+    cfg = typed(["model=gpt_10b", "+strategy=hybrid_adam", "logger=none", "hardware.host_memory_gb=24",
+                 "hardware.device_memory_gb=null"])
+    with pytest.raises(PreflightRefusal) as e:
+        preflight(cfg, hw(24.0), ["model=gpt_10b"])
+    msg = str(e.value)
+    assert "refused by the engine" in msg and "host budget" in msg and "no composition fits" in msg, msg
