@@ -81,3 +81,8 @@ def test_sample_depths_follow_the_period_and_leave_small_models_exact():
     assert sample_depths(typed(["model=gpt_tiny"])) == []  # 4 blocks: simulated block by block
     assert sample_depths(typed([*base, "trainer.plan_exact=true"])) == []
 
+
+
+@pytest.mark.slow
+def test_fsdp2_extrapolates_to_the_full_depth():
+    check(["engine=fsdp2", "+strategy=zero3"], 9, [(3, 4, 5), (4, 5, 6)], "extrapolated from n_layer=", ranks=(0,))
