@@ -255,14 +255,13 @@ class FSDP2Engine(PrecisionEngine):
         if seq.inv != 1.0:
             torch._foreach_mul_(grads, seq.inv)
         sq = torch.zeros((), dtype=torch.float32, device=dev)
-        for g in grads:  # shards are disjoint: the squared norms of the local shards sum to the global one
-            sq = sq + g.float().pow(2).sum()
-        mine = None
-        if self.tp is not None:  # this rank's split gradients (the sequence adds the other tp ranks')
-            mine = torch.zeros((), dtype=torch.float32, device=dev)
-            for g, s in zip(grads, split):
-                if s:
-                    mine = mine + g.float().pow(2).sum()
+        # this rank's split gradients' part of sq, when tp is on (the sequence adds the other tp ranks')
+        mine = torch.zeros((), dtype=torch.float32, device=dev) if self.tp is not None else None
+        for g, s in zip(grads, split):  # shards are disjoint: the squared norms of the local shards sum to the global one
+            part = g.float().pow(2).sum()
+            sq = sq + part
+            if s and mine is not None:
+                mine = mine + part
         norm, coef = seq.clip(sq, sharded=True, split_sq=mine)
         if coef is not None:
             torch._foreach_mul_(grads, coef)
