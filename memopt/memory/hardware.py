@@ -39,17 +39,31 @@ _MEASURED: dict[str, float] = {}
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.2) -> float:
-    """Best observed matmul throughput of this CPU in TFLOP/s (cached per dtype for the process)."""
+    """Best observed square-matmul throughput of this CPU in TFLOP/s for ``dtype`` (cached per dtype
+    for the process). The size starts small and doubles up to ``n`` while one product stays under a
+    tenth of ``seconds``: a CPU without bf16/fp16 matrix units emulates them hundreds of times slower
+    than fp32 (a 512-cube bf16 product can take seconds there), so that probe stays short. At least
+    one product is timed after the warm-up, however loaded the machine (a zero peak would read as
+    "unknown")."""
     key = str(dtype)
     if key in _MEASURED:
         return _MEASURED[key]
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    size = 64
+    while True:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        t0 = time.perf_counter()
+        a @ b  # warm-up (and the size probe)
+        took = time.perf_counter() - t0
+        if size >= n or took > seconds / 10:
+            break
+        size *= 2
     best, t_end = 0.0, time.perf_counter() + seconds
-    a @ b  # warm-up
-    while time.perf_counter() < t_end:
+    while True:
         t0 = time.perf_counter()
         a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+        best = max(best, 2 * size**3 / max(time.perf_counter() - t0, 1e-9))
+        if time.perf_counter() >= t_end:
+            break
     _MEASURED[key] = best / 1e12
     return _MEASURED[key]
 
@@ -63,10 +77,11 @@ def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig
         else:
             dev_mem = host_memory_bytes() / 2**30
     if device.type == "cpu":
-        # CPUs without bf16/fp16 matrix units run low-precision matmuls no faster than fp32, so the
-        # measured fp32 peak is the reference for every dtype unless the profile says otherwise.
-        for name in ("fp32", "bf16", "fp16"):
-            peaks.setdefault(name, measure_cpu_tflops(torch.float32))
+        # measured per dtype: bf16 / fp16 matmuls are faster than fp32 on CPUs with AVX-512-BF16 / AMX
+        # and emulated (hundreds of times slower) on AVX2-only ones; a profile's own values win
+        for name, dt, secs in (("fp32", torch.float32, 0.2), ("bf16", torch.bfloat16, 0.05), ("fp16", torch.float16, 0.05)):
+            if name not in peaks:
+                peaks[name] = measure_cpu_tflops(dt, seconds=secs)
     host = hw.host_memory_gb if hw.host_memory_gb is not None else host_memory_bytes() / 2**30
     per_node = hw.devices_per_node or (torch.cuda.device_count() if device.type == "cuda" else 1)
     unified = hw.device_is_host or (device.type == "cpu" and hw.device_memory_gb is None)

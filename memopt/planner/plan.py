@@ -118,7 +118,7 @@ def step_time(cfg, hw, sim: dict) -> dict:
         "comm_s": sim["traffic"].get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None,
     }
     known = {k: v for k, v in terms.items() if v is not None}
-    total = sum(known.values()) if known else None
+    total = sum(known.values()) if terms["compute_s"] is not None else None  # comm alone would rank wrongly
     tokens = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * cfg.model.seq_len
     return {**terms, "total_s": total, "dominant": max(known, key=known.get)[:-2] if known else None,
             "compute_dtype": dtype, "peak_tflops": peak,
@@ -192,7 +192,9 @@ def plan_table(plan: dict) -> str:
         o = plan["overflow"]
         lines.append(f"  overflowing: {o['memory']}, largest category {o['category']} ({fmt(o['bytes'])})")
     st = plan["step_time"]
-    if st["total_s"]:
+    if not st["peak_tflops"]:
+        lines.append(f"  step time: not estimated (hardware {hw['name']} has no {st['compute_dtype']} peak FLOP/s)")
+    elif st["total_s"]:
         lines.append(f"  step time (estimate, terms not overlapped): {st['total_s']:.3g} s = compute "
                      f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])}; "
                      f"{st['dominant']} dominates ({st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s)")

@@ -173,7 +173,8 @@ def ranked_table(rows: list[dict], top: int) -> str:
     lines = [f"memopt auto: {sum(r['fits'] for r in rows)} of {len(rows)} candidates fit; fastest predicted first"]
     for i, r in enumerate(rows[:top]):
         if r["fits"]:
-            lines.append(f"  {i + 1:>2}. {r['step_s']:.3g} s/step ({r['dominant']}), peak {fmt(r['peak'])}: {r['label']}")
+            speed = f"{r['step_s']:.3g} s/step ({r['dominant']})" if r["step_s"] is not None else "step time unknown"
+            lines.append(f"  {i + 1:>2}. {speed}, peak {fmt(r['peak'])}: {r['label']}")
         else:
             lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
     return "\n".join(lines)
