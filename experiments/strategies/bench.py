@@ -37,13 +37,20 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--model", default="gpt_small")
     ap.add_argument("--attention", default="sdpa")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated row names (default: every row; "
+                    "'plain fp32' is always run first as the reference)")
     args = ap.parse_args()
     base = [f"model={args.model}", f"model.attention={args.attention}", "data=synthetic", *wandb_overrides("strategies"),
             f"trainer.max_steps={args.steps}", "trainer.eval_every=0", f"trainer.micro_batch_size={args.micro_batch}",
             "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.throughput_warmup_steps=1"]
     rows = []
     tmp = bench_dir("strategies")
-    for i, (name, extra) in enumerate(CONFIGS.items()):
+    chosen = ["plain fp32"] + [c for c in args.configs.split(",") if c != "plain fp32"]
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: unknown row(s) {unknown}; choose from {list(CONFIGS)}")
+    for i, name in enumerate(chosen):
+        extra = CONFIGS[name]
         s = run_job(base + extra, os.path.join(tmp, str(i)))
         dev = next(d for d in s["peak_bytes"]["0"] if d != "host")
         rows.append((name, s["peak_bytes"]["0"][dev], s["peak_bytes"]["0"].get("host", {}).get("total", 0), s["tokens_per_s"], s["final_loss"]))

@@ -48,6 +48,7 @@ class CommCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+        self.max_call = 0  # the largest single call's payload (one collective buffer)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -56,10 +57,12 @@ class CommCounter(TorchDispatchMode):
         if kind is not None:
             rec = self.ops[kind]
             rec["count"] += 1
-            rec["bytes"] += _bytes(_payload(func.namespace, kind, args, out))
+            payload = _bytes(_payload(func.namespace, kind, args, out))
+            rec["bytes"] += payload
+            self.max_call = max(self.max_call, payload)
         return out
 
     def summary(self) -> dict:
         ops = {k: dict(v) for k, v in sorted(self.ops.items())}
         return {"ops": ops, "bytes": sum(v["bytes"] for v in ops.values()),
-                "count": sum(v["count"] for v in ops.values())}
+                "count": sum(v["count"] for v in ops.values()), "max_call_bytes": self.max_call}

@@ -13,7 +13,15 @@ from tests.conftest import typed
 
 TOL, FLOOR = 0.03, 64 * 1024
 COMMON = ["model.seq_len=64", "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.eval_every=0",
-          "trainer.save_checkpoint=false", "logger=none", "trainer.progress_bar=false"]
+          "trainer.save_checkpoint=false", "logger=none", "trainer.progress_bar=false", "trainer.count_comm=true"]
+# gloo's worker thread drops its references to a collective's tensors after it has signalled completion,
+# so the caller can free a buffer and allocate the next one while gloo still holds the first: measured
+# with 2 ranks under load (an all_gather_into_tensor into a fresh 240 KB output, then del, 300 times):
+# 25-30% of the outputs were released by the worker thread, 12% were still alive right after the del.
+# A 2-rank CPU run's device ``temp`` peak can then hold one collective buffer more than the code's own
+# order says (measured 110-210 KB on chunk, FSDP2 and MoE cases, passing on re-runs). The slack is the
+# largest single collective payload the run measured (``comm_per_step.max_call_bytes``), on ``temp`` only.
+LATE_RELEASE = "temp"
 
 
 def planned(overrides: list[str], world: int) -> dict:
@@ -26,7 +34,7 @@ def planned(overrides: list[str], world: int) -> dict:
     return plan["peak_bytes"]
 
 
-def measured(overrides: list[str], world: int, tmp_path) -> dict:
+def measured(overrides: list[str], world: int, tmp_path, slack: dict | None = None) -> dict:
     from memopt.api import run_job, run_jobs_on_ranks
 
     run_dir = str(tmp_path / "run")
@@ -37,6 +45,8 @@ def measured(overrides: list[str], world: int, tmp_path) -> dict:
         summary = run_job([*COMMON, *overrides], run_dir)
     else:
         summary = run_jobs_on_ranks(world, [([*COMMON, *overrides], run_dir)])[0]
+    if slack is not None and world > 1:  # the late release of one gloo collective buffer (above)
+        slack[LATE_RELEASE] = slack.get(LATE_RELEASE, 0) + summary.get("comm_per_step", {}).get("max_call_bytes", 0)
     return {r: {("device" if d == "cpu" else d): v for d, v in devs.items()} for r, devs in summary["peak_bytes"].items()}
 
 
@@ -60,7 +70,8 @@ def compare(plan: dict, real: dict, slack: dict | None = None) -> list[str]:
 
 def check(overrides: list[str], world: int, tmp_path, skip: tuple[str, ...] = (), slack: dict | None = None) -> None:
     plan = planned(overrides, world)
-    real = measured(overrides, world, tmp_path)
+    slack = dict(slack or {})
+    real = measured(overrides, world, tmp_path, slack)
     bad = [b for b in compare(plan, real, slack) if not any(f" {c}:" in b for c in skip)]
     assert not bad, f"{overrides} on {world} rank(s):\n" + "\n".join(bad)
 
