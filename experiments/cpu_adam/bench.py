@@ -150,7 +150,7 @@ def bench_size(total: int, parts: int, reps: int, ds_cls, foreach: bool, lowp: b
             for o, p in zip(outs, data):
                 o.copy_(p)
 
-        c["+fp16 copy: memopt C++ fused"] = lambda: opt_cpp.step(grads, out_lowp=outs)
+        c["+fp16 copy: memopt C++ fused"] = lambda: opt_cpp.step(grads, out=outs)
         c["+fp16 copy: memopt C++ then copy_"] = lambda: (opt_cpp.step(grads), copy_out())
         if ds_cls is not None:
             c["+fp16 copy: DeepSpeed then copy_"] = lambda: (opt_ds.step(), copy_out())

@@ -172,8 +172,9 @@ class ShardedAdamW:
         """ZeRO-Offload's step on the host gradients ``HostGrad`` filled during the backward: one read
         of the gradients for the squared norm (which also detects fp16 overflow, as DeepSpeed's
         CPU-offload check does), then one fused kernel pass per element: unscale and clip (one factor),
-        decoupled weight decay, Adam, and the fp16/bf16 copy into the parameters when they are
-        host-addressable; then the zero1/zero2 all-gather."""
+        decoupled weight decay, Adam, and the copy into the parameters (fp16/bf16 rounding, or fp32)
+        when they are host-addressable; then the zero1/zero2 all-gather. Parameters on a CUDA device
+        are copied from the master after the pass (that copy is the host-to-device transfer)."""
         for h in self.host_grads:
             h.wait()
         grads = []
@@ -193,7 +194,7 @@ class ShardedAdamW:
         ps, gs, ms, vs, wds, outs, written = [], [], [], [], [], [], set()
         for i, (g, m) in enumerate(zip(self.groups, self.master)):
             dst = g.owned_params
-            fuse = dst.dtype in (torch.float16, torch.bfloat16) and dst.device.type == "cpu"
+            fuse = dst.dtype in (torch.float16, torch.bfloat16, torch.float32) and dst.device.type == "cpu"
             if fuse:
                 written.add(i)
             for a, b, wd in self.runs[i]:
@@ -207,7 +208,7 @@ class ShardedAdamW:
         self.step_count += 1
         self._cpu_adam.step_views(ps, gs, ms, vs, wds, outs if len(outs) == len(ps) else None, lr=lr,
                                   grad_scale=1.0 / factor)
-        if len(outs) != len(ps):  # some parameters not written by the kernel (fp32, or on a GPU): copy those
+        if len(outs) != len(ps):  # some parameters not written by the kernel (on a GPU): copy those
             written = set()
         self._write_back(skip=written)
         self.zero_grad()

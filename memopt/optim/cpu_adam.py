@@ -11,9 +11,11 @@ shared by all tensors. For step ``t`` (1-based), per element::
     v  = beta2 * v + (1 - beta2) * g * g
     p  = p * (1 - lr * wd) - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
-Optionally the updated ``p`` is also written, rounded to nearest even, into an fp16 or bf16
-tensor in the same pass (``out_lowp``; DeepSpeed's "fused copy back"): that costs 2 more bytes
-per parameter instead of a second pass that reads 4 and writes 2 (+2 for the write-allocate).
+Optionally the updated ``p`` is also written into a second tensor in the same pass (``out``;
+DeepSpeed's "fused copy back"): fp16 or bf16 (rounded to nearest even), or fp32 (a plain copy: the
+fp32 parameters of a ZeRO-Offload run on a CPU device, whose host master is a separate tensor).
+That costs 2 (4) more bytes per parameter instead of a second pass that reads 4 and writes 2 (4)
+plus the write-allocate.
 
 Implementations (chosen on measurements: ``experiments/cpu_adam/README.md``)
 ----------------------------------------------------------------------------
@@ -34,8 +36,8 @@ The step is memory bound: it reads p, g, m, v (16 B/param) and writes p, m, v (1
     DeepSpeed and ``torch._fused_adamw_`` open at least one region per tensor; on a shared,
     oversubscribed 2-core machine each extra fork/join can wait a scheduler time slice, which is
     where most of the 2-thread gap in the benchmark comes from.
-  - Fused extras: the fp16/bf16 copy-out (``out_lowp``, written from registers with
-    non-temporal stores when 64-B aligned, so it costs ~2 B/param and no read-for-ownership) and
+  - Fused extras: the fp16/bf16/fp32 copy-out (``out``, written from registers with
+    non-temporal stores when 64-B aligned, so it costs ~2 (4) B/param and no read-for-ownership) and
     the gradient unscale (``grad_scale``).
   - Compile cost: the source includes only ``torch/library.h`` and ATen's parallel header (no
     pybind, no ``torch/extension.h``) and registers a ``torch.ops.memopt_cpu_adam`` op, which
@@ -45,7 +47,8 @@ The step is memory bound: it reads p, g, m, v (16 B/param) and writes p, m, v (1
     CPU's feature flags, so a ``-march=native`` binary is never reused on a different CPU.
 * ``"torch"`` (fallback): ``torch._fused_adamw_``, PyTorch's own fused CPU kernel (what
   ``torch.optim.AdamW(fused=True)`` calls), one call per distinct weight decay; the
-  low-precision copy is a second pass (``out.copy_(p)``). Used when the kernel cannot be built
+  copy into ``out`` (any of the three dtypes) is a second pass (``out.copy_(p)``): torch's
+  kernel has no second output. Used when the kernel cannot be built
   (no compiler / ninja: a warning says why), or when asked for with ``impl="torch"`` or
   ``MEMOPT_CPU_ADAM=torch``. About as fast on one thread, slower on two and with the copy-out.
 * ``_foreach_*`` ops (``torch.optim.AdamW(foreach=True)``) make one memory pass per elementary
@@ -90,7 +93,7 @@ _CPP_SOURCE = r"""
 namespace {
 
 constexpr int64_t kChunk = 1 << 15;  // elements per work item (128 KiB of each fp32 stream)
-enum Lowp { kNone = 0, kFp16 = 1, kBf16 = 2 };
+enum Out { kNone = 0, kFp16 = 1, kBf16 = 2, kFp32 = 3 };  // what the optional copy of p is written as
 
 struct Coeffs {
   float b1, omb1, b2, omb2, decay, step_size, inv_bc2_sqrt, eps, inv_grad_scale;
@@ -108,6 +111,13 @@ template <int K>
 inline uint16_t lowp_bits(float f) {
   if constexpr (K == kBf16) return bf16_bits(f);
   else return c10::Half(f).x;  // IEEE round to nearest even, as Tensor.to(float16)
+}
+
+// Element i of the optional copy of p (K: its dtype).
+template <int K>
+inline void out_one(void* o, int64_t i, float p) {
+  if constexpr (K == kFp32) static_cast<float*>(o)[i] = p;
+  else if constexpr (K != kNone) static_cast<uint16_t*>(o)[i] = lowp_bits<K>(p);
 }
 
 // One element, with the same operations (explicit FMAs) as the SIMD body below, so an element's
@@ -145,6 +155,7 @@ inline hvec to_bf16v(vec x) {
 }
 inline void hstore(uint16_t* d, hvec h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), h); }
 inline void hstream(uint16_t* d, hvec h) { _mm256_stream_si256(reinterpret_cast<__m256i*>(d), h); }
+inline void vstream(float* a, vec x) { _mm512_stream_ps(a, x); }
 #else
 using vec = __m256;
 using hvec = __m128i;  // 8 x 16-bit
@@ -169,19 +180,41 @@ inline hvec to_bf16v(vec x) {
 }
 inline void hstore(uint16_t* d, hvec h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(d), h); }
 inline void hstream(uint16_t* d, hvec h) { _mm_stream_si128(reinterpret_cast<__m128i*>(d), h); }
+inline void vstream(float* a, vec x) { _mm256_stream_ps(a, x); }
 #endif
 
 // Each iteration reads a 128-float tile (8 cache lines) of g, then of m, v and p, and writes p, m,
 // v back tile by tile: bursts of consecutive lines per stream were measurably faster on one core
 // than interleaving the four streams line by line (experiments/cpu_adam/README.md). The optional
-// fp16/bf16 copy of p is written from registers with non-temporal stores when 64-byte aligned
-// (it is read next by a DMA copy, not by this core, and this avoids the read-for-ownership).
+// fp16/bf16/fp32 copy of p is written from registers with non-temporal stores when 64-byte aligned
+// (it is read next by a DMA copy or the next forward, not now by this core, and this avoids the
+// read-for-ownership).
 constexpr int kTile = 128;
 constexpr int kU = kTile / kLanes;
 
 template <int K>
+inline void copy_out(void* o, int64_t i, const vec* P, bool nt) {
+  if constexpr (K == kFp32) {
+    float* f = static_cast<float*>(o) + i;
+#pragma GCC unroll 16
+    for (int u = 0; u < kU; ++u) {
+      if (nt) vstream(f + kLanes * u, P[u]);
+      else vstore(f + kLanes * u, P[u]);
+    }
+  } else {
+    uint16_t* h16 = static_cast<uint16_t*>(o) + i;
+#pragma GCC unroll 16
+    for (int u = 0; u < kU; ++u) {
+      const hvec h = K == kFp16 ? to_fp16v(P[u]) : to_bf16v(P[u]);
+      if (nt) hstream(h16 + kLanes * u, h);
+      else hstore(h16 + kLanes * u, h);
+    }
+  }
+}
+
+template <int K>
 void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                 uint16_t* __restrict o, int64_t n, const Coeffs& c) {
+                 void* __restrict o, int64_t n, const Coeffs& c) {
   const vec B1 = vset(c.b1), OMB1 = vset(c.omb1), B2 = vset(c.b2), OMB2 = vset(c.omb2), DEC = vset(c.decay),
             NSS = vset(-c.step_size), IBC = vset(c.inv_bc2_sqrt), EPS = vset(c.eps), IGS = vset(c.inv_grad_scale);
   const bool nt = K != kNone && reinterpret_cast<uintptr_t>(o) % 64 == 0;
@@ -210,24 +243,17 @@ void adamw_block(float* __restrict p, const float* __restrict g, float* __restri
     for (int u = 0; u < kU; ++u) vstore(m + i + kLanes * u, M[u]);
 #pragma GCC unroll 16
     for (int u = 0; u < kU; ++u) vstore(v + i + kLanes * u, V[u]);
-    if constexpr (K != kNone) {
-#pragma GCC unroll 16
-      for (int u = 0; u < kU; ++u) {
-        const hvec h = K == kFp16 ? to_fp16v(P[u]) : to_bf16v(P[u]);
-        if (nt) hstream(o + i + kLanes * u, h);
-        else hstore(o + i + kLanes * u, h);
-      }
-    }
+    if constexpr (K != kNone) copy_out<K>(o, i, P, nt);
   }
   for (; i < n; ++i) {
     adamw_one(p[i], g[i], m[i], v[i], c);
-    if constexpr (K != kNone) o[i] = lowp_bits<K>(p[i]);
+    out_one<K>(o, i, p[i]);
   }
   if (nt) _mm_sfence();
 }
 #else
 // Portable path (no AVX2+FMA+F16C / AVX-512, or -DMEMOPT_PORTABLE): a loop the compiler vectorises
-// for the target; the fp16/bf16 copy is made per 1024-element sub-block while it is in L1.
+// for the target; the fp16/bf16/fp32 copy is made per 1024-element sub-block while it is in L1.
 inline void adamw_loop(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
                        int64_t n, const Coeffs& c) {
   const float b1 = c.b1, omb1 = c.omb1, b2 = c.b2, omb2 = c.omb2, decay = c.decay,
@@ -245,7 +271,7 @@ inline void adamw_loop(float* __restrict p, const float* __restrict g, float* __
 
 template <int K>
 void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                 uint16_t* __restrict o, int64_t n, const Coeffs& c) {
+                 void* __restrict o, int64_t n, const Coeffs& c) {
   if constexpr (K == kNone) {
     adamw_loop(p, g, m, v, n, c);
   } else {
@@ -254,7 +280,7 @@ void adamw_block(float* __restrict p, const float* __restrict g, float* __restri
       const int64_t len = std::min(kSub, n - b);
       adamw_loop(p + b, g + b, m + b, v + b, len, c);
 #pragma omp simd
-      for (int64_t i = b; i < b + len; ++i) o[i] = lowp_bits<K>(p[i]);
+      for (int64_t i = b; i < b + len; ++i) out_one<K>(o, i, p[i]);
     }
   }
 }
@@ -272,12 +298,12 @@ void check_fp32(const at::Tensor& t, int64_t numel, const char* what, size_t i) 
 }
 
 void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                at::TensorList exp_avg_sqs, at::TensorList out_lowp, at::ArrayRef<double> weight_decays,
+                at::TensorList exp_avg_sqs, at::TensorList out, at::ArrayRef<double> weight_decays,
                 double lr, double beta1, double beta2, double eps, int64_t step, double grad_scale) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && weight_decays.size() == n,
               "CPUAdamW: params, grads, exp_avgs, exp_avg_sqs and weight_decays must have the same length");
-  TORCH_CHECK(out_lowp.empty() || out_lowp.size() == n, "CPUAdamW: out_lowp must be empty or one per param");
+  TORCH_CHECK(out.empty() || out.size() == n, "CPUAdamW: out must be empty or one per param");
   TORCH_CHECK(step >= 1, "CPUAdamW: step must be >= 1");
   TORCH_CHECK(grad_scale != 0.0, "CPUAdamW: grad_scale must be nonzero");
 
@@ -286,7 +312,7 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
   std::vector<Coeffs> coeffs(n);
   std::vector<float*> P(n), M(n), V(n);
   std::vector<const float*> G(n);
-  std::vector<uint16_t*> O(n, nullptr);
+  std::vector<void*> O(n, nullptr);
   std::vector<int> kind(n, kNone);
   std::vector<Item> items;
   for (size_t i = 0; i < n; ++i) {
@@ -295,14 +321,16 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
     check_fp32(grads[i], numel, "grads", i);
     check_fp32(exp_avgs[i], numel, "exp_avgs", i);
     check_fp32(exp_avg_sqs[i], numel, "exp_avg_sqs", i);
-    if (!out_lowp.empty()) {
-      const at::Tensor& o = out_lowp[i];
+    if (!out.empty()) {
+      const at::Tensor& o = out[i];
       TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.numel() == numel &&
-                      (o.scalar_type() == at::kHalf || o.scalar_type() == at::kBFloat16),
-                  "CPUAdamW: out_lowp[", i, "] must be a contiguous CPU float16/bfloat16 tensor with ", numel,
+                      (o.scalar_type() == at::kHalf || o.scalar_type() == at::kBFloat16 ||
+                       o.scalar_type() == at::kFloat),
+                  "CPUAdamW: out[", i, "] must be a contiguous CPU float16/bfloat16/float32 tensor with ", numel,
                   " elements");
-      O[i] = static_cast<uint16_t*>(o.data_ptr());
-      kind[i] = o.scalar_type() == at::kBFloat16 ? kBf16 : kFp16;
+      TORCH_CHECK(o.data_ptr() != params[i].data_ptr(), "CPUAdamW: out[", i, "] is params[", i, "] itself");
+      O[i] = o.data_ptr();
+      kind[i] = o.scalar_type() == at::kBFloat16 ? kBf16 : o.scalar_type() == at::kHalf ? kFp16 : kFp32;
     }
     P[i] = params[i].data_ptr<float>();
     G[i] = grads[i].data_ptr<float>();
@@ -321,11 +349,17 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
       const Item& it = items[k];
       const size_t t = size_t(it.tensor);
       const int64_t b = it.begin, len = it.end - it.begin;
-      uint16_t* o = O[t] ? O[t] + b : nullptr;
       switch (kind[t]) {
-        case kFp16: adamw_block<kFp16>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, o, len, coeffs[t]); break;
-        case kBf16: adamw_block<kBf16>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, o, len, coeffs[t]); break;
-        default: adamw_block<kNone>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, o, len, coeffs[t]);
+        case kFp16:
+          adamw_block<kFp16>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, static_cast<uint16_t*>(O[t]) + b, len, coeffs[t]);
+          break;
+        case kBf16:
+          adamw_block<kBf16>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, static_cast<uint16_t*>(O[t]) + b, len, coeffs[t]);
+          break;
+        case kFp32:
+          adamw_block<kFp32>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, static_cast<float*>(O[t]) + b, len, coeffs[t]);
+          break;
+        default: adamw_block<kNone>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, nullptr, len, coeffs[t]);
       }
     }
   });
@@ -344,7 +378,7 @@ int64_t simd_width() {
 
 TORCH_LIBRARY(memopt_cpu_adam, m) {
   m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] out_lowp, float[] weight_decays, float lr, float beta1, float beta2, float eps, int step, "
+        "Tensor(d!)[] out, float[] weight_decays, float lr, float beta1, float beta2, float eps, int step, "
         "float grad_scale) -> ()");
   m.def("simd_width() -> int", &simd_width);
 }
@@ -504,15 +538,15 @@ class CPUAdamW:
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor | None], lr: float | None = None,
-             weight_decays: list[float] | None = None, out_lowp: list[torch.Tensor] | None = None,
+             weight_decays: list[float] | None = None, out: list[torch.Tensor] | None = None,
              grad_scale: float = 1.0) -> None:
         """One AdamW step, in place on ``self.params``.
 
         ``grads[i]``: fp32 CPU tensor with ``params[i]``'s numel, or ``None`` to leave that
         tensor (and its states) untouched this step. ``lr`` / ``weight_decays`` override the
-        constructor's values for this step (``weight_decays``: one per param). ``out_lowp``: one
-        fp16/bf16 CPU tensor per param (same numel) that receives the updated params, rounded to
-        nearest even. ``grad_scale``: grads are divided by it before use (loss scale times
+        constructor's values for this step (``weight_decays``: one per param). ``out``: one
+        fp16/bf16/fp32 CPU tensor per param (same numel, not the param itself) that receives the
+        updated params (fp16/bf16 rounded to nearest even). ``grad_scale``: grads are divided by it before use (loss scale times
         clip factor); the C++ kernel leaves ``grads`` unchanged, the torch fallback unscales them
         in place, so treat them as consumed.
         """
@@ -523,8 +557,8 @@ class CPUAdamW:
             weight_decays = [self.weight_decay] * n
         elif len(weight_decays) != n:
             raise ValueError(f"CPUAdamW.step: got {len(weight_decays)} weight_decays for {n} params")
-        if out_lowp is not None and len(out_lowp) != n:
-            raise ValueError(f"CPUAdamW.step: got {len(out_lowp)} out_lowp tensors for {n} params")
+        if out is not None and len(out) != n:
+            raise ValueError(f"CPUAdamW.step: got {len(out)} out tensors for {n} params")
         lr = self.lr if lr is None else float(lr)
         step = self.step_count + 1
         idx = [i for i, g in enumerate(grads) if g is not None]
@@ -536,7 +570,7 @@ class CPUAdamW:
         ms = [self.exp_avg[i] for i in idx]
         vs = [self.exp_avg_sq[i] for i in idx]
         wds = [float(weight_decays[i]) for i in idx]
-        outs = [out_lowp[i] for i in idx] if out_lowp is not None else []
+        outs = [out[i] for i in idx] if out is not None else []
         b1, b2 = self.betas
         if self.impl == "cpp":
             self._kernel(ps, gs, ms, vs, outs, wds, lr, b1, b2, self.eps, step, float(grad_scale))
@@ -546,15 +580,15 @@ class CPUAdamW:
 
     @torch.no_grad()
     def step_views(self, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
-                   vs: list[torch.Tensor], weight_decays: list[float], out_lowp: list[torch.Tensor] | None = None,
+                   vs: list[torch.Tensor], weight_decays: list[float], out: list[torch.Tensor] | None = None,
                    lr: float | None = None, grad_scale: float = 1.0) -> None:
         """One step over caller-chosen contiguous views of ``params`` and of the states (the same split
         for all four lists, e.g. a flat shard cut where the weight decay changes), so decay, unscale,
-        clip and the low-precision copy run in the one pass of ``step``. Advances ``step_count``."""
+        clip and the copy into ``out`` run in the one pass of ``step``. Advances ``step_count``."""
         lr = self.lr if lr is None else float(lr)
         step = self.step_count + 1
         b1, b2 = self.betas
-        outs = list(out_lowp) if out_lowp else []
+        outs = list(out) if out else []
         if self.impl == "cpp":
             self._kernel(ps, gs, ms, vs, outs, [float(w) for w in weight_decays], lr, b1, b2, self.eps, step,
                          float(grad_scale))
@@ -603,8 +637,10 @@ def _torch_adamw(ps, gs, ms, vs, outs, wds, lr, b1, b2, eps, step, grad_scale) -
             raise ValueError(f"CPUAdamW: grads[{i}] must be an fp32 CPU tensor with {p.numel()} elements, "
                              f"got {g.dtype} on {g.device} with {g.numel()}")
     for i, (o, p) in enumerate(zip(outs, ps)):
-        if o.dtype not in (torch.float16, torch.bfloat16) or o.device.type != "cpu" or o.numel() != p.numel():
-            raise ValueError(f"CPUAdamW: out_lowp[{i}] must be a float16/bfloat16 CPU tensor with {p.numel()} elements")
+        if (o.dtype not in (torch.float16, torch.bfloat16, torch.float32) or o.device.type != "cpu"
+                or o.numel() != p.numel() or o.data_ptr() == p.data_ptr()):
+            raise ValueError(f"CPUAdamW: out[{i}] must be a float16/bfloat16/float32 CPU tensor with {p.numel()} "
+                             "elements, other than the param itself")
     gs = [g.view_as(p) for g, p in zip(gs, ps)]
     steps = [torch.tensor(float(step))] * len(ps)  # only read by the kernel
     scale = torch.tensor(grad_scale) if grad_scale != 1.0 else None

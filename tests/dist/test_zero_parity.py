@@ -34,6 +34,7 @@ MATRIX = {
     "zero2_accum": (["+strategy=zero2", "trainer.grad_accum=2", "trainer.micro_batch_size=2"], [], "fp32"),
     "zero3_accum": (["+strategy=zero3", "trainer.grad_accum=2", "trainer.micro_batch_size=2"], [], "fp32"),
     "zero1_cpu_offload": (["+strategy=[zero1,cpu_offload]"], [], "fp32"),
+    "zero2_cpu_offload": (["+strategy=[zero2,cpu_offload]", "strategy.zero2.bucket_mb=0.5"], [], "fp32"),
     "zero2_cpu_offload_bf16": (["+strategy=[zero2,cpu_offload,bf16]", "strategy.bf16.params=bf16"], ["+strategy=bf16", "strategy.bf16.params=bf16"], "bf16"),
     "zero3_cpu_offload": (["+strategy=[zero3,cpu_offload]"], [], "fp32"),
 }

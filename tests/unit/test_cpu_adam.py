@@ -84,19 +84,25 @@ def _problem(seed=0, sizes=SIZES, steps=6):
     return p0, grads, lrs, wds
 
 
-def test_matches_float64_reference(impl):
+@pytest.mark.parametrize("fp32_out", [False, True], ids=["no_out", "fp32_out"])
+def test_matches_float64_reference(impl, fp32_out):
+    """fp32_out: the updated params are also written into fp32 tensors in the same pass (one of them
+    misaligned by an element), which must carry the same reference values."""
     betas, eps = (0.9, 0.95), 1e-8
     p0, grads, lrs, wds = _problem()
     params = [x.clone() for x in p0]
+    outs = [torch.full_like(x, float("nan")) for x in p0[:-1]] + [torch.empty(p0[-1].numel() + 1)[1:]]
     opt = CPUAdamW(params, lr=1.0, betas=betas, eps=eps, impl=impl)
     assert opt.impl == impl
     for g, lr, wd in zip(grads, lrs, wds):
-        opt.step(g, lr=lr, weight_decays=wd)
+        opt.step(g, lr=lr, weight_decays=wd, out=outs if fp32_out else None)
     assert opt.step_count == len(grads)
     ref_p, ref_m, ref_v = reference_adamw(p0, grads, lrs, wds, betas, eps)
     k = len(grads)
     for i in range(len(p0)):
         assert _err_ratio(params[i], ref_p[i], k, max(lrs)) <= 1.0, f"param {i} (n={p0[i].numel()})"
+        if fp32_out:
+            assert _err_ratio(outs[i], ref_p[i], k, max(lrs)) <= 1.0, f"out {i} (n={p0[i].numel()})"
         gmax = max(g[i].abs().max().item() for g in grads)
         torch.testing.assert_close(opt.exp_avg[i].double(), ref_m[i], rtol=0, atol=8 * k * U32 * gmax)
         torch.testing.assert_close(opt.exp_avg_sq[i].double(), ref_v[i], rtol=8 * k * U32,
@@ -158,8 +164,10 @@ def test_state_dict_round_trip(impl):
         b.load_state_dict(bad)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_copy_out(impl, dtype):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_copy_out(impl, dtype):
+    """The copy written in the same pass is Tensor.to(dtype) of the updated fp32 param, bit for bit
+    (fp32: the param itself, e.g. a ZeRO-Offload run's fp32 parameters next to the host master)."""
     sizes = [1, 7, 300, 4099, 70001]
     p0, grads, lrs, _ = _problem(seed=3, sizes=sizes, steps=2)
     p0[3][:5] = torch.tensor([1e-41, -3e-39, 7e4, 1e5, -1e-7])  # fp32 denormals, fp16 overflow/underflow
@@ -168,9 +176,10 @@ def test_low_precision_copy_out(impl, dtype):
     # a misaligned output (offset by one element) exercises the non-streaming store path
     outs = [torch.empty(n, dtype=dtype) for n in sizes[:-1]] + [torch.empty(sizes[-1] + 1, dtype=dtype)[1:]]
     for g in grads:
-        opt.step(g, out_lowp=outs)
+        opt.step(g, out=outs)
         for p, o in zip(params, outs):
-            assert torch.equal(o.view(torch.int16), p.to(dtype).view(torch.int16))
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            assert torch.equal(o.view(bits), p.to(dtype).view(bits))
     # the copy does not change the fp32 result
     plain = [x.clone() for x in p0]
     opt2 = CPUAdamW(plain, lr=1e-3, weight_decay=0.1, impl=impl)
@@ -184,7 +193,7 @@ def test_low_precision_nan_stays_nan(impl):
     p = torch.tensor([float("nan"), 1.0, float("inf")] * 50)
     opt = CPUAdamW([p], impl=impl)
     out = torch.empty(150, dtype=torch.bfloat16)
-    opt.step([torch.ones(150)], out_lowp=[out])
+    opt.step([torch.ones(150)], out=[out])
     assert out[0::3].isnan().all() and out[2::3].isinf().all() and out[1::3].isfinite().all()
 
 
@@ -219,7 +228,9 @@ def test_errors(impl):
     with pytest.raises((RuntimeError, ValueError)):
         opt.step([torch.zeros(3), torch.zeros(4)])  # wrong numel
     with pytest.raises((RuntimeError, ValueError)):
-        opt.step([torch.zeros(3), torch.zeros(5)], out_lowp=[torch.empty(3), torch.empty(5)])  # fp32 out
+        opt.step([torch.zeros(3), torch.zeros(5)], out=[torch.empty(3, dtype=torch.float64), torch.empty(5)])
+    with pytest.raises((RuntimeError, ValueError)):
+        opt.step([torch.zeros(3), torch.zeros(5)], out=[torch.empty(3), opt.params[1]])  # the param itself
     assert opt.step_count == 0  # a rejected step does not advance the counter
     with pytest.raises(ValueError, match="impl"):
         CPUAdamW([torch.zeros(3)], impl="fast")
@@ -295,9 +306,10 @@ def test_other_simd_paths(tmp_path, cflags, width):
         if {width} == 8 and w != 8:
             print("SKIP: no AVX2 here"); raise SystemExit(0)
         assert w == {width}, w
-        t.test_matches_float64_reference("cpp")
-        t.test_low_precision_copy_out("cpp", torch.float16)
-        t.test_low_precision_copy_out("cpp", torch.bfloat16)
+        t.test_matches_float64_reference("cpp", False)
+        t.test_matches_float64_reference("cpp", True)
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            t.test_copy_out("cpp", dt)
         t.test_cpp_bitwise_independent_of_threads_and_splits()
         print("OK")
     """)
