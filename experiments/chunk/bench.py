@@ -1,11 +1,11 @@
 """The chunk engine (PatrickStar) against plain memopt and DeepSpeed ZeRO-Offload, side by side.
 
-    python experiments/chunk/bench.py [--model gpt_small] [--steps 5] [--repeats 2] [--dtype bf16]
+    python experiments/chunk/bench.py [--model gpt_small] [--steps 5] [--repeats 2] [--dtype fp16|bf16|fp32]
 
 One rank, one process, every job on the same model, data and seed, one after the other (the order
 rotates between repeats; step times are the best repeat's median, the worst in parentheses):
 
-  plain                 memopt engine, mixed precision (the reference)
+  plain                 memopt engine, same precision (the reference)
   chunk unlimited       chunk engine, device budget unlimited, all Adam on the host (PatrickStar
                         without --use_hybrid_adam: ZeRO-Offload's placement)
   hybrid unlimited      + Hybrid Adam: optimizer chunks on the device as the margin allows
@@ -20,9 +20,15 @@ rotates between repeats; step times are the best repeat's median, the worst in p
   memopt zero-offload   memopt zero2 + cpu_offload (fp32 master and Adam on the host)
   deepspeed zero-offload  DeepSpeed ZeRO-2 + offload_optimizer (DeepSpeedCPUAdam), same precision
 
-Mixed precision is fp16 on CUDA and bf16 weights (fp32 masters) on a CPU, where fp16 matmuls are
-emulated and ~10x slower than bf16 ones (``--dtype`` overrides). Model states = low-precision
-params + grads (2 + 2 B) + fp32 master, momentum, variance (12 B) = 16 B per parameter.
+Precision (``--dtype``; every row the same math, so the final losses agree): fp16 on CUDA; on a
+CPU bf16 weights (fp32 masters) when it has bf16 matrix instructions (AVX-512-BF16 or AMX), else
+fp32, because without them bf16 and fp16 matmuls are emulated (~40x slower than fp32 on an AVX2
+CPU: minutes per gpt_small step). Model states per parameter: fp16/bf16 params + grads (2 + 2 B) +
+fp32 master, momentum, variance (12 B) = 16 B; in fp32 params + grads 4 + 4 B + 12 B = 20 B (the
+chunk engine keeps its fp32 master chunk next to the parameter chunk; memopt's and DeepSpeed's
+ZeRO-Offload keep the host master next to the device parameters too). The budget rows are cut
+from these bytes, so in fp32 the param+grad chunks are 40% of the states (25% in mixed precision).
+A job that fails (e.g. a budget too small for the chunks a moment needs) is reported as a row.
 """
 from __future__ import annotations
 
@@ -33,14 +39,25 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import bench_dir, machine_line, mib, table, wandb_overrides  # noqa: E402
+from experiments.common import bench_dir, cpu_has_bf16_matmul, machine_line, mib, table, wandb_overrides  # noqa: E402
 from memopt.api import run_job  # noqa: E402
 
 DTYPES = {
     "fp16": {"plain": ["+strategy=fp16"], "chunk": ["+strategy=[chunk,fp16]"], "hybrid": ["+strategy=hybrid_adam"]},
     "bf16": {"plain": ["+strategy=bf16", "strategy.bf16.params=bf16"],
              "chunk": ["+strategy=[chunk,bf16]", "strategy.bf16.params=bf16"], "hybrid": ["+strategy=hybrid_adam_bf16"]},
+    "fp32": {"plain": [], "chunk": ["+strategy=chunk"], "hybrid": ["+strategy=hybrid_adam_fp32"]},
 }
+STATE_BYTES = {"fp16": 16, "bf16": 16, "fp32": 20}  # model-state bytes per parameter (see above)
+
+
+def default_dtype(cuda: bool) -> str:
+    return "fp16" if cuda else "bf16" if cpu_has_bf16_matmul() else "fp32"
+
+
+def offload_strategy(dtype: str) -> list[str]:
+    """zero2 + cpu_offload in ``dtype`` (fp32: no precision strategy)."""
+    return ["+strategy=[zero2,cpu_offload]" if dtype == "fp32" else f"+strategy=[zero2,cpu_offload,{dtype}]"]
 GiB = 2**30
 
 
@@ -58,7 +75,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the median (the first is the chunk warm-up)")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="fp16" if torch.cuda.is_available() else "bf16", choices=list(DTYPES))
+    ap.add_argument("--dtype", default=default_dtype(torch.cuda.is_available()), choices=list(DTYPES),
+                    help="default: fp16 on CUDA; on a CPU bf16 with AVX-512-BF16/AMX, else fp32")
     ap.add_argument("--no-deepspeed", action="store_true")
     args = ap.parse_args()
     d = DTYPES[args.dtype]
@@ -70,10 +88,16 @@ def main() -> None:
 
     tmp = bench_dir("chunk")
     results: dict[str, list[tuple[dict, str]]] = {}
+    failed: dict[str, str] = {}
 
     def run(name: str, extra: list[str], rep: int) -> tuple[dict, str]:
         rd = os.path.join(tmp, f"{rep}-{name.replace(' ', '_').replace('%', 'pct')}")
-        s = run_job(base + extra, rd)
+        try:
+            s = run_job(base + extra, rd)
+        except Exception as e:  # reported as a row: the other rows still say something
+            failed[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            print(f"{name} (repeat {rep}): {failed[name]}", file=sys.stderr)
+            return {}, rd
         results.setdefault(name, []).append((s, rd))
         print(f"done: {name} (repeat {rep}): {s['step_time_s']:.2f} s/step", file=sys.stderr)
         return s, rd
@@ -82,7 +106,7 @@ def main() -> None:
     s0, rd = run("chunk unlimited", d["chunk"], 0)
     nonmodel = chunk_records(rd)[-1]["max_nonmodel_bytes"]
     n_params = s0["params"]
-    states = 16 * n_params
+    states = STATE_BYTES[args.dtype] * n_params
 
     def budget(frac: float) -> list[str]:
         chunk_budget = frac * states
@@ -98,10 +122,10 @@ def main() -> None:
         "hybrid 12.5%": d["hybrid"] + budget(0.125),
         "static hybrid 12.5%": [d["hybrid"][0].replace("+strategy=", "+strategy=[static_partition,") + "]"] + budget(0.125),
         "chunk 50%": d["chunk"] + budget(0.5),
-        "memopt zero-offload": [f"+strategy=[zero2,cpu_offload,{args.dtype}]"] + d["plain"][1:],
+        "memopt zero-offload": offload_strategy(args.dtype) + d["plain"][1:],
     }
     if not args.no_deepspeed:
-        jobs["deepspeed zero-offload"] = ["engine=deepspeed", f"+strategy=[zero2,cpu_offload,{args.dtype}]"] + d["plain"][1:]
+        jobs["deepspeed zero-offload"] = ["engine=deepspeed", *offload_strategy(args.dtype)] + d["plain"][1:]
     names = list(jobs)
     for rep in range(args.repeats):
         k = rep % len(names)
@@ -115,6 +139,9 @@ def main() -> None:
     ref = best["plain"][0]["step_time_s"]
     rows = []
     for n in names:
+        if n not in best:
+            rows.append([n, failed.get(n, "not run")] + [""] * 10)
+            continue
         s, rd = best[n]
         dev = next((k for k in s["peak_bytes"]["0"] if k != "host"), "cpu")
         peaks = s["peak_bytes"]["0"]

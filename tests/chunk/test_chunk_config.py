@@ -26,6 +26,11 @@ def test_hybrid_adam_bf16_preset():
     assert set(s.selected()) == {"chunk", "bf16", "hybrid_adam"} and s.bf16.params == "bf16"
 
 
+def test_hybrid_adam_fp32_preset():
+    s = typed(["+strategy=hybrid_adam_fp32"]).strategy
+    assert set(s.selected()) == {"chunk", "hybrid_adam"}  # no precision strategy: fp32
+
+
 def test_static_partition_pulls_in_chunk_and_combines():
     assert typed(["+strategy=static_partition"]).strategy.chunk is not None
     s = typed(["+strategy=[chunk,static_partition]"]).strategy

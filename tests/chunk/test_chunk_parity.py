@@ -41,6 +41,7 @@ CASES = {
     "chunk_ckpt_act_offload_tight": (["+strategy=[chunk,ckpt,act_offload]", *tight(6.5)], "fp32"),
     "chunk_grad_accum_tight": (["+strategy=chunk", "trainer.micro_batch_size=2", "trainer.grad_accum=2", *tight(8)], "fp32"),
     "static_partition_tight": (["+strategy=static_partition", *tight(12)], "fp32"),
+    "hybrid_adam_fp32_split": (["+strategy=hybrid_adam_fp32", "strategy.hybrid_adam.max_device_chunks=1"], "fp32"),
     "chunk_fp16": (["+strategy=[chunk,fp16]", *FP16], "fp16"),
     "hybrid_adam": (["+strategy=hybrid_adam", *FP16], "fp16"),
     "hybrid_adam_ckpt_offload_accum_tight": (["+strategy=[hybrid_adam,ckpt,act_offload]", *FP16, *tight(3),
@@ -80,3 +81,5 @@ def test_chunk_follows_memopt_trajectory(refs, tmp_path, monkeypatch, name):
     assert err <= TOL[dtype], f"{name}: max relative loss error {err:.2e} > {TOL[dtype]:.0e}"
     if "tight" in name:
         assert engine.step_metrics()["evictions"] > 0, "the tight budget should force evictions"
+    if "split" in name:  # Adam on both sides: one optimizer group on the device, the rest on the host
+        assert engine.step_metrics()["optim_chunks_on_device"] == 1
