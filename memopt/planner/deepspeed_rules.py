@@ -16,19 +16,28 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             DeepSpeed clones the partition even in fp32); the reduction buckets, reduce_bucket_size
             elements x b, two with overlap_comm (allocated at every backward whatever the model size,
             so 2 x 25 MiB dominate a small model); stage 2 also the gradient partition part x b
-  stage 3   params part b (host with offload_param) + the live gathered blocks
-            (stage3_max_live_parameters x b); optim 12 part; the gradient partition part x b; one
-            reduce bucket (one block's elements x b)
-  offload   optim and the fp32 gradient partition (4 part) on the host
+  stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
+            one reduce bucket (one block's elements x b); in the total, the live gathered blocks
+            (stage3_max_live_parameters x b), which a run counts where they are gathered (activations
+            or temp), not as params; activations + what DeepSpeed's coordinator still holds gathered
+            when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its prefetch/release
+            rules: on gpt_tiny b x 510,848 elements), and the end of the forward is a second
+            candidate for the total peak (partitions, buffers, those activations)
+  offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
+            masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition
 
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
-activation exists). Measured gaps left (tests/planner/test_accuracy_deepspeed.py, expected failures):
-stage 3 keeps more gathered parameters alive after the forward than memopt's fake step (gpt_tiny: b x
-510,848 elements more ``activations``, total 8% over the plan); zero2 + cpu_offload's device total is
-3.3% above the plan on gpt_tiny (within 3% on the wider model); zero1 + fp16 on one rank is planned
-4-10% above the run. Which category
+activation exists; on one rank with zero3 + cpu_offload they are the device peak: initialize gathers
+every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3's backward (its peak is in the first
+reduce-scatter; the plan takes the end of the forward, measured 1.5-3.4% below it). Measured gaps left
+(tests/planner/test_accuracy_deepspeed.py, expected failures): zero3 + fp16 on the wider model (3.4%
+under), zero3 + cpu_offload on gpt_tiny 2 ranks (3.05% under; a second run's rank 0 was 262,144 B
+higher still, timing of the overlapped reductions) and on one rank (the init transient above); zero2 +
+cpu_offload's device total is 3.3% above the plan on gpt_tiny (within 3% on the wider model); zero1 +
+fp16 on one rank is planned 4-10% above the run. engine=deepspeed with MoE is not planned
+(``PlanUnsupported``: DeepSpeed-MoE's expert groups and gate are not modelled). Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
 and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
@@ -94,13 +103,26 @@ def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
         opt_mem["optim"] = 12 * part
         dev["grads"] = block * b  # the reduce bucket
         (host if offload else dev)["grads"] += part * b  # grad_partitions_flat_buffer
+        if offload:
+            host["grads"] += 4 * part  # the fp32 master partitions' .grad buffers, allocated up front
     # at the training peak (the backward's reductions) stage 1/2's gradient partition is not yet
     # counted beside the buckets: it is left out of the total (measured: the totals then agree within 3%)
     in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
+    held = 0
+    if stage == 3 and W > 1:  # what DeepSpeed's coordinator still holds gathered when the forward returns
+        # (on one rank nothing is gathered: a parameter's data is its partition)
+        from memopt.planner.deepspeed_fetch import held_after_forward, module_trace
+
+        block = _block_numel(cfg)
+        held = b * held_after_forward(*module_trace(cfg), W, (2 if scfg.prefetch else 1) * block,
+                                      block if scfg.prefetch else 0)
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
-    dev["params"] = max(dev["params"], 4 * P)
-    return {"device": dev, "host": host, "device_total": in_total}
+    # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
+    # activations or temp)
+    dev["params"] = max(dev["params"] - (live if stage == 3 else 0), 4 * P)
+    return {"device": dev, "host": host, "device_total": in_total, "held_after_forward": held,
+            "live_gathered": live if stage == 3 else 0}
 
 
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
@@ -108,6 +130,14 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
     from memopt.memory.tracker import CATEGORIES
     from memopt.planner.extrapolate import simulate
+    from memopt.planner.simulate import PlanUnsupported
+
+    if cfg.strategy.moe is not None:
+        raise PlanUnsupported(
+            "engine=deepspeed with +strategy=moe is not planned: DeepSpeed-MoE partitions its experts in their own "
+            "ZeRO groups (their buffers and reductions per expert group are not modelled, nor measured) and routes "
+            "with its own gate, not the MoE layer memopt's fake step runs; plan it with engine=memopt, or run with "
+            "trainer.preflight=false")
 
     sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
     states = deepspeed_model_states(cfg, world)
@@ -118,10 +148,16 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if mem == "device":
             for c in ("activations", "temp", "other"):
                 cats[c] = measured.get(c, 0)
+            cats["activations"] += states["held_after_forward"]
         for c, v in states[mem].items():
             cats[c] += v
         non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
         cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
+        if mem == "device" and states["held_after_forward"]:
+            # stage 3's other candidate moment: the end of the forward (the partitions and buffers,
+            # no block in flight, the step's activations and what DeepSpeed keeps gathered)
+            at_forward_end = states["device_total"] - states["live_gathered"] + cats["activations"] + cats["other"]
+            cats["total"] = max(cats["total"], at_forward_end)
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks

@@ -19,17 +19,26 @@ from tests.planner.test_accuracy import FLOOR, TOL, measured, planned
 COMPARED = ("params", "optim", "activations", "total")
 MODELS = [["model=gpt_tiny"], ["model=gpt_tiny", "model.n_layer=3", "model.d_model=96", "model.n_head=4"]]
 HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see test_accuracy.py)
-# Not yet within 3% (measured here; strict expected failures, so the mark goes with the fix): stage 3
-# keeps b x 510,848 elements more of gathered parameters alive after the forward on gpt_tiny (counted
-# as activations; zero3 fp32 total 16.53 MB measured vs 15.14 MB planned); zero2 + cpu_offload on
-# gpt_tiny 63.36 MB measured vs 61.24 MB planned (the wider model passes); zero1 + fp16 on one rank
-# 40.83 MB measured vs 45.04 MB planned (gpt_tiny; wider: 33.25 vs 34.74 MB).
+# Not yet within 3% (measured here; strict expected failures, so the mark goes with the fix):
+# zero1 + fp16 on one rank 40.83 MB measured vs 45.04 MB planned (gpt_tiny; wider: 33.25 vs 34.74 MB);
+# zero2 + cpu_offload on gpt_tiny 63.36 MB measured vs 61.24 MB planned (the wider model passes);
+# stage 3, where the plan takes the end of the forward and DeepSpeed's peak is in the first
+# reduce-scatter of the backward: zero3 + fp16 on the wider model 5.86 MB measured vs 5.66 MB planned
+# (3.4%), zero3 + cpu_offload on gpt_tiny (2 ranks) 8.20 MB in one run on both ranks, 8.46 MB on rank 0
+# in an identical run (rank 1: 8.20 MB again; the 262,144 B spread is the timing of the overlapped
+# reductions) vs 7.95 MB planned (3.05% under the lower value, so strict); zero3 + cpu_offload on one
+# rank, whose device peak is at ``initialize`` (DeepSpeed's create_reduce_and_remove_grad_hooks gathers
+# every parameter: 14.87 MB of ``other`` on gpt_tiny, 7.07 MB wider), an init transient not modelled.
 GAP = pytest.mark.xfail(strict=True, reason="DeepSpeed rules not yet within 3% here (see the comment above)")
 TINY, WIDE = MODELS
 CASES = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,fp16]", HEALTHY]), (1, ["+strategy=zero2"]),
-         pytest.param(1, ["+strategy=[zero1,fp16]", HEALTHY], marks=GAP),
-         pytest.param(2, ["+strategy=zero3"], marks=GAP), pytest.param(2, ["+strategy=[zero3,fp16]", HEALTHY], marks=GAP),
-         pytest.param(2, ["+strategy=[zero3,cpu_offload]"], marks=GAP), pytest.param(1, ["+strategy=[zero3,cpu_offload]"], marks=GAP)]
+         (1, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=zero3"]), (2, ["+strategy=[zero3,fp16]", HEALTHY]),
+         (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"])]
+GAPS = {(1, "+strategy=[zero1,fp16]", "tiny"), (1, "+strategy=[zero1,fp16]", "tiny_wide"),
+        (2, "+strategy=[zero3,fp16]", "tiny_wide"), (2, "+strategy=[zero3,cpu_offload]", "tiny"),
+        (1, "+strategy=[zero3,cpu_offload]", "tiny"), (1, "+strategy=[zero3,cpu_offload]", "tiny_wide")}
+MATRIX = [pytest.param(world, ov, model, marks=GAP if (world, ov[0], mid) in GAPS else (), id=f"{world}rank-{'+'.join(ov)}-{mid}")
+          for world, ov in CASES for model, mid in ((TINY, "tiny"), (WIDE, "tiny_wide"))]
 
 
 def compare_deepspeed(plan: dict, real: dict) -> list[str]:
@@ -55,8 +64,7 @@ def check_deepspeed(world: int, ov: list[str], tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS, ids=["tiny", "tiny_wide"])
-@pytest.mark.parametrize("world,overrides", CASES, ids=lambda o: "+".join(o) if isinstance(o, list) else f"{o}rank")
+@pytest.mark.parametrize("world,overrides,model", MATRIX)
 def test_matrix_deepspeed(world, overrides, model, tmp_path):
     check_deepspeed(world, [*model, *overrides], tmp_path)
 
