@@ -23,7 +23,12 @@ Where it is not exact, and what is done about it:
     engine's rule ``groups_that_fit`` applied to the extrapolated margin must give the extrapolated
     number of device groups) and eviction (none at either depth and none needed at N, or some at
     both). A large chunk (gpt_10b: 3.7 blocks) in groups of W ranks changes a rank's layout only every
-    W chunks, which no shallow window follows: such a plan is simulated block by block and says why.
+    W chunks, which no shallow window follows. Hence the chunk engine (period 1: no every_k segments,
+    no MoE) is not extrapolated first but *replayed* (``chunk_replay.py``): a recorded 5-block step's
+    model side, stretched to N blocks, drives the real engine built at depth N, so the layout and the
+    engine's decisions are the planned model's own, not extrapolated (exact by construction; the
+    first rank checks the stretch against a 6-block recording). Where the replay does not apply (the
+    reason is kept), the windows above are tried, then the block-by-block simulation.
   * ZeRO-1/2 size buckets and flat-group padding round per bucket / group (a few elements).
 Small models (n1 + n2 + n3 > N / 2) and ``trainer.plan_exact=true`` are simulated block by block.
 """
@@ -91,24 +96,37 @@ def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
 
 
 def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: str = "gloo",
-             windows: list[tuple[int, int, int]] | None = None, verify: bool = True) -> dict:
+             windows: list[tuple[int, int, int]] | None = None, verify: bool = True, replay: int | None = None) -> dict:
     """``simulate_rank``'s result for ``cfg``: exact for small models, else extrapolated from the last
     two depths of the first window (``sample_depths``, or ``windows``) that passes the checks: the
     first two depths extrapolate to the same plan as the last two (within 0.1%; ``verify=False`` skips
     this, for a rank after one that passed it), the chunk layout is affine over the window and the
-    planned depth, the chunk engine's decisions follow. ``method`` says which, and why the exact
+    planned depth, the chunk engine's decisions follow. The chunk engine is first planned by replaying
+    a recorded shallow step at depth N (``chunk_replay.py``; ``replay``: the recorded depth, else
+    ``REPLAY_DEPTH`` when the model is deep enough to sample). ``method`` says which, and why the exact
     simulation was taken when extrapolation was tried; ``window`` is the window used."""
     from memopt.planner.simulate import simulate_rank
 
     n = cfg.model.n_layer
     wins = windows or sample_depths(cfg)
-    if not wins:
-        return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
     chunk = _engine(cfg) == "chunk"
+    if not wins and replay is None:
+        return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
     base = _pin_chunk_size(cfg, rank, world) if chunk else cfg
+    why = "no sampled depths"
+    seconds, replay_why = 0.0, None
+    if chunk and windows is None and (replay is not None or period(cfg) == 1):
+        from memopt.planner.chunk_replay import Unsupported
+
+        try:
+            return _replayed(base, rank, world, limits, backend, replay or REPLAY_DEPTH, verify)
+        except Unsupported as e:
+            replay_why, seconds = f"not replayed: {e}", getattr(e, "seconds", 0.0)
+        if not wins:
+            sim = simulate_rank(cfg, rank, world, limits, backend=backend)
+            return {**sim, "seconds": sim["seconds"] + seconds, "method": f"exact ({replay_why})"}
     layouts: dict[int, dict] = {}
     sims: dict[int, dict] = {}
-    why = "no sampled depths"
     for a, b, c in wins:
         if chunk:
             for d in (a, b, c, n):
@@ -142,7 +160,37 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
         _check_limits(peaks, limits)
         return out
     sim = simulate_rank(cfg, rank, world, limits, backend=backend)
-    return {**sim, "seconds": sim["seconds"] + sum(x["seconds"] for x in sims.values()), "method": f"exact ({why})"}
+    why = why if replay_why is None else f"{replay_why}; {why}"
+    return {**sim, "seconds": sim["seconds"] + seconds + sum(x["seconds"] for x in sims.values()), "method": f"exact ({why})"}
+
+
+REPLAY_DEPTH = 5  # blocks of the recorded step: blocks 2 and 3 are the two middle ones compared
+
+
+def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: bool) -> dict:
+    """The chunk engine at depth N from an n-block recording (``chunk_replay.py``); with ``verify``, the
+    recording stretched to n + 1 blocks must equal the recording of n + 1 blocks item for item (every
+    byte the model side allocates and frees, in order, every call into the engine, the FLOPs and the
+    traffic), else ``Unsupported`` says so."""
+    import time
+
+    from memopt.planner import chunk_replay
+
+    t0 = time.perf_counter()
+    N = cfg.model.n_layer
+    try:
+        streams, _ = chunk_replay.record(at_depth(cfg, n), rank, world, backend)
+        if verify:
+            deeper, _ = chunk_replay.record(at_depth(cfg, n + 1), rank, world, backend)
+            if chunk_replay.stretch(streams, n, n + 1) != chunk_replay.stretch(deeper, n + 1, n + 1):
+                raise chunk_replay.Unsupported(f"the {n}-block recording stretched to {n + 1} blocks differs from the "
+                                               f"{n + 1}-block recording")
+        sim = chunk_replay.replay(cfg, streams, n, rank, world, limits, backend)
+    except chunk_replay.Unsupported as e:
+        e.seconds = time.perf_counter() - t0
+        raise
+    return {**sim, "seconds": time.perf_counter() - t0, "window": None, "replay": n,
+            "method": f"replayed at n_layer={N} from a recorded n_layer={n} step" + (f" (checked at {n + 1})" if verify else "")}
 
 
 REL, FLOOR = 1e-3, 4096

@@ -68,7 +68,8 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         sims = []
         for r in simulated_ranks(world):
             # the depths the first rank checked serve the others (the blocks are the same on every rank)
-            hint = {"windows": [sims[0]["window"]], "verify": False} if sims and sims[0].get("window") else {}
+            hint = {"windows": [sims[0]["window"]], "verify": False} if sims and sims[0].get("window") else \
+                {"replay": sims[0]["replay"], "verify": False} if sims and sims[0].get("replay") else {}
             sims.append(deepspeed_sim(cfg, r, world, limits, backend, local, **hint) if rules
                         else simulate(cfg, r, world, limits, backend=backend, **hint))
     except PlanOverflow as e:
