@@ -28,7 +28,8 @@ depend on the layout (the recorded calls carry names, never chunks; a model tens
 engine other than a gradient the engine takes, or an engine tensor freed by the model, stops the
 recording), and middle blocks repeat (the template check). ``extrapolate.simulate`` further checks
 the stretch on the first simulated rank: the recording of n blocks stretched to n + 1 must equal the
-recording of n + 1 blocks item for item. Tensors the model makes in one step and frees outside it
+recording of n + 1 blocks item for item; the other planned rank replays that rank's recording (the
+model side is every rank's: the engine's hooks run in the same order on every rank). Tensors the model makes in one step and frees outside it
 (the loss the caller drops) are freed at the end of their step, where the caller drops them.
 
 Measured (tests/planner/test_chunk_replay.py): byte-identical peaks, FLOPs, traffic, collectives and

@@ -178,19 +178,29 @@ def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: 
 
     t0 = time.perf_counter()
     N = cfg.model.n_layer
+    key = (repr(at_depth(cfg, n)), world, backend)
+    mine = _RECORDED.get(key) if not verify else None  # the model side is every rank's (comm.py: same calls, same order)
     try:
-        streams, _ = chunk_replay.record(at_depth(cfg, n), rank, world, backend)
-        if verify:
-            deeper, _ = chunk_replay.record(at_depth(cfg, n + 1), rank, world, backend)
-            if chunk_replay.stretch(streams, n, n + 1) != chunk_replay.stretch(deeper, n + 1, n + 1):
-                raise chunk_replay.Unsupported(f"the {n}-block recording stretched to {n + 1} blocks differs from the "
-                                               f"{n + 1}-block recording")
-        sim = chunk_replay.replay(cfg, streams, n, rank, world, limits, backend)
+        if mine is None:
+            streams, _ = chunk_replay.record(at_depth(cfg, n), rank, world, backend)
+            if verify:
+                deeper, _ = chunk_replay.record(at_depth(cfg, n + 1), rank, world, backend)
+                if chunk_replay.stretch(streams, n, n + 1) != chunk_replay.stretch(deeper, n + 1, n + 1):
+                    raise chunk_replay.Unsupported(f"the {n}-block recording stretched to {n + 1} blocks differs from the "
+                                                   f"{n + 1}-block recording")
+            mine = (streams, rank)
+            _RECORDED.clear()
+            _RECORDED[key] = mine
+        sim = chunk_replay.replay(cfg, mine[0], n, rank, world, limits, backend)
     except chunk_replay.Unsupported as e:
         e.seconds = time.perf_counter() - t0
         raise
+    src = f"rank {mine[1]}'s recorded n_layer={n} step" if mine[1] != rank else f"a recorded n_layer={n} step"
     return {**sim, "seconds": time.perf_counter() - t0, "window": None, "replay": n,
-            "method": f"replayed at n_layer={N} from a recorded n_layer={n} step" + (f" (checked at {n + 1})" if verify else "")}
+            "method": f"replayed at n_layer={N} from {src}" + (f" (checked at {n + 1})" if verify else "")}
+
+
+_RECORDED: dict = {}  # the last checked recording: the next rank of the same plan replays it too
 
 
 REL, FLOOR = 1e-3, 4096
@@ -224,8 +234,15 @@ def _pin_chunk_size(cfg, rank: int, world: int):
     """The chunk engine searches its chunk size over the whole model: the shallow ones take the planned one's."""
     if cfg.strategy.chunk.chunk_size:
         return cfg
-    size = _layout(cfg, rank, world)["chunk_size"]
+    key = (repr(cfg), world)
+    if key not in _CHUNK_SIZE:  # the same search on every rank: once per plan
+        _CHUNK_SIZE.clear()
+        _CHUNK_SIZE[key] = _layout(cfg, rank, world)["chunk_size"]
+    size = _CHUNK_SIZE[key]
     return replace(cfg, strategy=replace(cfg.strategy, chunk=replace(cfg.strategy.chunk, chunk_size=size)))
+
+
+_CHUNK_SIZE: dict = {}
 
 
 def _layout(cfg, rank: int, world: int) -> dict:
