@@ -21,7 +21,9 @@ MODELS = [["model=gpt_tiny"], ["model=gpt_tiny", "model.n_layer=3", "model.d_mod
 HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see test_accuracy.py)
 # Not yet within 3% (measured here; strict expected failures, so the mark goes with the fix):
 # zero1 + fp16 on one rank 40.83 MB measured vs 45.04 MB planned (gpt_tiny; wider: 33.25 vs 34.74 MB);
-# zero2 + cpu_offload on gpt_tiny 63.36 MB measured vs 61.24 MB planned (the wider model passes);
+# zero2 + cpu_offload on gpt_tiny 63.36 MB measured vs 61.24 MB planned (the wider model passes; at
+# the measured peak, in the backward, the run holds 2,192,896 B more ``other`` than memopt's step:
+# allocated in ``initialize`` and never re-tagged, not yet identified);
 # stage 3, where the plan takes the end of the forward and DeepSpeed's peak is in the first
 # reduce-scatter of the backward: zero3 + fp16 on the wider model 5.86 MB measured vs 5.66 MB planned
 # (3.4%), zero3 + cpu_offload on gpt_tiny (2 ranks) 8.20 MB in one run on both ranks, 8.46 MB on rank 0
