@@ -141,32 +141,65 @@ def _hardware(typed):
 
 
 def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
-    """``trainer.mode=plan``: plan.json, plan.png and summary.json in the run directory, the table printed."""
+    """``trainer.mode=plan``: plan.json, plan.png and summary.json in the run directory, the table printed.
+    When the composition does not fit or the engine refuses it at build (the chunk engine checks its
+    host budget there), the preflight's suggestion is added: the first composition of its list whose
+    plan fits (``planner.preflight.suggestion``), or why none can."""
     from memopt.planner.figure import plan_figure
     from memopt.planner.plan import make_plan, plan_table
+    from memopt.planner.preflight import suggestion
+    from memopt.planner.simulate import PlanUnsupported
     from memopt.sweep import job_identity
 
     os.makedirs(run_dir, exist_ok=True)
+    hw = _hardware(typed)
     try:
-        plan = make_plan(typed, _hardware(typed))
-    except ConfigError as e:  # a composition the planner cannot follow (named in the message)
+        plan = make_plan(typed, hw)
+    except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)
         refused = _record_refusal(run_dir, cfg, str(e), mode="plan")
         print(f"memopt: plan refused: {e}", file=sys.stderr)
         if multirun:
             return refused
         raise SystemExit(2)
+    except ConfigError as e:  # the engine refuses the composition at build, before allocating it
+        plan = _refused_plan(typed, hw, str(e))
+    if "error" in plan:  # make_plan's own record of the engine's out-of-memory (chunk warm-up check), or the one above
+        plan["status"] = "refused_by_engine"
+    else:
+        plan["status"] = "fits" if plan["fits"] else "does_not_fit"
+    if plan["status"] != "fits":
+        plan["suggestion"] = suggestion(typed, hw, _task_overrides())
     write_json(os.path.join(run_dir, "plan.json"), plan)
-    if "error" in plan:  # the engine refused at build (the chunk engine checks its budgets there)
-        summary = {"status": "ok", "mode": "plan", "fits": False, "error": plan["error"], **job_identity(cfg)}
+    summary = {"status": "ok", "mode": "plan", "fits": plan["fits"], "plan_status": plan["status"], **job_identity(cfg),
+               "params": plan["params"], "world_size": plan["world_size"]}
+    if "suggestion" in plan:
+        summary["suggestion"] = plan["suggestion"]["overrides"]
+    if "error" in plan:
+        summary["error"] = plan["error"]
         write_json(os.path.join(run_dir, "summary.json"), summary)
-        print(f"memopt plan: does not fit: {plan['error']}")
+        print(f"memopt plan: {plan['model']} ({plan['params'] / 1e9:.2f}B params) with "
+              f"{'+'.join(plan['strategy']) or 'no strategy'} does not fit: refused by the engine "
+              f"(hardware {hw.name}): {plan['error']}\n  suggestion: {plan['suggestion']['text']}\n  plan.json in {run_dir}")
         return summary
-    plan_figure(plan, os.path.join(run_dir, "plan.png"))
-    summary = {"status": "ok", "mode": "plan", "fits": plan["fits"], **job_identity(cfg),
-               "params": plan["params"], "world_size": plan["world_size"], "planned_peak_bytes": plan["peak_bytes"]}
+    summary["planned_peak_bytes"] = plan["peak_bytes"]
     write_json(os.path.join(run_dir, "summary.json"), summary)
-    print(plan_table(plan) + f"\n  plan.json, plan.png in {run_dir}")
+    plan_figure(plan, os.path.join(run_dir, "plan.png"))
+    hint = f"\n  suggestion: {plan['suggestion']['text']}" if "suggestion" in plan else ""
+    print(plan_table(plan) + hint + f"\n  plan.json, plan.png in {run_dir}")
     return summary
+
+
+def _refused_plan(typed, hw, error: str) -> dict:
+    """plan.json's record of a composition the engine refuses at build (what make_plan returns for
+    the engine's own out-of-memory)."""
+    from dataclasses import asdict
+
+    from memopt import compose
+    from memopt.parallel.dims import expected_world
+
+    return {"model": typed.model.name, "params": compose.num_params(typed), "engine": typed.engine.name,
+            "strategy": typed.strategy.selected(), "world_size": expected_world(typed), "fits": False,
+            "error": error, "hardware": asdict(hw)}
 
 
 def choose_composition(typed, cfg: DictConfig, run_dir: str):

@@ -8,6 +8,7 @@ same memory tracker wrap every engine, so numbers are comparable by construction
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
@@ -22,7 +23,7 @@ from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
 from memopt.errors import ConfigError, Diverged, RunStopped
 from memopt.guards import DivergenceGuard, StopSignals, all_finite
-from memopt.logging import RunLogger, atomic_write_bytes
+from memopt.logging import RunLogger, atomic_write_bytes, write_json
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
@@ -71,6 +72,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
+        if self._already_finished():
+            return self.summary
+        previous = self._summary_on_disk() if cfg.trainer.resume else None
         strategies = cfg.strategy.selected()
         tags = sorted(set(strategies) | {cfg.engine.name} | set(cfg.logger.tags))
         run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
@@ -100,6 +104,8 @@ class Trainer:
             raise
         finally:
             self._stop_watchdog()
+            if previous is not None and self.summary["status"] != "ok" and "steps_done" not in self.summary:
+                self.summary["previous"] = previous  # a resume that ran no step: the run's own record stays
             if "peak_bytes" not in self.summary:  # failed before the ranks could exchange peaks
                 if tracker.enabled:
                     self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
@@ -118,9 +124,7 @@ class Trainer:
             meta = checkpoint.read_meta(resume)
             checkpoint.check_compatible(meta, self._identity(), resume)
             self._carried_bad = int(meta.get("divergence_bad", 0))  # consecutive bad steps before the checkpoint
-            if meta["step"] >= t.max_steps:
-                raise ConfigError(f"checkpoint {resume} is at step {meta['step']}: nothing is left to run with "
-                                  f"trainer.max_steps={t.max_steps}; raise trainer.max_steps to train further")
+            # (a checkpoint at or past trainer.max_steps never gets here: _already_finished)
         self._beat("build")
         engine = engines.build_engine(cfg, self.device, self.dims, tracker)
         engine.model.train()
@@ -241,6 +245,50 @@ class Trainer:
                 "strategy_options": options, "model": cfg.model.name, "parallel": self.dims.summary(),
                 **compose.model_record(cfg)}  # the architecture (model config, moe options) too
 
+    def _summary_on_disk(self) -> dict | None:
+        """The run directory's summary.json as it is (rank 0; None when there is none or it is unreadable)."""
+        if self.rank != 0:
+            return None
+        try:
+            with open(os.path.join(self.run_dir, "summary.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _already_finished(self) -> bool:
+        """True for a resume from a checkpoint of this configuration at or past ``trainer.max_steps``
+        (decided on every rank from the same files): nothing is left to run, so nothing is built or
+        written; ``self.summary`` is the directory's summary.json as it is on rank 0 (one is written
+        only when the directory has none, e.g. a checkpoint of another directory). A checkpoint that
+        is missing or from another configuration is refused by ``_train``, with the directory's
+        summary kept under ``previous``."""
+        t = self.cfg.trainer
+        if not t.resume:
+            return False
+        try:
+            path = checkpoint.resolve(t.resume, self.run_dir)
+            if path is None:
+                return False
+            meta = checkpoint.read_meta(path)
+            checkpoint.check_compatible(meta, self._identity(), path)
+        except (ConfigError, OSError, ValueError):
+            return False
+        if meta["step"] < t.max_steps:
+            return False
+        self.summary = {}
+        if self.rank == 0:
+            self.summary = self._summary_on_disk() or {}
+            if not self.summary:
+                self.summary = {"status": "ok", "run_id": new_run_id(), "engine": self.cfg.engine.name,
+                                "strategy": self.cfg.strategy.selected(), "model": self.cfg.model.name,
+                                "params": compose.num_params(self.cfg), "world_size": self.world,
+                                "resumed_from": path, "start_step": meta["step"], "steps": 0}
+                write_json(os.path.join(self.run_dir, "summary.json"), self.summary)
+            print(f"memopt: nothing to run: checkpoint {path} is at step {meta['step']} and trainer.max_steps="
+                  f"{t.max_steps}, so the run is already finished; its summary.json is left as it is (raise "
+                  "trainer.max_steps to train further)")
+        return True
+
     def _resume(self, engine, path: str | None) -> int:
         """Restore checkpoint ``path`` (``trainer.resume`` resolved); returns the first step to run (0 without one)."""
         if path is None:
@@ -303,7 +351,6 @@ class Trainer:
     def _stalled(self, rank: int, message: str, beats: dict) -> None:
         """The watchdog fired in this process: record and exit (the main thread may be blocked for good)."""
         from memopt.errors import EXIT_CODES
-        from memopt.logging import write_json
 
         print(f"memopt: {message}", file=sys.stderr)
         if self.rank == 0:

@@ -3,7 +3,8 @@
 The plan stops at the first op of the simulated step that goes over a limit, so a model that is far
 too big is refused after simulating a fraction of its initialisation. The suggestion is the first
 composition of a short list (ordered from the fastest to the most memory-frugal) whose simulation
-fits. A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
+fits, each at the run's micro-batch and two smaller ones (skipped when model states are the largest
+category over the limit: a smaller micro-batch holds the same). A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
 states per parameter somewhere on the node (ZeRO's K = 12 optimizer bytes plus 2 + 2 for 16-bit
 parameters and gradients; fp32: 4 + 4 + 8), so when the node's device and host memory together
 hold less than that, nothing is simulated and the refusal says how many parameters would fit.
@@ -83,6 +84,7 @@ def _off(t0: float) -> str:
     return f" (planned in {time.perf_counter() - t0:.1f} s; trainer.preflight=false skips this check)"
 
 
+MODEL_STATES = ("params", "grads", "optim", "chunks")  # over with one of these largest: no smaller micro-batch is tried
 CANDIDATES = (  # from the fastest to the most frugal; zero stages only with several ranks
     ["ckpt"], ["zero2"], ["zero2", "ckpt"], ["zero3", "ckpt"], ["cpu_offload", "ckpt"],
     ["zero3", "cpu_offload", "ckpt"], ["hybrid_adam", "ckpt"], ["hybrid_adam_bf16", "ckpt"],
@@ -90,7 +92,14 @@ CANDIDATES = (  # from the fastest to the most frugal; zero stages only with sev
 
 
 def suggest(cfg, hw, overrides: list[str] | None) -> str:
-    """The first candidate composition whose simulation fits, or why none can."""
+    """The first candidate composition whose simulation fits, or why none can (one sentence)."""
+    return suggestion(cfg, hw, overrides)["text"]
+
+
+def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
+    """``suggest`` as a record (plan mode writes it into plan.json): ``overrides`` that replace the
+    command's strategy selection and micro-batch (None when nothing fits), the candidate's predicted
+    ``peak_bytes``, ``tried`` (candidates that did not fit) and the sentence ``text``."""
     from memopt import compose
     from memopt.api import compose_config
     from memopt.config import to_dataclass, validate
@@ -100,10 +109,11 @@ def suggest(cfg, hw, overrides: list[str] | None) -> str:
     need = STATE_BYTES_PER_PARAM * params / nodes
     cap = node_capacity(hw, cfg.trainer.nproc_per_node)
     if need > cap:
-        return (f"no composition fits: model states alone need {STATE_BYTES_PER_PARAM} B/param on some memory of the node "
+        return {"overrides": None, "peak_bytes": None, "tried": [], "text": (
+                f"no composition fits: model states alone need {STATE_BYTES_PER_PARAM} B/param on some memory of the node "
                 f"({fmt(need)} per node) and hardware={hw.name} offers {fmt(cap)} (device + host) per node; at most "
                 f"~{cap / STATE_BYTES_PER_PARAM / 1e9:.2f}B params fit before activations: use a smaller model or more "
-                f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")
+                f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")}
     base = [o for o in (overrides or []) if not o.lstrip("+~").startswith("strategy")]
     world = cfg.trainer.nproc_per_node * nodes
     tried = []
@@ -116,12 +126,20 @@ def suggest(cfg, hw, overrides: list[str] | None) -> str:
                 cand = to_dataclass(compose_config(ov))
                 validate(cand)
                 plan = make_plan(cand, hw, limits_of(hw, cfg.trainer.nproc_per_node))
-            except (PlanOverflow, ConfigError):
+            except (PlanOverflow, ConfigError) as e:
                 tried.append(f"+strategy=[{','.join(names)}] micro-batch {mb}")
+                if getattr(e, "category", None) in MODEL_STATES:
+                    break  # a smaller micro-batch holds the same model states
                 continue
             if plan["fits"]:
-                return f"this fits: {' '.join(ov[len(base):])} (predicted peak {fmt(max(f['bytes'] for f in plan['fit'].values()))})"
-    return f"none of {len(tried)} candidate compositions fits (tried {', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
+                peak = max(f["bytes"] for f in plan["fit"].values())
+                return {"overrides": ov[len(base):], "peak_bytes": peak, "tried": tried,
+                        "text": f"this fits: {' '.join(ov[len(base):])} (predicted peak {fmt(peak)})"}
+            tried.append(f"+strategy=[{','.join(names)}] micro-batch {mb}")
+            if (plan["overflow"] or {}).get("category") in MODEL_STATES:
+                break
+    return {"overrides": None, "peak_bytes": None, "tried": tried,
+            "text": f"none of {len(tried)} candidate compositions fits (tried {', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"}
 
 
 def _micro_batches(mb: int) -> list[int]:

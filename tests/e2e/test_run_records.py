@@ -172,3 +172,29 @@ def test_checkpoints_are_ordered_by_when_they_were_written(tmp_path):
         os.utime(os.path.join(d, META), (1000 + i, 1000 + i))
     assert [s for s, _ in complete(str(tmp_path))] == [5, 10, 7]
     assert resolve("auto", str(tmp_path)).endswith("step_7")
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_resuming_a_finished_run_is_a_no_op_and_a_refused_resume_keeps_the_record(tmp_path, capfd, nproc):
+    """A run of 1 step with its final checkpoint. Resumed with the same configuration and max_steps=1:
+    nothing is left to run, so exit 0, a message on stdout, and summary.json and metrics.jsonl exactly
+    as the run left them. Resumed with another configuration (+strategy=ckpt), the checkpoint is
+    refused inside the rank (exit 2): the refusal is recorded and the run's summary is kept whole under
+    ``previous``; the metrics stay. On 2 ranks every rank decides the same from the files."""
+    d = tmp_path / "run"
+    one = ["trainer.checkpoint_every=1", "trainer.max_steps=1", f"trainer.nproc_per_node={nproc}"]
+    assert cli_run(d, one) == 0
+    first = (d / "summary.json").read_bytes()
+    metrics = (d / "metrics.jsonl").read_bytes()
+    assert json.loads(first)["status"] == "ok" and len(lines(d)) == 1
+    capfd.readouterr()
+
+    assert cli_run(d, [*one, "trainer.resume=auto"]) == 0
+    out = capfd.readouterr().out
+    assert "nothing to run" in out and "step 1" in out and "trainer.max_steps=1" in out, out
+    assert (d / "summary.json").read_bytes() == first and (d / "metrics.jsonl").read_bytes() == metrics
+
+    assert cli_run(d, [*one, "trainer.resume=auto", "+strategy=ckpt", "trainer.max_steps=2"]) == EXIT_CODES["refused"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "refused" and "cannot resume this run" in s["error"] and "strategy" in s["error"], s
+    assert s["previous"] == json.loads(first) and (d / "metrics.jsonl").read_bytes() == metrics

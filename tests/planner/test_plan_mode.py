@@ -1,0 +1,60 @@
+"""``trainer.mode=plan`` through the CLI's path (``memopt.train.run`` in this process): a composition
+the engine refuses at build gets the preflight's suggestion, which is checked against its own plan."""
+from __future__ import annotations
+
+import json
+
+from tests.conftest import typed
+
+TINY = ["logger=none", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=2",
+        "trainer.eval_every=0", "hardware=v100_patrickstar", "trainer.mode=plan", "data=synthetic",
+        "data.synthetic_tokens=20000"]
+
+
+def cli_main(argv: list[str]) -> int:
+    """``python -m memopt.train <argv>`` in this process (Hydra's entry point: the task overrides the
+    suggestion keeps are Hydra's); returns the exit code."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memopt.train import main
+
+    saved = sys.argv
+    sys.argv = ["memopt.train", *argv]
+    try:
+        main()
+        return 0
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+
+
+def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_path, capsys):
+    """The chunk engine refuses gpt_tiny when its host budget (host RAM x overall_cpu_mem_ratio, here
+    2.4 MB) is under the chunks' 6.7 MB: plan mode prints the engine's reason and a composition, and
+    records both; the suggested composition's own plan (the preflight's limits) fits."""
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import limits_of, make_plan
+
+    d = tmp_path / "plan"
+    refused = ["+strategy=hybrid_adam", "strategy.chunk.overall_cpu_mem_ratio=0.00001"]
+    assert cli_main([*TINY, *refused, f"hydra.run.dir={d}"]) == 0
+    out = capsys.readouterr().out
+    assert "refused by the engine (hardware v100_patrickstar)" in out and "host budget" in out and "suggestion: this fits:" in out, out
+    plan = json.loads((d / "plan.json").read_text())
+    assert plan["status"] == "refused_by_engine" and not plan["fits"] and "host budget" in plan["error"]
+    fix = plan["suggestion"]["overrides"]
+    assert fix and fix[0].startswith("+strategy=") and " ".join(fix) in out
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["fits"] is False and summary["plan_status"] == "refused_by_engine" and summary["suggestion"] == fix
+
+    cand = typed([*TINY, *fix])
+    hw = resolve_hardware(cand.hardware, torch.device("cpu"))
+    again = make_plan(cand, hw, limits_of(hw, 1))
+    assert again["fits"] and "error" not in again
+    assert max(f["bytes"] for f in again["fit"].values()) == plan["suggestion"]["peak_bytes"]
