@@ -29,7 +29,9 @@ Where it is not exact, and what is done about it:
     engine's decisions are the planned model's own, not extrapolated (exact by construction; the
     first rank checks the stretch against a 6-block recording). Where the replay does not apply (the
     reason is kept), the windows above are tried, then the block-by-block simulation.
-  * ZeRO-1/2 size buckets and flat-group padding round per bucket / group (a few elements).
+  * ZeRO-1/2 size buckets and flat-group padding round per bucket / group (a few elements). The
+    buckets' packing (their number, the two largest) must be affine over the window and N, else a
+    shallow model held in one bucket extrapolates a bucket as large as the deep model (``buckets.py``).
 Small models (n1 + n2 + n3 > N / 2) and ``trainer.plan_exact=true`` are simulated block by block.
 """
 from __future__ import annotations
@@ -105,6 +107,7 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
     a recorded shallow step at depth N (``chunk_replay.py``; ``replay``: the recorded depth, else
     ``REPLAY_DEPTH`` when the model is deep enough to sample). ``method`` says which, and why the exact
     simulation was taken when extrapolation was tried; ``window`` is the window used."""
+    from memopt.planner.buckets import bucket_inconsistency, bucket_layout
     from memopt.planner.simulate import simulate_rank
 
     n = cfg.model.n_layer
@@ -127,7 +130,13 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
             return {**sim, "seconds": sim["seconds"] + seconds, "method": f"exact ({replay_why})"}
     layouts: dict[int, dict] = {}
     sims: dict[int, dict] = {}
+    buckets = {n: bucket_layout(cfg, rank, world)}  # size buckets (ddp, zero1/2): their packing must follow too
     for a, b, c in wins:
+        if buckets[n] is not None:
+            buckets.update({d: bucket_layout(at_depth(cfg, d), rank, world) for d in (a, b, c) if d not in buckets})
+            why = bucket_inconsistency([buckets[d] for d in (a, b, c, n)], (a, b, c, n))
+            if why is not None:
+                continue
         if chunk:
             for d in (a, b, c, n):
                 if d not in layouts:

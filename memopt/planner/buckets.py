@@ -1,0 +1,54 @@
+"""Whether the memopt engine's size buckets grow like the model (a check of ``extrapolate.simulate``).
+
+ddp, zero1 and zero2 pack the gradients into flat groups of at most ``bucket_mb`` (``engines/memopt/
+flat.plan_groups``), and a bucket's flat copy is a ``temp`` peak. While the whole model fits one
+bucket that peak grows with depth; once the model fills several it stops at about ``bucket_mb``. A
+shallow window then extrapolates a bucket as large as the deep model (moe_tiny at 36 blocks, ddp on 2
+ranks: 54.6 MiB of device temp extrapolated from 6 and 8 blocks, 24.9 MiB simulated block by block),
+and its three depths agree, so the window check does not see it. The bucket plan itself is cheap (the
+engine's packing on meta parameters), so it is compared instead: the number of groups and the sizes
+of the two largest must be affine over the window and the planned depth, as the chunk layout is.
+zero3 (one group per block) and the other engines have no size buckets: nothing to check.
+"""
+from __future__ import annotations
+
+
+def bucket_layout(cfg, rank: int, world: int) -> dict | None:
+    """{"groups", "largest", "two largest"} (elements) of this rank's flat groups, for each data-parallel
+    dimension (MoE experts' groups prefixed "edp "); None when the run has no size buckets."""
+    import torch
+
+    from memopt.compose import model_on_meta
+    from memopt.engines import resolve
+    from memopt.engines.memopt.flat import plan_groups
+    from memopt.memory.tracker import NullTracker
+    from memopt.planner.simulate import fake_world
+    from memopt.strategies.precision import Precision
+    from memopt.strategies.zero import selected_stage
+
+    if resolve(cfg) != "memopt":
+        return None
+    _, stage, opts = selected_stage(cfg)
+    if stage == 3 or not getattr(opts, "bucket_mb", 0):
+        return None
+    with fake_world(cfg, rank, world) as dims:
+        model = model_on_meta(cfg, torch.device("cpu"), dims, NullTracker())
+        plan = plan_groups(model, stage, opts.bucket_mb, Precision.of(cfg).param_dtype, model.param_dims())
+    out = {}
+    for dim in sorted({d or "" for _, _, d in plan}):  # "": the engine's own dimension; MoE experts: edp
+        sizes = sorted((sum(p.numel() for _, p in members) for _, members, d in plan if (d or "") == dim), reverse=True)
+        pre = f"{dim} " if dim else ""
+        out.update({f"{pre}groups": len(sizes), f"{pre}largest": sizes[0], f"{pre}two largest": sum(sizes[:2])})
+    return out
+
+
+def bucket_inconsistency(layouts: list[dict], depths: tuple[int, ...]) -> str | None:
+    """Why the bucket layouts at ``depths`` (the window, then the planned depth) are not affine in depth."""
+    from memopt.planner.extrapolate import lerp
+
+    d0, d1 = depths[:2]
+    for k in layouts[0]:
+        if any(abs(lerp(layouts[0][k], layouts[1][k], d0, d1, d) - lay.get(k, 0)) > 0.5 for d, lay in zip(depths[2:], layouts[2:])):
+            vals = ", ".join(f"{lay.get(k)} at {d}" for d, lay in zip(depths, layouts))
+            return f"the gradient buckets do not grow like the model ({k}: {vals} blocks; bucket_mb)"
+    return None
