@@ -34,8 +34,8 @@ def cli_main(argv: list[str]) -> int:
 
 def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_path, capsys):
     """The chunk engine refuses gpt_tiny when its host budget (host RAM x overall_cpu_mem_ratio, here
-    2.4 MB) is under the chunks' 6.7 MB: plan mode prints the engine's reason and a composition, and
-    records both; the suggested composition's own plan (the preflight's limits) fits."""
+    2.4 MiB on v100_patrickstar) is under what its chunks need: plan mode prints the engine's reason and
+    a composition, and records both; the suggested composition's own plan (the preflight's limits) fits."""
     import torch
 
     from memopt.memory.hardware import resolve_hardware
