@@ -44,11 +44,10 @@ def bucket_layout(cfg, rank: int, world: int) -> dict | None:
 
 def bucket_inconsistency(layouts: list[dict], depths: tuple[int, ...]) -> str | None:
     """Why the bucket layouts at ``depths`` (the window, then the planned depth) are not affine in depth."""
-    from memopt.planner.extrapolate import lerp
-
     d0, d1 = depths[:2]
     for k in layouts[0]:
-        if any(abs(lerp(layouts[0][k], layouts[1][k], d0, d1, d) - lay.get(k, 0)) > 0.5 for d, lay in zip(depths[2:], layouts[2:])):
+        x, y = layouts[0][k], layouts[1][k]
+        if any(abs(x + (y - x) * (d - d0) / (d1 - d0) - lay.get(k, 0)) > 0.5 for d, lay in zip(depths[2:], layouts[2:])):
             vals = ", ".join(f"{lay.get(k)} at {d}" for d, lay in zip(depths, layouts))
             return f"the gradient buckets do not grow like the model ({k}: {vals} blocks; bucket_mb)"
     return None
