@@ -34,6 +34,17 @@ def _jobs(root, matrix: dict) -> list:
     return [j for name, o in matrix.items() for j in pair(root, name, [*DENSE, *TP, *o])]
 
 
+def _run_exact(root, matrix: dict, world: int) -> list:
+    """Every pair of ``matrix`` (straight, 3 + resume 3) on ``world`` ranks, each bit-exact; the jobs."""
+    from memopt.api import run_jobs_on_ranks
+
+    jobs = _jobs(root, matrix)
+    run_jobs_on_ranks(world, jobs)
+    for i in range(0, len(jobs), 2):
+        assert_exact(jobs[i : i + 2])
+    return jobs
+
+
 def _refused(run_dir: str, jobs_overrides: list[str], change: list[str]) -> str:
     """Resume ``jobs_overrides``' checkpoint with ``change``: the job must be refused; its message."""
     from memopt.api import run_jobs_on_ranks
@@ -48,12 +59,7 @@ def _refused(run_dir: str, jobs_overrides: list[str], change: list[str]) -> str:
 
 @pytest.mark.slow
 def test_resume_is_exact_tp2_two_ranks(tmp_path):
-    from memopt.api import run_jobs_on_ranks
-
-    jobs = _jobs(tmp_path, TWO_RANKS)
-    run_jobs_on_ranks(2, jobs)
-    for i in range(0, len(jobs), 2):
-        assert_exact(jobs[i : i + 2])
+    jobs = _run_exact(tmp_path, TWO_RANKS, 2)
     # another form, or no tensor parallelism: refused, naming what differs
     resumed = jobs[1][0]
     err = _refused(str(tmp_path / "form"), resumed, ["strategy.tp.form=all_gather"])
@@ -65,9 +71,4 @@ def test_resume_is_exact_tp2_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_resume_is_exact_tp2_x_dp2(tmp_path):
-    from memopt.api import run_jobs_on_ranks
-
-    jobs = _jobs(tmp_path, FOUR_RANKS)
-    run_jobs_on_ranks(4, jobs)
-    for i in range(0, len(jobs), 2):
-        assert_exact(jobs[i : i + 2])
+    _run_exact(tmp_path, FOUR_RANKS, 4)
