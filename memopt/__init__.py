@@ -10,19 +10,13 @@ def load_model(path: str, device: str = "cpu"):
 
     import torch
 
-    from memopt.models import ModelConfig, model_class
-    from memopt.strategies.base import registry
+    from memopt.model_file import logical_model
 
     if os.path.isdir(path):
         path = os.path.join(path, "model.pt")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}: a finished run directory holds model.pt")
     ckpt = torch.load(path, map_location=device, weights_only=True)
-    cfg = ModelConfig(**ckpt["model_config"])
-    model = model_class(cfg)(cfg).to(device)
-    strategies = registry()
-    for name, opts in ckpt.get("architecture", {}).items():  # strategies that changed the model (moe)
-        with torch.device(device):
-            strategies[name].install(model, strategies[name].Config(**opts), cfg)
+    model = logical_model(ckpt, device)
     model.load_state_dict(ckpt["state_dict"])
     return model.eval()

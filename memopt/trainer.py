@@ -18,12 +18,12 @@ import time
 import traceback
 import torch
 
-from memopt import checkpoint, compose, engines
+from memopt import checkpoint, compose, engines, model_file
 from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
 from memopt.errors import ConfigError, Diverged, RunStopped
-from memopt.guards import DivergenceGuard, StopSignals, all_finite
-from memopt.logging import RunLogger, atomic_write_bytes, write_json
+from memopt.guards import DivergenceGuard, StopSignals
+from memopt.logging import RunLogger, write_json
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
@@ -216,12 +216,7 @@ class Trainer:
         )
         if t.save_checkpoint:
             self._beat("final weights (model.pt)")
-            state = engine.full_state_dict()  # collective under zero3
-            if not all_finite(state.values()):  # (identical on every rank: the full weights)
-                raise Diverged("the final weights hold non-finite values: model.pt was not written (the last "
-                               "resumable checkpoint, if any, is the last good state)")
-            if self.rank == 0:
-                self.save_checkpoint(state)
+            self.save_checkpoint(engine)
         # every rank's peaks reach rank 0's summary
         self._beat("final records")
         mine = {"peaks": tracker.peaks() if tracker.enabled else None, "rss": peak_rss_bytes()}
@@ -359,17 +354,26 @@ class Trainer:
         os._exit(EXIT_CODES["failed"])
 
     # ------------------------------------------------------------------------------------------
-    def save_checkpoint(self, state: dict) -> str:
+    def save_checkpoint(self, engine) -> str | None:
         """model.pt: the weights in fp32 plus the model config and the architecture strategies' options
-        (``compose.model_record``); load with ``memopt.load_model``."""
-        import io
-
-        buf = io.BytesIO()
-        torch.save({**compose.model_record(self.cfg), "state_dict": state}, buf)
-        path = os.path.join(self.run_dir, "model.pt")
-        atomic_write_bytes(path, buf.getvalue())
-        self.summary["checkpoint"] = path
-        return path
+        (``compose.model_record``); load with ``memopt.load_model``. A collective: every rank streams
+        the weights (``Engine.iter_full_state``), rank 0 writes each as it arrives (``model_file``)."""
+        writer = model_file.ModelFileWriter(os.path.join(self.run_dir, "model.pt"), compose.model_record(self.cfg)) if self.rank == 0 else None
+        try:
+            finite = model_file.stream(engine, writer)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if not finite:
+            if writer is not None:
+                writer.abort()
+            raise Diverged("the final weights hold non-finite values: model.pt was not written (the last "
+                           "resumable checkpoint, if any, is the last good state)")
+        if writer is None:
+            return None
+        self.summary["checkpoint"] = writer.commit()
+        return self.summary["checkpoint"]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

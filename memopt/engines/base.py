@@ -34,6 +34,13 @@ class Engine:
         """fp32 CPU copies of every model weight (a collective: call on every rank)."""
         raise NotImplementedError
 
+    def iter_full_state(self):
+        """``full_state_dict``'s entries as ``(name, fp32 CPU tensor)`` pairs, streamed (a collective:
+        every rank iterates to the end): model.pt is written from it (``memopt.model_file``). Tied
+        weights may come once under one of their names. Default: the whole dict at once; engines
+        whose weights are sharded yield one gathered unit at a time, so no rank holds every weight."""
+        yield from self.full_state_dict().items()
+
     # ---- resumable checkpoints (memopt.checkpoint); an engine module without them sets CHECKPOINTS = False
     def checkpoint_model(self) -> dict[str, torch.Tensor]:
         """The weights by name for a checkpoint (a collective). Default: the full fp32 copies on every

@@ -2,9 +2,12 @@
 
 The plan stops at the first op of the simulated step that goes over a limit, so a model that is far
 too big is refused after simulating a fraction of its initialisation. The suggestion is the first
-composition of a short list (ordered from the fastest to the most memory-frugal) whose simulation
-fits, each at the run's micro-batch and two smaller ones (skipped when model states are the largest
-category over the limit: a smaller micro-batch holds the same). A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
+composition whose simulation fits: the command's own, then it with checkpointing, then a short list
+(ordered from the fastest to the most memory-frugal), each at the run's micro-batch and two smaller
+ones (skipped when model states are the largest category over the limit: a smaller micro-batch holds
+the same). When the engine refuses a moment and names its fixes (the chunk engine's warm-up budget:
+``strategy.chunk.mem_saving_comm``, ``warmup_gpu_chunk_mem_ratio``), they are applied and the
+composition planned again, so the suggestion is a command that runs. A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
 states per parameter somewhere on the node (ZeRO's K = 12 optimizer bytes plus 2 + 2 for 16-bit
 parameters and gradients; fp32: 4 + 4 + 8), so when the node's device and host memory together
 hold less than that, nothing is simulated and the refusal says how many parameters would fit.
@@ -101,8 +104,6 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
     command's strategy selection and micro-batch (None when nothing fits), the candidate's predicted
     ``peak_bytes``, ``tried`` (candidates that did not fit) and the sentence ``text``."""
     from memopt import compose
-    from memopt.api import compose_config
-    from memopt.config import to_dataclass, validate
 
     params = compose.num_params(cfg)
     nodes = max(1, cfg.trainer.nnodes)
@@ -116,30 +117,75 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
                 f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")}
     base = [o for o in (overrides or []) if not o.lstrip("+~").startswith("strategy")]
     world = cfg.trainer.nproc_per_node * nodes
+    limits = limits_of(hw, cfg.trainer.nproc_per_node)
     tried = []
-    for names in CANDIDATES:
-        if any(n.startswith("zero") for n in names) and world == 1:
-            continue
+    for names, opts in _compositions(overrides or [], world):
+        fixes: list[str] = []  # the engine's fixes found at one micro-batch hold at the smaller ones
         for mb in _micro_batches(cfg.trainer.micro_batch_size):
-            ov = [*base, f"+strategy=[{','.join(names)}]", f"trainer.micro_batch_size={mb}"]
-            try:
-                cand = to_dataclass(compose_config(ov))
-                validate(cand)
-                plan = make_plan(cand, hw, limits_of(hw, cfg.trainer.nproc_per_node))
-            except (PlanOverflow, ConfigError) as e:
-                tried.append(f"+strategy=[{','.join(names)}] micro-batch {mb}")
-                if getattr(e, "category", None) in MODEL_STATES:
-                    break  # a smaller micro-batch holds the same model states
-                continue
-            if plan["fits"]:
+            ov = [*base, f"+strategy=[{','.join(names)}]", *opts, f"trainer.micro_batch_size={mb}"]
+            plan, fixes, err = _plan_with_fixes(ov, fixes, hw, limits)
+            label = f"+strategy=[{','.join(names)}]{''.join(' ' + o for o in [*opts, *fixes])} micro-batch {mb}"
+            if plan is not None and plan["fits"]:
                 peak = max(f["bytes"] for f in plan["fit"].values())
-                return {"overrides": ov[len(base):], "peak_bytes": peak, "tried": tried,
-                        "text": f"this fits: {' '.join(ov[len(base):])} (predicted peak {fmt(peak)})"}
-            tried.append(f"+strategy=[{','.join(names)}] micro-batch {mb}")
-            if (plan["overflow"] or {}).get("category") in MODEL_STATES:
-                break
+                chosen = [*ov[len(base):], *fixes]
+                return {"overrides": chosen, "peak_bytes": peak, "tried": tried,
+                        "text": f"this fits: {' '.join(chosen)} (predicted peak {fmt(peak)})"}
+            tried.append(label)
+            over = getattr(err, "category", None) if plan is None else (plan["overflow"] or {}).get("category")
+            if over in MODEL_STATES:
+                break  # a smaller micro-batch holds the same model states
     return {"overrides": None, "peak_bytes": None, "tried": tried,
             "text": f"none of {len(tried)} candidate compositions fits (tried {', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"}
+
+
+MAX_FIXES = 4
+
+
+def _plan_with_fixes(ov: list[str], fixes: list[str], hw, limits) -> tuple[dict | None, list[str], Exception | None]:
+    """(plan, the fixes applied, the last error): ``ov`` plus ``fixes`` planned; when the engine refuses a
+    moment and names fixes (the chunk engine's warm-up budget: ``ChunkOutOfMemoryError.fixes``), the
+    first one not applied yet is added (replacing an earlier value of the same option) and the plan
+    repeated, at most ``MAX_FIXES`` times."""
+    from memopt.api import compose_config
+    from memopt.config import to_dataclass, validate
+
+    fixes = list(fixes)
+    for _ in range(MAX_FIXES + 1):
+        try:
+            cand = to_dataclass(compose_config([*ov, *fixes]))
+            validate(cand)
+            return make_plan(cand, hw, limits), fixes, None
+        except ConfigError as e:
+            return None, fixes, e
+        except PlanOverflow as e:
+            new = next((f for f in e.fixes if not set(f) <= set(fixes)), None)
+            if new is None or len(fixes) >= MAX_FIXES:
+                return None, fixes, e
+            keys = {f.split("=")[0] for f in new}
+            fixes = [f for f in fixes if f.split("=")[0] not in keys] + list(new)
+    return None, fixes, None
+
+
+def _compositions(overrides: list[str], world: int) -> list[tuple[list[str], list[str]]]:
+    """(strategy names, their option overrides) to try in order: the command's own composition (with
+    checkpointing added when it has none), then ``CANDIDATES``; ZeRO stages only with several ranks."""
+    own_names, own_opts = [], []
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key == "strategy":
+            own_names = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        elif key.startswith("strategy."):
+            own_opts.append(o)
+    out = []
+    if own_names and "auto" not in own_names:
+        out.append((own_names, own_opts))
+        if "ckpt" not in own_names:
+            out.append(([*own_names, "ckpt"], own_opts))
+    for names in CANDIDATES:
+        if (any(n.startswith("zero") for n in names) and world == 1) or any(sorted(names) == sorted(n) for n, _ in out):
+            continue
+        out.append((list(names), []))
+    return out
 
 
 def _micro_batches(mb: int) -> list[int]:

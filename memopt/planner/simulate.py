@@ -80,8 +80,9 @@ class PlanUnsupported(ConfigError):
 class PlanOverflow(RuntimeError):
     """The simulated rank went over a limit (preflight stops at the first op that does)."""
 
-    def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None):
+    def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None, fixes=()):
         self.device, self.live, self.limit = device, {c: b for c, b in live.items() if c[0] != "_"}, limit
+        self.fixes = list(fixes)  # the engine's own ways out (ChunkOutOfMemoryError.fixes), as override lists
         self.total = sum(live.values())
         self.category = max(self.live, key=self.live.get) if self.live else "other"
         self.reason = reason  # the engine's own out-of-memory message (the chunk engine checks its budgets at build)
@@ -265,7 +266,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     planned run (gloo for CPU devices, nccl for GPUs), for its scratch buffers."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-    from memopt import engines
+    from memopt import engines, model_file
     from memopt.data import TokenBatches, load_tokens
     from memopt.parallel.dims import build_dims
 
@@ -307,8 +308,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         engine.eval_loss(x.to(device), y.to(device))
                 if t.save_checkpoint:  # fp32 CPU copies: host memory of a GPU run (the device itself on a CPU run)
                     with tracker.category("other"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
-                        state = engine.full_state_dict()  # what every rank holds while rank 0 writes model.pt
-                    del state
+                        model_file.stream(engine, None, check=False)  # the save's loop (rank 0 writes as it goes)
     except PlanOverflow as e:
         e.device = keymap.get(e.device, e.device)
         raise
@@ -319,7 +319,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
             "this op has none); run with trainer.preflight=false") from None
     except Exception as e:
         if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
-            raise PlanOverflow("host" if "host" in str(e) else "device", {}, 0, f"{type(e).__name__}: {e}") from None
+            raise PlanOverflow("host" if "host" in str(e) else "device", {}, 0, f"{type(e).__name__}: {e}",
+                               getattr(e, "fixes", ())) from None
         raise
     finally:
         if started:

@@ -58,6 +58,12 @@ def assert_exact(jobs, steps: int = 6) -> None:
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), (resumed, k)
+    last = os.path.join(straight, "checkpoints", f"step_{steps}")
+    if os.path.exists(os.path.join(straight, "model.pt")) and os.path.isdir(last):  # every rank's part of the weights is in
+        from memopt.checkpoint import merge
+
+        merged = torch.load(merge(last, os.path.join(straight, "merged.pt")), weights_only=True)["state_dict"]
+        assert merged.keys() == wa.keys() and all(torch.equal(merged[k], wa[k]) for k in wa), straight
 
 
 def run_in_process(jobs) -> None:

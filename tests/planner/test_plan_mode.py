@@ -58,3 +58,23 @@ def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_pat
     again = make_plan(cand, hw, limits_of(hw, 1))
     assert again["fits"] and "error" not in again
     assert max(f["bytes"] for f in again["fit"].values()) == plan["suggestion"]["peak_bytes"]
+
+
+def test_suggestion_applies_the_chunk_engines_fixes_and_the_fix_runs(tmp_path, capsys):
+    """On 2 ranks with a small device budget the chunk engine's warm-up check refuses gpt_tiny (its 2
+    chunks gathered by one all-gather exceed the warm-up budget). Plan mode's suggestion keeps the
+    command's composition and adds the fixes the engine names (mem_saving_comm, a warm-up ratio); the
+    reference is the real engine: the suggested command trains on 2 ranks (gloo) to the end."""
+    from memopt.api import run_jobs_on_ranks
+
+    cmd = ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.008", "trainer.nproc_per_node=2"]
+    d = tmp_path / "plan"
+    assert cli_main([*TINY, *cmd, f"hydra.run.dir={d}"]) == 0
+    out = capsys.readouterr().out
+    assert "warm-up chunk budget" in out and "suggestion: this fits:" in out, out
+    fix = json.loads((d / "plan.json").read_text())["suggestion"]["overrides"]
+    assert "+strategy=[chunk]" in fix and "strategy.chunk.device_budget_gb=0.008" in fix  # the command's own composition
+    assert "strategy.chunk.mem_saving_comm=true" in fix
+    run = [o for o in TINY if o not in ("trainer.mode=plan", "hardware=v100_patrickstar")] + ["trainer.max_steps=2"]
+    summary = run_jobs_on_ranks(2, [([*run, *fix], str(tmp_path / "run"))])[0]
+    assert summary["status"] == "ok" and summary["steps"] == 2, summary

@@ -293,29 +293,55 @@ class ChunkEngine(PrecisionEngine):
             self.mgr.begin_forward()
             self.model.train()
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in fp32 on the host (a collective with 2+ ranks: every unit is gathered in turn)."""
+        values = dict(self.iter_full_state())
+        aliases = {n: info.name for info in self.mgr.infos.values() for n in info.aliases}
+        return {k: values[aliases.get(k, k)] for k in self.model.state_dict(keep_vars=True)}
+
+    @torch.no_grad()
+    def iter_full_state(self):
+        """One copy per chunk tensor (aliases once, under the tensor's name), a unit at a time: with 2+
+        ranks each unit is gathered, its tensors copied out, and released before the next; then the
+        tensors outside the chunks (buffers)."""
         mgr = self.mgr
-        values = {}
+        copy = lambda info: info.chunk.view_of(info).to("cpu", torch.float32, copy=True).view(info.shape)  # noqa: E731
         if mgr.comm is None:
             for info in mgr.infos.values():
-                values[info.name] = info.chunk.view_of(info).float().cpu().clone().view(info.shape)
+                yield info.name, copy(info)
         else:
-            mgr.phase = "io"
-            try:
-                for u in mgr.comm.units:
+            for u in mgr.comm.units:
+                mgr.phase = "io"
+                try:
                     mgr.gather([u], ("io", "state_dict"))
-                    for info in u.tensors:
-                        values[info.name] = info.chunk.view_of(info).float().cpu().clone().view(info.shape)
+                    values = [(info.name, copy(info)) for info in u.tensors]
                     mgr.comm.release(u)
-            finally:
-                mgr.phase = "idle"
-        by_name = {n: values[info.name] for info in mgr.infos.values() for n in [info.name, *info.aliases]}
-        return {k: by_name[k] if k in by_name else v.detach().float().cpu().clone()
-                for k, v in self.model.state_dict(keep_vars=True).items()}
+                finally:
+                    mgr.phase = "idle"
+                yield from values
+                del values
+        in_chunks = {n for info in mgr.infos.values() for n in [info.name, *info.aliases]}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if k not in in_chunks:
+                yield k, v.detach().to("cpu", torch.float32, copy=True)
 
     # ---- resumable checkpoints ------------------------------------------------------------------
+    @torch.no_grad()
+    def checkpoint_model(self) -> dict[str, torch.Tensor]:
+        """The weights of the chunks this rank owns (fp32 copies, aliases included) and the tensors
+        outside the chunks: DCP writes each from its owner and ``merge`` reads their union, so a save
+        holds 1/W of the model per rank, not the whole (``full_state_dict`` gathers every unit)."""
+        out = {}
+        for info in self.mgr.infos.values():
+            if info.chunk.local:
+                t = info.chunk.view_of(info).to("cpu", torch.float32, copy=True).view(info.shape)
+                out.update({n: t for n in [info.name, *info.aliases]})
+        in_chunks = {n for info in self.mgr.infos.values() for n in [info.name, *info.aliases]}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if k not in in_chunks:
+                out[k] = v.detach().to("cpu", torch.float32, copy=True)
+        return out
+
     def checkpoint_state(self) -> dict:
         o = self.optimizer
         groups = {str(c.index): {"master": ms.data, "exp_avg": m.data, "exp_avg_sq": v.data} for c, ms, m, v in o.groups}
@@ -324,8 +350,8 @@ class ChunkEngine(PrecisionEngine):
 
     @torch.no_grad()
     def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
-        for info in self.mgr.infos.values():  # the chunks this rank holds a payload for
-            if info.chunk.where is not None:
+        for info in self.mgr.infos.values():  # the chunks this rank owns (checkpoint_model saved those)
+            if info.chunk.local:
                 info.chunk.view_of(info).copy_(model[info.name].reshape(-1))
         for name, buf in self.model.named_buffers():
             if name in model:

@@ -36,7 +36,10 @@ ALIGN = 1024  # chunk sizes the search considers are multiples of this many elem
 
 
 class ChunkOutOfMemoryError(torch.OutOfMemoryError):
-    """The chunks one moment needs do not fit in the chunk budget (message: moment, budget, bytes)."""
+    """The chunks one moment needs do not fit in the chunk budget (message: moment, budget, bytes).
+    ``fixes``: override lists that would make that moment fit, cheapest first (the planner applies them)."""
+
+    fixes: tuple = ()
 
 
 def _mb(b: float) -> str:
@@ -213,7 +216,7 @@ class ChunkManager:
         if self.device_bytes + need > budget:
             self._evict(need - (budget - self.device_bytes), set(id(c) for c in chunks), pos)
         if self.device_bytes + need > budget:
-            self._oom(chunks, key, pos, need, budget)
+            self._oom(chunks, key, pos, need, budget, extra)
         for c in chunks:
             if c.where != DEVICE:
                 if c.where is None:
@@ -250,10 +253,11 @@ class ChunkManager:
         if self.device_bytes > limit:
             self._evict(self.device_bytes - limit, set(), self.tracer.pos)
 
-    def _oom(self, chunks, key, pos, need, budget) -> None:
+    def _oom(self, chunks, key, pos, need, budget, extra: int = 0) -> None:
         pinned = [c for c in self.chunks if c.where == DEVICE and c.pinned and c not in chunks]
         pinned_b = sum(c.nbytes for c in pinned)
-        mine = sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks)
+        mine = sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks) + extra  # with a gradient being made
+        fixes = []  # override lists that make this moment fit, cheapest first (the planner's search applies them)
         phase, name = key
         what = {"reduce": "gradient reduction of", "fwd": "forward of", "bwd": "backward of", "rec": "recomputation (ckpt) of", "grad": "gradient of",
                 "eval": "evaluation forward of"}.get(phase, phase)
@@ -266,6 +270,9 @@ class ChunkManager:
             if self.comm is not None and not self.comm.mem_saving and len(chunks) > 1:
                 fix += (f", or set strategy.chunk.mem_saving_comm=true (its {len(chunks)} chunks are gathered together "
                         "by one all-gather; with it, one broadcast per chunk)")
+                fixes.append(["strategy.chunk.mem_saving_comm=true"])
+            if not self.static and at_least <= 1:
+                fixes.append([f"strategy.chunk.warmup_gpu_chunk_mem_ratio={at_least:.2f}"])
         else:
             nm = self.tracer.nonmodel_at(pos)
             how = (f"the chunk budget {_mb(budget)} = device budget {_mb(self.device_budget)} - non-model memory "
@@ -274,10 +281,12 @@ class ChunkManager:
                    "(+strategy=ckpt, act_offload, a smaller micro-batch) or keep fewer optimizer chunks on the device")
         where = f"moment {pos} of {self.tracer.period}" if pos is not None and not self.tracer.warmup else (
             f"warm-up moment {pos}" if pos is not None else "an untraced moment")
-        raise ChunkOutOfMemoryError(
+        err = ChunkOutOfMemoryError(
             f"chunk engine out of memory at the {what} {name} ({where}): it needs {_mb(mine)} of chunks "
-            f"{[c.index for c in chunks]} on the device{f' (+{_mb(need - sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks if c.where != DEVICE))} for a gradient)' if need > mine else ''}"
+            f"{[c.index for c in chunks]} on the device{f' (of which {_mb(extra)} for their gradient)' if extra else ''}"
             f" while {_mb(pinned_b)} are pinned by modules computing now, but {how}; {fix}")
+        err.fixes = fixes
+        raise err
 
     # ---- per-step bookkeeping -----------------------------------------------------------------
     def begin_forward(self) -> None:

@@ -1,0 +1,126 @@
+"""model.pt, the final weights: written tensor by tensor, so no process ever holds the whole model.
+
+Why: the weights of a 10B model are 38.5 GiB in fp32. Built as one state dict (and serialised into a
+buffer) they cost that much host memory on every rank at the end of the run, more than the training
+step itself on PatrickStar's node. Here rank 0 first writes the file's skeleton (``torch.save`` of fake
+tensors under ``torch.serialization.skip_data``: the pickled structure and a hole for every storage),
+then the engine streams the weights (``Engine.iter_full_state``: one gathered unit at a time) and each
+tensor's bytes go straight into its hole. The result is an ordinary ``torch.save`` file (``torch.load``,
+``memopt.load_model``); tied weights share one storage, as ``torch.save`` of the model's state dict
+would write them. The file appears under its name only when every tensor is in (write to a temporary
+name, fsync, rename), so a failure leaves the previous ``model.pt`` or none.
+
+Where each storage's bytes go is read back from the skeleton itself: loaded with ``mmap=True`` (no byte
+is read), every storage is a view into one mapping of the file, so its address minus the mapping's
+base is its offset; the base follows from the zip records' offsets (``PyTorchFileReader``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def logical_model(record: dict, device: str | torch.device = "meta"):
+    """The single-process model a ``model.pt`` record describes (``compose.model_record``): the model
+    class with the architecture strategies (moe) installed; on ``meta`` it allocates nothing."""
+    from memopt.models import ModelConfig, model_class
+    from memopt.strategies.base import registry
+
+    cfg = ModelConfig(**record["model_config"])
+    strategies = registry()
+    with torch.device(device):
+        model = model_class(cfg)(cfg)
+        for name, opts in record.get("architecture", {}).items():  # strategies that changed the model (moe)
+            strategies[name].install(model, strategies[name].Config(**opts), cfg)
+    return model
+
+
+def stream(engine, writer: "ModelFileWriter | None", check: bool = True) -> bool:
+    """Every rank: iterate the engine's weights (a collective), rank 0 (``writer``) writing each as it
+    arrives; whether every weight was finite (``check=False``: not looked at, the planner's fake
+    tensors have no values). The planner runs this same loop, so what it plans is what the save holds."""
+    from memopt.guards import all_finite
+
+    finite = True
+    for name, value in engine.iter_full_state():
+        finite = finite and (not check or all_finite([value]))  # (identical on every rank: each sees every weight)
+        if writer is not None and finite:
+            writer.put(name, value)
+        del value
+    return finite
+
+
+class ModelFileWriter:
+    """Rank 0's side of a streamed ``model.pt``: ``put`` every weight once (any order), then ``commit``;
+    ``abort`` on failure. The names and shapes are the record's model's state dict, in fp32."""
+
+    def __init__(self, path: str, record: dict):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self.path, self.tmp = path, f"{path}.tmp-{os.getpid()}"
+        with _disable_current_modes():  # the skeleton is file-backed, never read: no memory a tracker should count
+            self._skeleton(record)
+        self.fd = os.open(self.tmp, os.O_WRONLY)
+
+    def _skeleton(self, record: dict) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        layout = logical_model(record).state_dict(keep_vars=True)
+        fake, by_id = {}, {}
+        with FakeTensorMode():
+            for name, t in layout.items():  # tied weights: one fake tensor, hence one storage
+                if id(t) not in by_id:
+                    by_id[id(t)] = torch.empty(t.shape, dtype=torch.float32)
+                fake[name] = by_id[id(t)]
+        self.shapes = {name: tuple(t.shape) for name, t in layout.items()}
+        self.storage_of = {name: id(t) for name, t in layout.items()}  # names sharing a storage
+        self.missing = set(self.storage_of.values())
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save({**record, "state_dict": fake}, self.tmp)
+        self.offset = self._offsets()
+
+    def _offsets(self) -> dict[str, int]:
+        with open(self.tmp, "rb") as f:
+            reader = torch._C.PyTorchFileReader(f)
+            starts = [reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")]
+        skeleton = torch.load(self.tmp, mmap=True, weights_only=True, map_location="cpu")["state_dict"]
+        ptrs = {n: t.untyped_storage().data_ptr() for n, t in skeleton.items() if t.numel()}
+        if not ptrs:
+            return {}
+        base = min(ptrs.values()) - min(starts)  # the first storage in the file sits at the first record
+        off = {n: p - base for n, p in ptrs.items()}
+        if not set(off.values()) <= set(starts):
+            raise RuntimeError(f"model.pt skeleton: storage addresses do not match the file's records ({self.tmp})")
+        return off
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        if name not in self.shapes:
+            raise KeyError(f"model.pt: {name!r} is not a weight of the model ({len(self.shapes)} names)")
+        if tuple(value.shape) != self.shapes[name]:
+            raise ValueError(f"model.pt: {name} has shape {tuple(value.shape)}, the model's is {self.shapes[name]}")
+        if value.numel():
+            data = value.detach().to("cpu", torch.float32).contiguous().numpy()
+            view, pos = memoryview(data).cast("B"), self.offset[name]
+            while view:  # pwrite may write less than asked
+                n = os.pwrite(self.fd, view, pos)
+                view, pos = view[n:], pos + n
+        self.missing.discard(self.storage_of[name])
+
+    def commit(self) -> str:
+        if self.missing:
+            names = sorted(n for n, s in self.storage_of.items() if s in self.missing)
+            self.abort()
+            raise RuntimeError(f"model.pt: {len(names)} weight(s) never arrived: {names[:5]}")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        os.replace(self.tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
