@@ -462,6 +462,35 @@ class DeepSpeedEngine(Engine):
         state, experts = deepspeed_moe.memopt_names(self.model, state)  # DeepSpeed-MoE's names -> memopt's
         return gather_over_ep(state, experts, self.dims)
 
+    @torch.no_grad()
+    def iter_full_state(self):
+        """Stage 3: a module at a time, gathered on every rank, copied out and released (the way
+        DeepSpeed's own 16-bit consolidation walks the model); stages 0-2 hold the whole weights
+        already: one tensor at a time. DeepSpeed-MoE (renamed, experts gathered over ep): the whole dict."""
+        copy = lambda t: t.detach().to("cpu", torch.float32, copy=True)  # noqa: E731
+        if any(isinstance(m, deepspeed_moe.DeepSpeedMoE) for m in self.model.modules()):
+            yield from self.full_state_dict().items()
+            return
+        if self.stage != 3:
+            for k, v in self.model.state_dict().items():
+                yield k, copy(v)
+            return
+        import deepspeed
+
+        self.ds.empty_partition_cache()  # nothing may be in flight while modules are gathered in turn
+        done = set()
+        for prefix, m in self.model.named_modules():
+            own = list(m.named_parameters(prefix=prefix, recurse=False))
+            if own:
+                with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+                    values = [(n, copy(p)) for n, p in own]
+                done.update(n for n, _ in own)
+                yield from values
+                del values
+        for k, v in self.model.state_dict().items():  # the buffers
+            if k not in done:
+                yield k, copy(v)
+
     # ---- resumable checkpoints: DeepSpeed's own save/load (its files under <checkpoint>/deepspeed) ----
     def checkpoint_state(self) -> dict:
         return {rank_key(): {}}  # everything is in DeepSpeed's files; the DCP part holds the weights for merge
