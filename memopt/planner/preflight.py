@@ -123,7 +123,7 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
         fixes: list[str] = []  # the engine's fixes found at one micro-batch hold at the smaller ones
         for mb in _micro_batches(cfg.trainer.micro_batch_size):
             ov = [*base, f"+strategy=[{','.join(names)}]", *opts, f"trainer.micro_batch_size={mb}"]
-            plan, fixes, err = _plan_with_fixes(ov, fixes, hw, limits)
+            plan, fixes, err = plan_with_fixes(ov, fixes, hw, limits)
             label = f"+strategy=[{','.join(names)}]{''.join(' ' + o for o in [*opts, *fixes])} micro-batch {mb}"
             if plan is not None and plan["fits"]:
                 peak = max(f["bytes"] for f in plan["fit"].values())
@@ -141,7 +141,7 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
 MAX_FIXES = 4
 
 
-def _plan_with_fixes(ov: list[str], fixes: list[str], hw, limits) -> tuple[dict | None, list[str], Exception | None]:
+def plan_with_fixes(ov: list[str], fixes: list[str], hw, limits) -> tuple[dict | None, list[str], Exception | None]:
     """(plan, the fixes applied, the last error): ``ov`` plus ``fixes`` planned; when the engine refuses a
     moment and names fixes (the chunk engine's warm-up budget: ``ChunkOutOfMemoryError.fixes``), the
     first one not applied yet is added (replacing an earlier value of the same option) and the plan

@@ -21,7 +21,6 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 """
 from __future__ import annotations
 
-from memopt.errors import ConfigError
 from memopt.planner.plan import fmt, limits_of, make_plan
 from memopt.planner.simulate import PlanOverflow
 
@@ -145,25 +144,25 @@ def _strategies(names: list[str]) -> str:
 
 def search(cfg, hw, base: list[str]) -> list[dict]:
     """Every candidate planned, ranked: fitting ones by predicted step time, then the others."""
-    from memopt.api import compose_config
-    from memopt.config import to_dataclass, validate
+    from memopt.planner.preflight import plan_with_fixes
 
     base, carry, moe_named = split_base(base)
     limits = limits_of(hw, cfg.trainer.nproc_per_node)
     rows = []
     for ov in candidates(cfg, hw, carry, moe_named):
+        # a chunk candidate the engine refuses at a moment it names fixes for (warm-up budget) is
+        # planned again with them (the preflight's suggestion does the same): the row then carries them
+        plan, fixes, err = plan_with_fixes([*base, *ov], [], hw, limits)
+        ov = [*ov, *fixes]
         row = {"overrides": ov, "label": " ".join(ov), "fits": False}
-        try:
-            cand = to_dataclass(compose_config([*base, *ov]))
-            validate(cand)
-            plan = make_plan(cand, hw, limits)
+        if plan is not None:
             row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
                        peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
                        dominant=plan.get("step_time", {}).get("dominant"))
-        except PlanOverflow as e:
-            row["why"] = e.reason or f"{e.device} over at {e.category}"
-        except ConfigError as e:
-            row["why"] = f"refused: {str(e)[:80]}"
+        elif isinstance(err, PlanOverflow):
+            row["why"] = err.reason or f"{err.device} over at {err.category}"
+        elif err is not None:
+            row["why"] = f"refused: {str(err)[:80]}"
         rows.append(row)
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
