@@ -278,6 +278,18 @@ class FSDP2Engine(PrecisionEngine):
             out[k] = full.detach().float().cpu().clone()
         return self.model.full_state(out)
 
+    @torch.no_grad()
+    def iter_full_state(self):
+        """A tensor at a time: each sharded parameter gathered whole (a collective), copied, dropped.
+        With tensor parallelism the whole dict (its tp gather assembles the split tensors)."""
+        if self.tp is not None:
+            yield from self.full_state_dict().items()
+            return
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            yield k, full.detach().to("cpu", torch.float32, copy=True)
+            del full
+
     # ---- resumable checkpoints: the sharded DTensors as they are (DCP writes each rank's shards) ----
     # With +strategy=tp the DTensors are dp_shard shards of tp-local tensors: the two tp ranks' shards
     # carry the same name and offsets, so DCP would keep one. The weights are then saved whole

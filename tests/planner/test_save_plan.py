@@ -43,7 +43,8 @@ def test_final_save_chunk_engine_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [["+strategy=chunk"], ["+strategy=hybrid_adam_fp32"], ["+strategy=zero3"]],
-                         ids=["chunk", "hybrid_adam_fp32", "zero3"])
+@pytest.mark.parametrize("overrides", [["+strategy=chunk"], ["+strategy=hybrid_adam_fp32"], ["+strategy=zero3"],
+                                       ["engine=fsdp2", "+strategy=zero3"]],
+                         ids=["chunk", "hybrid_adam_fp32", "zero3", "fsdp2_zero3"])
 def test_final_save_two_ranks(overrides, tmp_path):
     _check(overrides, 2, tmp_path)
