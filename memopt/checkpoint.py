@@ -137,6 +137,12 @@ def _maybe_kill_inside_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def parts(engine) -> dict:
+    """The engine's parts of a checkpoint (the weights' copies, its training state), as ``save`` and
+    ``load`` build them; the planner builds the same on fake tensors to plan a save's peak."""
+    return {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state()}
+
+
 def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta: dict, keep: int) -> str | None:
     """Write checkpoint ``step`` (a collective: every rank calls it) and keep the newest ``keep``; None
     (nothing written) when the weights are not finite."""
@@ -150,8 +156,7 @@ def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta:
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state = {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state(),
-             "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
+    state = {**parts(engine), "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
     if not _agree(all_finite(state["model"].values()), device):  # a checkpoint never holds a diverged state
         print(f"memopt: checkpoint at step {step} not written: the weights hold non-finite values", file=sys.stderr)
         if rank == 0:
@@ -180,8 +185,7 @@ def load(path: str, engine, rank: int, device: torch.device) -> int:
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)
-    state = {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state(),
-             "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
+    state = {**parts(engine), "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
     with _quiet():
         dcp.load(state, checkpoint_id=path)
     engine.load_checkpoint(state["model"], state["engine"])

@@ -266,7 +266,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     planned run (gloo for CPU devices, nccl for GPUs), for its scratch buffers."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-    from memopt import engines, model_file
+    from memopt import checkpoint, engines, model_file
     from memopt.data import TokenBatches, load_tokens
     from memopt.parallel.dims import build_dims
 
@@ -309,6 +309,9 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                 if t.save_checkpoint:  # fp32 CPU copies: host memory of a GPU run (the device itself on a CPU run)
                     with tracker.category("other"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
                         model_file.stream(engine, None, check=False)  # the save's loop (rank 0 writes as it goes)
+                if t.checkpoint_every:  # a resumable checkpoint's state dict (the weights' copies): a temporary, as the run counts it
+                    with tracker.category("temp"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
+                        checkpoint.parts(engine)
     except PlanOverflow as e:
         e.device = keymap.get(e.device, e.device)
         raise

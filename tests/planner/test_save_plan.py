@@ -1,6 +1,7 @@
-"""The final model.pt save, planned and measured: the weights are streamed (``Engine.iter_full_state``,
-``memopt.model_file``), so the save holds one gathered unit's fp32 copy, not the whole model, and the
-planner (which runs the same iteration on fake tensors) predicts the measured peak.
+"""The final model.pt save and resumable checkpoints, planned and measured: the weights of model.pt are
+streamed (``Engine.iter_full_state``, ``memopt.model_file``), so that save holds one gathered unit's
+fp32 copy, not the whole model; a checkpoint's state dict (``checkpoint.parts``: the weights' copies,
+a temporary) is planned too. The planner runs the same code on fake tensors and predicts both peaks.
 
 References: the tracker's measured peak of the run (``tests/planner/test_accuracy.py``'s comparison)
 and the model's whole fp32 weights (4 B x parameters), which the old save held on every rank.
@@ -11,7 +12,7 @@ import pytest
 
 from tests.planner.test_accuracy import compare, measured, planned
 
-SAVE = ["trainer.save_checkpoint=true", "model.n_layer=4"]
+SAVE = ["trainer.save_checkpoint=true", "trainer.checkpoint_every=1", "model.n_layer=4"]
 
 
 def _whole_fp32(overrides: list[str]) -> int:
