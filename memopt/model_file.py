@@ -10,9 +10,8 @@ tensor's bytes go straight into its hole. The result is an ordinary ``torch.save
 would write them. The file appears under its name only when every tensor is in (write to a temporary
 name, fsync, rename), so a failure leaves the previous ``model.pt`` or none.
 
-Where each storage's bytes go is read back from the skeleton itself: loaded with ``mmap=True`` (no byte
-is read), every storage is a view into one mapping of the file, so its address minus the mapping's
-base is its offset; the base follows from the zip records' offsets (``PyTorchFileReader``).
+Where each storage's bytes go is read back from the skeleton itself: ``torch.load`` onto ``meta`` records
+each storage's offset in the file (``_checkpoint_offset``; nothing is read or allocated).
 """
 from __future__ import annotations
 
@@ -81,17 +80,11 @@ class ModelFileWriter:
         self.offset = self._offsets()
 
     def _offsets(self) -> dict[str, int]:
-        with open(self.tmp, "rb") as f:
-            reader = torch._C.PyTorchFileReader(f)
-            starts = [reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")]
-        skeleton = torch.load(self.tmp, mmap=True, weights_only=True, map_location="cpu")["state_dict"]
-        ptrs = {n: t.untyped_storage().data_ptr() for n, t in skeleton.items() if t.numel()}
-        if not ptrs:
-            return {}
-        base = min(ptrs.values()) - min(starts)  # the first storage in the file sits at the first record
-        off = {n: p - base for n, p in ptrs.items()}
-        if not set(off.values()) <= set(starts):
-            raise RuntimeError(f"model.pt skeleton: storage addresses do not match the file's records ({self.tmp})")
+        # loaded onto ``meta``, each storage records where its bytes start in the file
+        skeleton = torch.load(self.tmp, map_location="meta", weights_only=True)["state_dict"]
+        off = {n: getattr(t.untyped_storage(), "_checkpoint_offset", None) for n, t in skeleton.items() if t.numel()}
+        if any(o is None for o in off.values()):
+            raise RuntimeError("model.pt: this torch does not report storage offsets of a checkpoint loaded on meta")
         return off
 
     def put(self, name: str, value: torch.Tensor) -> None:
