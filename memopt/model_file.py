@@ -58,8 +58,13 @@ class ModelFileWriter:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.path, self.tmp = path, f"{path}.tmp-{os.getpid()}"
-        with _disable_current_modes():  # the skeleton is file-backed, never read: no memory a tracker should count
-            self._skeleton(record)
+        try:
+            with _disable_current_modes():  # the skeleton is a file, never read: no memory a tracker should count
+                self._skeleton(record)
+        except BaseException:
+            if os.path.exists(self.tmp):
+                os.remove(self.tmp)
+            raise
         self.fd = os.open(self.tmp, os.O_WRONLY)
 
     def _skeleton(self, record: dict) -> None:
