@@ -137,10 +137,11 @@ def _maybe_kill_inside_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def parts(engine) -> dict:
-    """The engine's parts of a checkpoint (the weights' copies, its training state), as ``save`` and
-    ``load`` build them; the planner builds the same on fake tensors to plan a save's peak."""
-    return {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state()}
+def parts(engine, load: bool = False) -> dict:
+    """The engine's parts of a checkpoint (the weights' copies, its training state), as ``save`` (and
+    with ``load``, ``load``) builds them; the planner builds the save's on fake tensors to plan its peak."""
+    return {"model": engine.checkpoint_model_to_load() if load else engine.checkpoint_model(),
+            "engine": engine.checkpoint_state()}
 
 
 def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta: dict, keep: int) -> str | None:
@@ -185,7 +186,7 @@ def load(path: str, engine, rank: int, device: torch.device) -> int:
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)
-    state = {**parts(engine), "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
+    state = {**parts(engine, load=True), "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
     with _quiet():
         dcp.load(state, checkpoint_id=path)
     engine.load_checkpoint(state["model"], state["engine"])

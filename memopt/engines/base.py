@@ -8,6 +8,8 @@ and ``build(cfg, device, dims, tracker) -> Engine``, plus one line in ``memopt.e
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from memopt.errors import ConfigError
@@ -43,9 +45,27 @@ class Engine:
 
     # ---- resumable checkpoints (memopt.checkpoint); an engine module without them sets CHECKPOINTS = False
     def checkpoint_model(self) -> dict[str, torch.Tensor]:
-        """The weights by name for a checkpoint (a collective). Default: the full fp32 copies on every
-        rank, which DCP writes once, spread over the ranks; an engine with sharded parameters may
-        return DTensors instead."""
+        """The weights by name for a checkpoint save (a collective). Default: every rank streams the
+        fp32 weights (``iter_full_state``) and keeps the tensors whose name hashes to it (with their tied names): DCP
+        writes each from the rank that kept it and ``merge`` reads their union, so a save holds ~1/W
+        of the model per rank, not all of it. An engine with sharded parameters may return DTensors."""
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        tied: dict[int, list[str]] = {}
+        state = self.model.state_dict(keep_vars=True)
+        for name, t in state.items():
+            tied.setdefault(id(t), []).append(name)
+        out = {}
+        for name, value in self.iter_full_state():
+            names = tied[id(state[name])] if name in state else [name]
+            if zlib.crc32(min(names).encode()) % world == rank:  # by name: every rank agrees whatever its order
+                out.update((n, value) for n in names)
+        return out
+
+    def checkpoint_model_to_load(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint load fills in place before ``load_checkpoint``: every weight this rank
+        needs. Default: the full fp32 copies (``full_state_dict``)."""
         return self.full_state_dict()
 
     def checkpoint_state(self) -> dict:

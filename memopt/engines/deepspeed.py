@@ -495,6 +495,9 @@ class DeepSpeedEngine(Engine):
     def checkpoint_state(self) -> dict:
         return {rank_key(): {}}  # everything is in DeepSpeed's files; the DCP part holds the weights for merge
 
+    def checkpoint_model_to_load(self) -> dict[str, torch.Tensor]:
+        return {}  # DeepSpeed's own files restore the weights (load_files); the DCP part only serves merge
+
     def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
         pass
 

@@ -302,6 +302,9 @@ class FSDP2Engine(PrecisionEngine):
     def checkpoint_model(self) -> dict[str, torch.Tensor]:
         return dict(self.model.state_dict()) if self.tp is None else self.full_state_dict()
 
+    def checkpoint_model_to_load(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_model()  # each rank reads back the same part it saved
+
     def checkpoint_state(self) -> dict:
         optim = {name: dict(self.optimizer.state[p]) for name, p in self.model.named_parameters()}
         return {self._optim_key(): optim, rank_key(): {"scaler": self.scaler_state()}}

@@ -342,6 +342,9 @@ class ChunkEngine(PrecisionEngine):
                 out[k] = v.detach().to("cpu", torch.float32, copy=True)
         return out
 
+    def checkpoint_model_to_load(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_model()  # each rank reads back the same part it saved
+
     def checkpoint_state(self) -> dict:
         o = self.optimizer
         groups = {str(c.index): {"master": ms.data, "exp_avg": m.data, "exp_avg_sq": v.data} for c, ms, m, v in o.groups}
