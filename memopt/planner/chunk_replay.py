@@ -249,10 +249,15 @@ class Recorder:
             if not t.active:
                 return orig(x, category, device=device, retag=retag)
             try:
-                key = id(x.untyped_storage())
+                st = x.untyped_storage()
+                key = id(st)
             except Exception:
                 key = None
             known = key in t.tracker._info
+            if known and not retag:  # an op's output on a storage counted already (a view, an in-place op): the tracker
+                ref = t.tracker._refs.get(key)  # changes nothing (its own early return), so neither the snapshot nor the diff
+                if ref is not None and ref() is st:
+                    return orig(x, category, device=device, retag=retag)
             before = _snapshot(t.tracker.live)
             orig(x, category, device=device, retag=retag)
             d = _diff(before, t.tracker.live)
@@ -513,6 +518,8 @@ class _Player:
         self.pending: dict[str, object] = {}
 
     def play(self, kind: str):
+        from torch.utils._python_dispatch import _disable_current_modes as no_modes
+
         torch, eng = self.torch, self.engine
         if not self.queue or self.queue[0][0] != kind:
             raise Unsupported(f"the planned run calls {kind} where the recording has {self.queue[0][0] if self.queue else 'nothing'}")
@@ -534,7 +541,8 @@ class _Player:
                     mgr.release([self.infos[n] for n in args[0]], args[1])
                 elif what == "grad":
                     p = self.infos[args[0]].param
-                    p.grad = self.pending.pop(args[0])
+                    with no_modes():  # the setter asks both tensors their device 6 times: ops through the modes, ~50 us each
+                        p.grad = self.pending.pop(args[0])
                     eng.hooks._on_grad(p)
                 else:
                     getattr(mgr, what)(*args)

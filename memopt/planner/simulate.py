@@ -141,7 +141,7 @@ class PlanTracker(MemoryTracker):
         return out
 
     def _device_of(self, t) -> str | None:
-        if not isinstance(t, torch.Tensor) or t.is_meta:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":  # not ``is_meta`` (an op on a fake tensor)
             return None
         info = self._info.get(id(t.untyped_storage()))
         return info.device if info is not None else self._device_key(t)

@@ -80,6 +80,7 @@ class Chunk:
         self.has_grad = False
         self.moves = 0
         self.bound = False
+        self._grad_views: dict[tuple[str, int], torch.Tensor] = {}
         # distributed (comm.py): owning rank, whether that is this rank, communication unit, and
         # whether a remote payload is only kept as a cached buffer (mem_cache)
         self.owner, self.local, self.unit, self.cached = 0, True, None, False
@@ -170,7 +171,7 @@ class Chunk:
         if self.bound:
             return
         for info in self.tensors:
-            info.param.data = self.dev[info.offset: info.offset + info.numel].view(info.shape)
+            info.param.data = self.dev.narrow(0, info.offset, info.numel).view(info.shape)
         self.bound = True
 
     def move(self, where: str) -> None:
@@ -222,7 +223,17 @@ class Chunk:
 
     def view_of(self, info: TensorInfo, grad: bool = False) -> torch.Tensor:
         buf = self.grad if grad else self.data
-        return buf[info.offset: info.offset + info.numel]
+        return buf.narrow(0, info.offset, info.numel)  # not buf[a:b]: Python indexing asks a fake tensor its device 3 times
+
+    def grad_view(self, info: TensorInfo) -> torch.Tensor:
+        """``info``'s slice of the gradient companion where the chunk is, in its shape. Made once per place
+        and kept, like the parameters' views of the payload: a companion's storage is resized, never
+        replaced, so the view stays valid (one op per gradient instead of three: each costs ~0.3 ms in a plan)."""
+        attr = "grad_dev" if self.where == DEVICE else "grad_host"
+        v = self._grad_views.get((attr, info.offset))
+        if v is None:
+            v = self._grad_views[(attr, info.offset)] = getattr(self, attr).narrow(0, info.offset, info.numel).view(info.shape)
+        return v
 
     def __repr__(self) -> str:
         return f"Chunk({self.kind}#{self.index}, {self.numel} x {self.dtype}, {self.where}, {self.state.name})"

@@ -107,7 +107,7 @@ class ChunkHooks:
         extra = 0 if c.has_grad else c.payload_bytes
         mgr.ensure([c], ("grad", info.name), extra=extra)
         c.alloc_grad()
-        c.view_of(info, grad=True).add_(p.grad.reshape(-1))
+        c.grad_view(info).add_(p.grad)
         p.grad = None
         info.users, info.state = 0, TensorState.HOLD_AFTER_BWD
         mgr.grad_arrived(info)  # with 2+ ranks: reduce the unit once all its gradients are in
