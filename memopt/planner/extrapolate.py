@@ -187,8 +187,10 @@ def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: 
 
     t0 = time.perf_counter()
     N = cfg.model.n_layer
-    key = (repr(at_depth(cfg, n)), world, backend)
-    mine = _RECORDED.get(key) if not verify else None  # the model side is every rank's (comm.py: same calls, same order)
+    key = (model_side(at_depth(cfg, n)), world, backend)
+    mine = _RECORDED.get(key)  # the model side is every rank's (comm.py: same calls, same order) and every candidate's
+    if mine is not None and verify and not mine[2]:  # that differs only in the chunk engine's options (model_side)
+        mine = None
     try:
         if mine is None:
             streams, _ = chunk_replay.record(at_depth(cfg, n), rank, world, backend)
@@ -197,8 +199,9 @@ def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: 
                 if chunk_replay.stretch(streams, n, n + 1) != chunk_replay.stretch(deeper, n + 1, n + 1):
                     raise chunk_replay.Unsupported(f"the {n}-block recording stretched to {n + 1} blocks differs from the "
                                                    f"{n + 1}-block recording")
-            mine = (streams, rank)
-            _RECORDED.clear()
+            mine = (streams, rank, verify)
+            if len(_RECORDED) >= 4:
+                _RECORDED.pop(next(iter(_RECORDED)))
             _RECORDED[key] = mine
         sim = chunk_replay.replay(cfg, mine[0], n, rank, world, limits, backend)
     except chunk_replay.Unsupported as e:
@@ -209,7 +212,22 @@ def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: 
             "method": f"replayed at n_layer={N} from {src}" + (f" (checked at {n + 1})" if verify else "")}
 
 
-_RECORDED: dict = {}  # the last checked recording: the next rank of the same plan replays it too
+_RECORDED: dict = {}  # the last recordings (streams, rank, checked): the next rank and later candidates replay them
+
+
+def model_side(cfg) -> str:
+    """What a recording (``chunk_replay.record``) depends on: the configuration without the chunk engine's
+    own options (``strategy.chunk``, ``hybrid_adam``, ``static_partition``: chunk size, budgets,
+    communication, optimizer placement), the hardware (the engine's budgets; the collectives' backend
+    is keyed apart) and ``trainer.save_checkpoint`` (the engine's state dict after the step, not
+    recorded). The recorded items name tensors and modules, never chunks, and the 5-vs-6-block check
+    compares recordings of two different layouts; tests/planner/test_chunk_replay.py records the same
+    model under different engine options and compares the recordings. So the preflight's candidates
+    that differ only there (chunk options, budgets) replay one recording."""
+    s = cfg.strategy
+    neutral = {f: None for f in ("chunk", "hybrid_adam", "static_partition") if hasattr(s, f)}
+    return repr(replace(cfg, strategy=replace(s, **neutral), hardware=None, logger=None,
+                        trainer=replace(cfg.trainer, save_checkpoint=None)))
 
 
 REL, FLOOR = 1e-3, 4096
@@ -243,8 +261,11 @@ def _pin_chunk_size(cfg, rank: int, world: int):
     """The chunk engine searches its chunk size over the whole model: the shallow ones take the planned one's."""
     if cfg.strategy.chunk.chunk_size:
         return cfg
-    key = (repr(cfg), world)
-    if key not in _CHUNK_SIZE:  # the same search on every rank: once per plan
+    from memopt.strategies.base import selected
+
+    # the search reads the parameters' sizes: the model and its model-phase strategies (moe adds experts)
+    key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world)
+    if key not in _CHUNK_SIZE:  # the same search on every rank and every candidate of that model: once
         _CHUNK_SIZE.clear()
         _CHUNK_SIZE[key] = _layout(cfg, rank, world)["chunk_size"]
     size = _CHUNK_SIZE[key]

@@ -42,6 +42,25 @@ def test_layout_that_no_shallow_window_follows_is_replayed_exactly():
     assert method == "replayed at n_layer=8 from a recorded n_layer=5 step", method
 
 
+def test_a_recording_does_not_depend_on_the_chunk_engines_options():
+    """Preflight candidates that differ only in the chunk engine's options replay one recording
+    (``extrapolate.model_side``): recorded again under other options (a device budget that leaves Hybrid
+    Adam no group on the device, mem_saving_comm, another warm-up ratio, the state dict, another hardware), the model side is the
+    same item for item."""
+    from memopt.planner import chunk_replay
+    from memopt.planner.extrapolate import model_side
+
+    base = [*COMMON, "+strategy=[hybrid_adam,ckpt]", "model.n_layer=5", "trainer.eval_every=1", "trainer.nproc_per_node=2"]
+    a = typed([*base, "trainer.save_checkpoint=false"])
+    b = typed([*base, "trainer.save_checkpoint=true", "strategy.chunk.mem_saving_comm=true", "hardware.device_memory_gb=2",
+               "strategy.chunk.device_budget_gb=0.012", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.5"])
+    assert model_side(a) == model_side(b)
+    (ra, sa), (rb, sb) = chunk_replay.record(a, 0, 2, "gloo"), chunk_replay.record(b, 0, 2, "gloo")
+    ma, mb = sa["engine_metrics"], sb["engine_metrics"]  # the engines did differ: Hybrid Adam's placement, the collectives
+    assert ma["optim_chunks_on_device"] > 0 == mb["optim_chunks_on_device"] and sa["comm_per_step"] != sb["comm_per_step"]
+    assert ra == rb
+
+
 @pytest.mark.slow
 def test_replay_with_checkpointing_evaluation_and_state_dict_on_four_ranks():
     methods = same_as_full_depth(["+strategy=[hybrid_adam,ckpt]", "model.n_layer=14", "trainer.eval_every=1",
