@@ -137,11 +137,10 @@ def _maybe_kill_inside_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def parts(engine, load: bool = False) -> dict:
-    """The engine's parts of a checkpoint (the weights' copies, its training state), as ``save`` (and
-    with ``load``, ``load``) builds them; the planner builds the save's on fake tensors to plan its peak."""
-    return {"model": engine.checkpoint_model_to_load() if load else engine.checkpoint_model(),
-            "engine": engine.checkpoint_state()}
+def parts(engine) -> dict:
+    """The engine's parts of a checkpoint (the weights' copies, its training state), as ``save`` builds
+    them; the planner builds them on fake tensors to plan the save's peak."""
+    return {"model": engine.checkpoint_model(), "engine": engine.checkpoint_state()}
 
 
 def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta: dict, keep: int) -> str | None:
@@ -186,10 +185,16 @@ def load(path: str, engine, rank: int, device: torch.device) -> int:
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)
-    state = {**parts(engine, load=True), "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
+    model = {}
     with _quiet():
+        for unit in engine.checkpoint_model_units():  # the weights a unit at a time (a group's fp32 copy, not the model's)
+            if unit:  # (every rank has the same units: the same collectives)
+                dcp.load({"model": unit}, checkpoint_id=path)
+            model.update(engine.load_model_unit(unit))
+            del unit
+        state = {"engine": engine.checkpoint_state(), "trainer": {f"rank{rank}": {"rng": rng_state(device)}}}
         dcp.load(state, checkpoint_id=path)
-    engine.load_checkpoint(state["model"], state["engine"])
+    engine.load_checkpoint(model, state["engine"])
     engine.load_files(path)
     set_rng_state(state["trainer"][f"rank{rank}"]["rng"], device)
     _barrier()

@@ -9,6 +9,7 @@ and ``build(cfg, device, dims, tracker) -> Engine``, plus one line in ``memopt.e
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 
 import torch
 
@@ -67,6 +68,18 @@ class Engine:
         """What a checkpoint load fills in place before ``load_checkpoint``: every weight this rank
         needs. Default: the full fp32 copies (``full_state_dict``)."""
         return self.full_state_dict()
+
+    def checkpoint_model_units(self) -> Iterator[dict[str, torch.Tensor]]:
+        """What a checkpoint load fills, a unit at a time (every rank loads as many units, each a DCP
+        collective); each filled unit goes to ``load_model_unit`` before the next is made, so an engine
+        that applies units as they come never holds every weight's copy. Default: one unit,
+        ``checkpoint_model_to_load``."""
+        yield self.checkpoint_model_to_load()
+
+    def load_model_unit(self, unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Apply a filled unit of ``checkpoint_model_units``; returns what ``load_checkpoint`` still gets
+        as its ``model`` (default: all of it, applied there)."""
+        return unit
 
     def checkpoint_state(self) -> dict:
         """Everything besides the weights that the next step depends on (optimizer states, step

@@ -127,11 +127,42 @@ class MemoptEngine(PrecisionEngine):
     def checkpoint_state(self) -> dict:
         return {rank_key(): {"optim": self.optimizer.state_dict(), "scaler": self.scaler_state()}}
 
+    def checkpoint_model_units(self):
+        """A flat group's fp32 copies at a time, then the tensors outside the groups (as ``iter_full_state``
+        streams them), so a load holds one group's copy, not the model's (gpt_10b: 41 GB per rank). Tensor
+        and expert parallelism take whole tensors of other ranks apart: the whole dict then."""
+        if self.model.tensor_parallel is not None or self.dims.ep.enabled:
+            yield from super().checkpoint_model_units()
+            return
+        seen = set()
+        for g in self.part.groups:
+            seen.update(id(p) for p in g.params)
+            yield {n: torch.empty(shape, dtype=torch.float32) for n, shape in zip(g.names, g.shapes)}
+        yield {k: torch.empty(v.shape, dtype=torch.float32) for k, v in self.model.state_dict(keep_vars=True).items()
+               if id(v) not in seen}
+
+    def load_model_unit(self, unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.model.tensor_parallel is not None or self.dims.ep.enabled:
+            return unit
+        self._load_weights(unit)
+        return {}
+
     @torch.no_grad()
     def load_checkpoint(self, model: dict[str, torch.Tensor], state: dict) -> None:
-        model = self.model.local_state(model)  # tensor parallelism: this rank's rows of the saved full tensors
-        for g in self.part.groups:  # the weights (every rank's whole buffer, or its zero3 shard)
+        if model:  # tensor or expert parallelism (checkpoint_model_units); else the units are applied already
+            self._load_weights(self.model.local_state(model))  # tp: this rank's rows of the saved full tensors
+        mine = state[rank_key()]
+        self.optimizer.load_state_dict(mine["optim"])
+        self.load_scaler_state(mine["scaler"])
+
+    @torch.no_grad()
+    def _load_weights(self, model: dict[str, torch.Tensor]) -> None:
+        """Copy the weights ``model`` names into the flat groups (every rank's whole buffer, or its zero3
+        shard) and the buffers; names it lacks are left as they are."""
+        for g in self.part.groups:
             for name, off, n in zip(g.names, g.offsets, g.numels):
+                if name not in model:
+                    continue
                 val = model[name].reshape(-1)
                 if g.stage == 3:
                     a, b = max(g.lo, off), min(g.hi, off + n)
@@ -142,6 +173,3 @@ class MemoptEngine(PrecisionEngine):
         for name, buf in self.model.named_buffers():
             if name in model:
                 buf.copy_(model[name])
-        mine = state[rank_key()]
-        self.optimizer.load_state_dict(mine["optim"])
-        self.load_scaler_state(mine["scaler"])
