@@ -4,8 +4,9 @@ Why: the weights of a 10B model are 38.5 GiB in fp32. Built as one state dict (a
 buffer) they cost that much host memory on every rank at the end of the run, more than the training
 step itself on PatrickStar's node. Here rank 0 first writes the file's skeleton (``torch.save`` of fake
 tensors under ``torch.serialization.skip_data``: the pickled structure and a hole for every storage),
-then the engine streams the weights (``Engine.iter_full_state``: one gathered unit at a time) and each
-tensor's bytes go straight into its hole. The result is an ordinary ``torch.save`` file (``torch.load``,
+then the engine streams the weights (``Engine.iter_full_state``: one gathered unit at a time, each
+tensor a view of what the engine holds) and each tensor's bytes go straight into its hole, converted to
+fp32 one tensor at a time on rank 0 (the other ranks only take part in the gathers: no copy at all). The result is an ordinary ``torch.save`` file (``torch.load``,
 ``memopt.load_model``); tied weights share one storage, as ``torch.save`` of the model's state dict
 would write them. The file appears under its name only when every tensor is in (write to a temporary
 name, fsync, rename), so a failure leaves the previous ``model.pt`` or none.
@@ -15,6 +16,7 @@ each storage's offset in the file (``_checkpoint_offset``; nothing is read or al
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -35,10 +37,23 @@ def logical_model(record: dict, device: str | torch.device = "meta"):
     return model
 
 
-def stream(engine, writer: "ModelFileWriter | None", check: bool = True) -> bool:
+def host_fp32(value: torch.Tensor) -> torch.Tensor:
+    """A weight as model.pt stores it: fp32, contiguous, on the host (``value`` itself when it is one)."""
+    return value.detach().to("cpu", torch.float32).contiguous()
+
+
+class Discard:
+    """Rank 0's writer in a plan: the same conversion per tensor (``host_fp32``: the save's own bytes), no file."""
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        host_fp32(value)
+
+
+def stream(engine, writer: "ModelFileWriter | Discard | None", check: bool = True) -> bool:
     """Every rank: iterate the engine's weights (a collective), rank 0 (``writer``) writing each as it
     arrives; whether every weight was finite (``check=False``: not looked at, the planner's fake
-    tensors have no values). The planner runs this same loop, so what it plans is what the save holds."""
+    tensors have no values). The planner runs this same loop (``Discard`` on rank 0), so what it plans
+    is what the save holds."""
     from memopt.guards import all_finite
 
     finite = True
@@ -98,8 +113,9 @@ class ModelFileWriter:
         if tuple(value.shape) != self.shapes[name]:
             raise ValueError(f"model.pt: {name} has shape {tuple(value.shape)}, the model's is {self.shapes[name]}")
         if value.numel():
-            data = value.detach().to("cpu", torch.float32).contiguous().numpy()
-            view, pos = memoryview(data).cast("B"), self.offset[name]
+            data = host_fp32(value)  # often the engine's own buffer: read through ctypes, since ``.numpy()``
+            raw = (ctypes.c_char * (data.numel() * 4)).from_address(data.data_ptr())  # marks a storage unresizable
+            view, pos = memoryview(raw).cast("B"), self.offset[name]
             while view:  # pwrite may write less than asked
                 n = os.pwrite(self.fd, view, pos)
                 view, pos = view[n:], pos + n

@@ -38,10 +38,13 @@ class Engine:
         raise NotImplementedError
 
     def iter_full_state(self):
-        """``full_state_dict``'s entries as ``(name, fp32 CPU tensor)`` pairs, streamed (a collective:
-        every rank iterates to the end): model.pt is written from it (``memopt.model_file``). Tied
-        weights may come once under one of their names. Default: the whole dict at once; engines
-        whose weights are sharded yield one gathered unit at a time, so no rank holds every weight."""
+        """The weights as ``(name, tensor)`` pairs, streamed (a collective: every rank iterates to the
+        end): model.pt is written from it (``memopt.model_file``) and checkpoints keep their part.
+        A tensor is valid until the next one is asked for, in whatever dtype and device the engine
+        holds it (a view of a gathered buffer): a consumer copies what it keeps (``.to(..., copy=True)``),
+        so ranks that keep nothing copy nothing. Tied weights may come once under one of their names.
+        Default: ``full_state_dict``'s copies; engines with sharded weights yield one gathered unit at
+        a time, so no rank holds every weight."""
         yield from self.full_state_dict().items()
 
     # ---- resumable checkpoints (memopt.checkpoint); an engine module without them sets CHECKPOINTS = False
@@ -61,7 +64,8 @@ class Engine:
         for name, value in self.iter_full_state():
             names = tied[id(state[name])] if name in state else [name]
             if zlib.crc32(min(names).encode()) % world == rank:  # by name: every rank agrees whatever its order
-                out.update((n, value) for n in names)
+                kept = value.detach().to("cpu", torch.float32, copy=True)  # (``value`` lives until the next one)
+                out.update((n, kept) for n in names)
         return out
 
     def checkpoint_model_to_load(self) -> dict[str, torch.Tensor]:

@@ -464,16 +464,15 @@ class DeepSpeedEngine(Engine):
 
     @torch.no_grad()
     def iter_full_state(self):
-        """Stage 3: a module at a time, gathered on every rank, copied out and released (the way
+        """Stage 3: a module at a time, gathered on every rank, its weights yielded, released (the way
         DeepSpeed's own 16-bit consolidation walks the model); stages 0-2 hold the whole weights
-        already: one tensor at a time. DeepSpeed-MoE (renamed, experts gathered over ep): the whole dict."""
-        copy = lambda t: t.detach().to("cpu", torch.float32, copy=True)  # noqa: E731
+        already: each as it is. DeepSpeed-MoE (renamed, experts gathered over ep): the whole dict."""
         if any(isinstance(m, deepspeed_moe.DeepSpeedMoE) for m in self.model.modules()):
             yield from self.full_state_dict().items()
             return
         if self.stage != 3:
             for k, v in self.model.state_dict().items():
-                yield k, copy(v)
+                yield k, v.detach()
             return
         import deepspeed
 
@@ -482,14 +481,13 @@ class DeepSpeedEngine(Engine):
         for prefix, m in self.model.named_modules():
             own = list(m.named_parameters(prefix=prefix, recurse=False))
             if own:
-                with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
-                    values = [(n, copy(p)) for n, p in own]
                 done.update(n for n, _ in own)
-                yield from values
-                del values
+                with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+                    for n, p in own:
+                        yield n, p.detach()
         for k, v in self.model.state_dict().items():  # the buffers
             if k not in done:
-                yield k, copy(v)
+                yield k, v.detach()
 
     # ---- resumable checkpoints: DeepSpeed's own save/load (its files under <checkpoint>/deepspeed) ----
     def checkpoint_state(self) -> dict:

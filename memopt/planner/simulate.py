@@ -311,7 +311,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         engine.eval_loss(x.to(device), y.to(device))
                 if t.save_checkpoint:  # fp32 CPU copies: host memory of a GPU run (the device itself on a CPU run)
                     with tracker.category("other"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
-                        model_file.stream(engine, None, check=False)  # the save's loop (rank 0 writes as it goes)
+                        model_file.stream(engine, model_file.Discard() if rank == 0 else None, check=False)  # the save's loop
                 if t.checkpoint_every:  # a resumable checkpoint's state dict (the weights' copies): a temporary, as the run counts it
                     with tracker.category("temp"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
                         checkpoint.parts(engine)

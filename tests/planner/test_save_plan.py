@@ -35,7 +35,7 @@ def _check(overrides: list[str], world: int, tmp_path) -> None:
     whole = _whole_fp32(ov)
     for rank, devs in real.items():
         added = devs["device"]["other"] - before[rank]["device"]["other"]
-        assert 0 < added < whole / 2, (rank, added, whole)
+        assert 0 <= added < whole / 2, (rank, added, whole)  # 0: fp32 weights on the host are written as they are
     assert (tmp_path / "run" / "model.pt").is_file()
 
 
@@ -49,3 +49,19 @@ def test_final_save_chunk_engine_one_process(tmp_path):
                          ids=["chunk", "hybrid_adam_fp32", "zero3", "fsdp2_zero3"])
 def test_final_save_two_ranks(overrides, tmp_path):
     _check(overrides, 2, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_saves_deepspeed_two_ranks(stage, tmp_path):
+    """DeepSpeed with model.pt and a resumable checkpoint every step, compared as the DeepSpeed matrix is
+    (``params``, ``optim``, ``activations``, the device total: its buffers' grads/temp split and its
+    init-time ``other`` are timing, see test_accuracy_deepspeed.py). Its saves are not its peak: the
+    measured totals with and without them were equal (gpt_tiny, 4 blocks, 2 ranks), so this holds the
+    plan, which streams model.pt as memopt's engine does, to the run with them."""
+    from tests.planner.test_accuracy_deepspeed import compare_deepspeed
+
+    ov = ["engine=deepspeed", f"+strategy={stage}", *SAVE]
+    bad = compare_deepspeed(planned(ov, 2), measured(ov, 2, tmp_path))
+    assert not bad, "\n".join(bad)
+    assert (tmp_path / "run" / "model.pt").is_file() and any((tmp_path / "run" / "checkpoints").iterdir())

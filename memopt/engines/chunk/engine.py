@@ -295,35 +295,40 @@ class ChunkEngine(PrecisionEngine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in fp32 on the host (a collective with 2+ ranks: every unit is gathered in turn)."""
-        values = dict(self.iter_full_state())
+        values = {k: v.to("cpu", torch.float32, copy=True) for k, v in self.iter_full_state()}
         aliases = {n: info.name for info in self.mgr.infos.values() for n in info.aliases}
         return {k: values[aliases.get(k, k)] for k in self.model.state_dict(keep_vars=True)}
 
     @torch.no_grad()
     def iter_full_state(self):
-        """One copy per chunk tensor (aliases once, under the tensor's name), a unit at a time: with 2+
-        ranks each unit is gathered, its tensors copied out, and released before the next; then the
-        tensors outside the chunks (buffers)."""
+        """Each chunk tensor as a view of its payload (aliases once, under the tensor's name), a unit at
+        a time: with 2+ ranks each unit is gathered, its tensors yielded, and released before the next;
+        then the tensors outside the chunks (buffers)."""
         mgr = self.mgr
-        copy = lambda info: info.chunk.view_of(info).to("cpu", torch.float32, copy=True).view(info.shape)  # noqa: E731
+        view = lambda info: info.chunk.view_of(info).view(info.shape)  # noqa: E731
         if mgr.comm is None:
             for info in mgr.infos.values():
-                yield info.name, copy(info)
+                yield info.name, view(info)
         else:
             for u in mgr.comm.units:
                 mgr.phase = "io"
                 try:
                     mgr.gather([u], ("io", "state_dict"))
-                    values = [(info.name, copy(info)) for info in u.tensors]
-                    mgr.comm.release(u)
                 finally:
                     mgr.phase = "idle"
-                yield from values
-                del values
+                try:
+                    for info in u.tensors:
+                        yield info.name, view(info)
+                finally:
+                    mgr.phase = "io"
+                    try:
+                        mgr.comm.release(u)
+                    finally:
+                        mgr.phase = "idle"
         in_chunks = {n for info in mgr.infos.values() for n in [info.name, *info.aliases]}
         for k, v in self.model.state_dict(keep_vars=True).items():
             if k not in in_chunks:
-                yield k, v.detach().to("cpu", torch.float32, copy=True)
+                yield k, v.detach()
 
     # ---- resumable checkpoints ------------------------------------------------------------------
     @torch.no_grad()

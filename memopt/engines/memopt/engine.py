@@ -104,24 +104,23 @@ class MemoptEngine(PrecisionEngine):
 
     @torch.no_grad()
     def iter_full_state(self):
-        """A flat group at a time (zero3: gathered, copied out, released), then the tensors outside the
-        groups. Tensor and expert parallelism assemble whole tensors across ranks: the whole dict then."""
+        """A flat group at a time (zero3: gathered, its weights yielded as views, released), then the tensors
+        outside the groups. Tensor and expert parallelism assemble whole tensors across ranks: the whole dict then."""
         if self.model.tensor_parallel is not None or self.dims.ep.enabled:
             yield from self.full_state_dict().items()
             return
         seen = set()
         for g in self.part.groups:
+            seen.update(id(p) for p in g.params)
             g.gather()
             try:
-                values = [(n, p.detach().to("cpu", torch.float32, copy=True)) for n, p in zip(g.names, g.params)]
+                for n, p in zip(g.names, g.params):
+                    yield n, p.detach()
             finally:
                 g.release()
-            seen.update(id(p) for p in g.params)
-            yield from values
-            del values
         for k, v in self.model.state_dict(keep_vars=True).items():
             if id(v) not in seen:
-                yield k, v.detach().to("cpu", torch.float32, copy=True)
+                yield k, v.detach()
 
     # ---- resumable checkpoints ------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
