@@ -2,7 +2,8 @@
 
     python experiments/planner/bench.py [--hardware v100_patrickstar] [--nproc 8] [--micro-batch 8]
 
-Every row is the planner's bisection over model.n_layer (memopt/planner/search.py: largest_model) on
+Every row is the planner's bisection over model.n_layer (memopt/planner/search.py: largest_model; the
+chunk rows then plan the 12 depths above its answer, their fit not being monotone in depth) on
 the same width, sequence length, micro-batch and world: memopt's chunk engine with Hybrid Adam,
 memopt's chunk engine alone (optimizer on the host), memopt's zero3 + cpu_offload (parameters on the
 host too), and DeepSpeed ZeRO-3-Offload planned under DeepSpeed's own rules (its model-state
@@ -29,6 +30,9 @@ STRATEGIES = {
     "memopt zero3 + cpu_offload": ["+strategy=[fp16,zero3,cpu_offload,ckpt]"],
     "DeepSpeed ZeRO-3-Offload (its rules)": ["engine=deepspeed", "+strategy=[fp16,zero3,cpu_offload,ckpt]"],
 }
+# the chunk engine's fit is not monotone in depth (largest_model's docstring): its rows also plan the
+# SCAN depths above the bisection's answer
+SCAN = 12
 
 
 def main() -> None:
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--hi", type=int, default=320)
+    ap.add_argument("--scan", type=int, default=SCAN, help="chunk rows: depths planned above the bisection's answer")
     ap.add_argument("--only", default=None, help="run one row (a key of STRATEGIES, substring)")
     args = ap.parse_args()
     from memopt.api import compose_config
@@ -48,7 +53,7 @@ def main() -> None:
     import torch
 
     base = ["model=gpt_10b", "data=synthetic", "logger=none", f"hardware={args.hardware}", f"trainer.nproc_per_node={args.nproc}",
-            f"trainer.micro_batch_size={args.micro_batch}", "trainer.save_checkpoint=false", "trainer.eval_every=0"]
+            f"trainer.micro_batch_size={args.micro_batch}", "trainer.eval_every=0"]  # model.pt saved (streamed), as by default
     hw = resolve_hardware(to_dataclass(compose_config(base)).hardware, torch.device("cpu"))
     print(machine_line())
     rows = []
@@ -56,7 +61,8 @@ def main() -> None:
         if args.only and args.only not in name:
             continue
         t0 = time.perf_counter()
-        n, plan, tried = largest_model([*base, *extra], hw, hi=args.hi)
+        scan = args.scan if any("chunk" in o or "hybrid_adam" in o for o in extra) else 0
+        n, plan, tried = largest_model([*base, *extra], hw, hi=args.hi, scan=scan)
         secs = time.perf_counter() - t0
         if plan is None:
             rows.append([name, "none fits", "-", "-", "-", "-", "-", f"{secs:.0f}"])

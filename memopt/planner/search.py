@@ -179,29 +179,46 @@ def ranked_table(rows: list[dict], top: int) -> str:
     return "\n".join(lines)
 
 
-def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = "model.n_layer") -> tuple[int, dict | None, list]:
+def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = "model.n_layer",
+                  scan: int = 0) -> tuple[int, dict | None, list]:
     """The largest ``field`` (depth by default, width fixed by ``base``: PatrickStar's and ZeRO-Offload's
-    tables grow GPT models this way) whose plan fits ``hw``, by bisection (fitting is monotone in
-    depth). Returns (value, its plan, [(value, fits, seconds)] tried); value lo - 1 when none fits."""
+    tables grow GPT models this way) whose plan fits ``hw``: by bisection, then the ``scan`` values above
+    the bisection's answer one by one. Bisection assumes fitting is monotone in depth, which holds for
+    the memopt engine and DeepSpeed's rules but not for the chunk engine: its chunk size is searched per
+    model and the last communication unit's chunks go to the first ranks, so a deeper model can need
+    less host memory (PatrickStar's node, width 4096, Hybrid Adam: 60 fits, 61-65 do not, 66 does).
+    Returns (value, its plan, [(value, fits, seconds)] tried); value lo - 1 when none fits."""
     import time
 
     from memopt.api import compose_config
     from memopt.config import to_dataclass, validate
 
     tried, best, best_plan = [], lo - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
+
+    def probe(n: int):
         t0 = time.perf_counter()
-        cfg = to_dataclass(compose_config([*base, f"{field}={mid}"]))
+        cfg = to_dataclass(compose_config([*base, f"{field}={n}"]))
         validate(cfg)
         try:
             plan = make_plan(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))
             ok = plan["fits"] and "error" not in plan
         except PlanOverflow:
             plan, ok = None, False
-        tried.append((mid, ok, time.perf_counter() - t0))
-        if ok:
+        tried.append((n, ok, time.perf_counter() - t0))
+        return plan if ok else None
+
+    top = hi
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        plan = probe(mid)
+        if plan is not None:
             best, best_plan, lo = mid, plan, mid + 1
         else:
             hi = mid - 1
+    for n in range(best + 1, min(top, best + scan) + 1):
+        if any(v == n for v, _, _ in tried):  # bisected already: above ``best``, so it did not fit
+            continue
+        plan = probe(n)
+        if plan is not None:
+            best, best_plan = n, plan
     return best, best_plan, tried

@@ -49,6 +49,27 @@ def test_largest_model_is_the_boundary_of_the_fit():
     assert any(v == n + 1 and not ok for v, ok, _ in tried) or n + 1 not in [v for v, _, _ in tried]
 
 
+def test_largest_model_scans_above_the_bisection_where_fitting_is_not_monotone(monkeypatch):
+    """The chunk engine's fit is not monotone in depth (its chunk layout changes with it: measured on
+    PatrickStar's node, 60 layers fit, 61-65 do not, 66 does). Against a fit rule of that shape (the
+    reference: the set of depths that fit), bisection alone stops at 5 and the scan finds 8."""
+    from types import SimpleNamespace as NS
+
+    import memopt.api
+    import memopt.config
+    from memopt.planner import search
+
+    fits = {1, 2, 3, 4, 5, 8}
+    monkeypatch.setattr(search, "make_plan", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
+    monkeypatch.setattr(memopt.api, "compose_config", lambda ov: int(ov[-1].split("=")[1]))  # the depth probed
+    monkeypatch.setattr(memopt.config, "to_dataclass", lambda n: NS(model=NS(n_layer=n), trainer=NS(nproc_per_node=1)))
+    monkeypatch.setattr(memopt.config, "validate", lambda cfg: None)
+    base = ["model=gpt_tiny"]
+    assert search.largest_model(base, small_hw(30), lo=1, hi=12)[0] == 5
+    n, plan, tried = search.largest_model(base, small_hw(30), lo=1, hi=12, scan=4)
+    assert n == 8 and plan["fits"] and len({v for v, _, _ in tried}) == len(tried)  # no depth planned twice
+
+
 @pytest.mark.slow
 def test_plan_mode_cli_writes_plan_json_png_and_summary(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "offline"}
