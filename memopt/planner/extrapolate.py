@@ -116,6 +116,8 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
     if not wins and replay is None:
         return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
     base = _pin_chunk_size(cfg, rank, world) if chunk else cfg
+    if chunk:  # the planned model packed first: the engine's host-budget refusal names its bytes, not a
+        _layout(base, rank, world)  # shallow recording's (which would refuse too, quoting 1/7 of them)
     why = "no sampled depths"
     seconds, replay_why = 0.0, None
     if chunk and windows is None and (replay is not None or period(cfg) == 1):

@@ -45,3 +45,24 @@ def test_engine_refusal_at_build_is_a_preflight_refusal():
         preflight(cfg, hw(24.0), ["model=gpt_10b"])
     msg = str(e.value)
     assert "refused by the engine" in msg and "host budget" in msg and "no composition fits" in msg, msg
+
+
+def test_chunk_engine_host_refusal_names_the_planned_models_bytes():
+    """A deep model is planned from a shallow recording; the chunk engine's host-budget refusal must quote
+    the planned model's need (ZeRO's mixed-precision Adam: 16 B per parameter, fp16 weights and gradients
+    and fp32 master, momentum and variance), not the recording's (it quoted 0.02 GiB of 0.07 here)."""
+    import re
+
+    from memopt import compose
+    from memopt.errors import ConfigError
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.plan import make_plan
+
+    cfg = typed(["+strategy=hybrid_adam", "model=gpt_tiny", "model.n_layer=24", "hardware.host_memory_gb=0.001", "logger=none"])
+    hw = HardwareConfig(name="t", device_memory_gb=1.0, host_memory_gb=0.001, peak_tflops={"fp32": 1.0}, host_device_gbps=1.0,
+                        device_device_gbps=1.0, devices_per_node=1, device_is_host=True)
+    with pytest.raises(ConfigError, match="chunks need up to") as e:
+        make_plan(cfg, hw)
+    need = float(re.search(r"need up to ([0-9.]+) GiB", str(e.value)).group(1))
+    want = 16 * compose.num_params(cfg) / 2**30
+    assert want - 0.005 <= need <= 1.25 * want, (need, want)

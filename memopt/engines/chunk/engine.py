@@ -77,15 +77,7 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
         mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes())
-                      * ccfg.overall_cpu_mem_ratio)
-    n_train = sum(c.numel for c in mgr.trainable_chunks if c.tensors)
-    host_need = sum(2 * c.payload_bytes if c.trainable else c.payload_bytes for c in mgr.local_chunks) + 12 * n_train
-    if host_need > host_budget:  # known before any chunk is allocated: a refusal, not an out-of-memory
-        raise ConfigError(
-            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grads, fp32 "
-            f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
-            "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
+    check_host_budget(cfg, mgr)
     init = lambda name, shape: model.init_tensor(name, shape, cfg.seed)  # noqa: E731
     init_chunks(mgr, init, tracker, everything=ccfg.release_after_init)
     if ccfg.res_check and mgr.comm is not None:
@@ -123,10 +115,26 @@ def resolve_chunk_size(ccfg, named: list, experts: set[str]) -> int:
     return ccfg.chunk_size or search_chunk_size([sizes(True, False), sizes(True, True), sizes(False, False)])
 
 
+def check_host_budget(cfg, mgr: ChunkManager) -> None:
+    """Refuse before any chunk is allocated (a refusal, not an out-of-memory) when this rank's packed
+    chunks cannot fit the host budget (host RAM x ``overall_cpu_mem_ratio``)."""
+    ccfg = cfg.strategy.chunk
+    host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes())
+                      * ccfg.overall_cpu_mem_ratio)
+    n_train = sum(c.numel for c in mgr.trainable_chunks if c.tensors)
+    host_need = sum(2 * c.payload_bytes if c.trainable else c.payload_bytes for c in mgr.local_chunks) + 12 * n_train
+    if host_need > host_budget:
+        raise ConfigError(
+            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grads, fp32 "
+            f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
+            "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
+
+
 def chunk_layout(cfg, model, dims) -> dict:
     """This rank's chunk layout of ``model`` (meta parameters), packed and assigned by the manager's own
-    code without allocating anything: the planner checks that the shallow models it simulates have a
-    layout that grows with depth the way the planned model's does."""
+    code without allocating anything, and the engine's host-budget refusal (``check_host_budget``): the
+    planner checks that the shallow models it simulates have a layout that grows with depth the way the
+    planned model's does, and packs the planned model first so that a refusal names its bytes."""
     from memopt.memory.tracker import NullTracker
 
     ccfg = cfg.strategy.chunk
@@ -137,6 +145,7 @@ def chunk_layout(cfg, model, dims) -> dict:
     if dims.dp_shard.enabled:
         mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, null)
     mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
+    check_host_budget(cfg, mgr)
     local = mgr.local_chunks
     return {"chunk_size": size, "chunks": len(mgr.chunks), "local": sum(bool(c.tensors) for c in local),
             "local_padding": sum(not c.tensors for c in local),
