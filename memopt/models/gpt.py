@@ -33,7 +33,7 @@ GPTConfig = ModelConfig  # the GPT reads every field of the common model config
 
 def count_params(cfg: GPTConfig) -> int:
     """Number of parameters, from the config alone (tied embeddings counted once)."""
-    C, F_, L, V, T = cfg.d_model, cfg.ff, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    C, L, V, T = cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.seq_len
     b = 1 if cfg.bias else 0
     ln = C * (1 + b)
     attn = C * 3 * C + b * 3 * C + C * C + b * C

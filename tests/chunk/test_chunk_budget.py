@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.chunk.helpers import records, train_capture
+from tests.chunk.helpers import train_capture
 from tests.conftest import train
 
 MiB = 2**20

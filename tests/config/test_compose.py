@@ -5,10 +5,10 @@ import os
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from memopt.config import ConfigError
-from memopt.models.gpt import GPT, GPTConfig, count_params
+from memopt.models.gpt import GPT, count_params
 from tests.conftest import CONF, compose, typed
 
 MODELS = sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "model")))

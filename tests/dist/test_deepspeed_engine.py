@@ -92,6 +92,7 @@ def fast(tmp_path_factory):
 def check_pair(root, summaries, name, dtype):
     ds, mo = summaries[(name, "deepspeed")], summaries[(name, "memopt")]
     assert ds["status"] == "ok" and ds["engine"] == "deepspeed" and ds["world_size"] == 2
+    assert mo["status"] == "ok" and mo["engine"] == "memopt"  # the reference run itself completed
     assert set(ds["peak_bytes"]) == {"0", "1"}  # every rank's tracker reached the summary
     got, ref = records(str(root / name / "deepspeed")), records(str(root / name / "memopt"))
     assert len(got) == len(ref)

@@ -4,8 +4,6 @@ from the model's shapes: n parameters, W=2 ranks, fp32 Adam (K=8 bytes of states
 no separate master copy in fp32). Padding to a multiple of W adds at most W-1 elements per group."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -7,9 +7,6 @@ roundoffs: 5e-3 fp16, 4e-2 bf16); gradients are reduced in the parameter dtype a
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from memopt.api import run_jobs_on_ranks

@@ -99,7 +99,7 @@ def test_sweep_survives_a_failed_job_and_reports(tmp_path):
     sweep = str(tmp_path / "sweep")
     missing = str(tmp_path / "missing.txt")
     proc = cli(["-m", f"hydra.sweep.dir={sweep}", "logger=none", "trainer.max_steps=3", "trainer.eval_every=0",
-                "trainer.progress_bar=false", f"data=pydoc,text_file", f"data.path={missing}"], cwd=str(tmp_path))
+                "trainer.progress_bar=false", "data=pydoc,text_file", f"data.path={missing}"], cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     statuses = {}
     for job in sorted(os.listdir(sweep)):
