@@ -36,8 +36,10 @@ reduce-scatter; the plan takes the end of the forward, measured 1.4-3.4% below i
 under), zero3 + cpu_offload on gpt_tiny 2 ranks (3.05% under; a second run's rank 0 was 262,144 B
 higher still, timing of the overlapped reductions) and on one rank (the init transient above); zero2 +
 cpu_offload's device total is 3.3% above the plan on gpt_tiny (within 3% on the wider model; the run
-holds 2,192,896 B more ``other`` from ``initialize`` at its peak, not yet identified); zero1 +
-fp16 on one rank is planned 4-10% above the run. engine=deepspeed with MoE is not planned
+holds 2,192,896 B more ``other`` from ``initialize`` at its peak, not yet identified). Stages 0-2 add
+to their states the compute bytes (activations, temp) of memopt's forward and backward
+(``simulate_rank``'s ``backward_nonmodel``): the non-model bytes at memopt's own peak had planned
+zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE is not planned
 (``PlanUnsupported``: DeepSpeed-MoE's expert groups and gate are not modelled). Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
@@ -142,6 +144,9 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
 
     sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
     states = deepspeed_model_states(cfg, world)
+    from memopt.strategies.zero import selected_stage
+
+    stage = selected_stage(cfg)[1]
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
@@ -153,6 +158,12 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         for c, v in states[mem].items():
             cats[c] += v
         non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
+        if mem == "device" and stage < 3 and "device" in sim.get("backward_nonmodel", {}):
+            # stages 0-2 peak in the backward (the reduction buckets): the model's compute bytes (activations,
+            # temp) of memopt's forward and backward, not its non-model bytes at its own peak, which can be its
+            # optimizer step's fp32 gradient temporaries (zero1 + fp16, 1 rank: 4-10% over), nor memopt's own
+            # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
+            non_model = sim["backward_nonmodel"]["device"]
         cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
         if mem == "device" and states["held_after_forward"]:
             # stage 3's other candidate moment: the end of the forward (the partitions and buffers,

@@ -89,6 +89,9 @@ class PlanOverflow(RuntimeError):
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 
+NOT_COMPUTE = ("params", "grads", "optim", "chunks", "comm", "other")  # model states and the engine's own buffers
+
+
 class PlanTracker(MemoryTracker):
     """The run's tracker, counting fake tensors, answering ``.item()`` and counting link traffic."""
 
@@ -99,6 +102,8 @@ class PlanTracker(MemoryTracker):
         self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes (counting windows only)
         self.comm_ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0, "bus_bytes": 0})
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
+        self.backward_nonmodel: dict[str, int] | None = None  # set to {}: the peak of the bytes outside the model
+        # states while it is a dict (the last step's forward and backward: DeepSpeed's rules add it, deepspeed_rules.py)
 
     @staticmethod
     def _counted(t: torch.Tensor) -> bool:
@@ -106,6 +111,11 @@ class PlanTracker(MemoryTracker):
 
     def _update_peak(self, device: str) -> None:
         super()._update_peak(device)
+        if self.backward_nonmodel is not None:
+            live = self.live[device]
+            b = sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE)
+            if b > self.backward_nonmodel.get(device, 0):
+                self.backward_nonmodel[device] = b
         limit = self.limits.get(device)
         if limit is not None and sum(self.live[device].values()) > limit:
             raise PlanOverflow(device, dict(self.live[device]), limit)
@@ -296,11 +306,13 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                 for step in range(steps):
                     last = step == steps - 1
                     tracker.counting = last
+                    tracker.backward_nonmodel = {} if last else None
                     for micro in range(t.grad_accum):
                         x, y = data.micro_batch(step, micro, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
                         with tracker.category("other"):
                             x, y = x.to(device), y.to(device)
                         engine.forward_backward(x, y, micro, t.grad_accum)
+                    nonmodel, tracker.backward_nonmodel = tracker.backward_nonmodel or {}, None
                     with tracker.category("temp"):
                         engine.step(1e-3)
                     tracker.counting = False
@@ -335,7 +347,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     peaks = {keymap.get(d, d): v for d, v in tracker.peaks().items()}
     traffic = dict(tracker.traffic)
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
-            "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics}
+            "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics,
+            "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}}
 
 
 @contextlib.contextmanager

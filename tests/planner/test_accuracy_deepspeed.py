@@ -19,8 +19,10 @@ from tests.planner.test_accuracy import FLOOR, TOL, measured, planned
 COMPARED = ("params", "optim", "activations", "total")
 MODELS = [["model=gpt_tiny"], ["model=gpt_tiny", "model.n_layer=3", "model.d_model=96", "model.n_head=4"]]
 HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see test_accuracy.py)
+# Fixed: zero1 + fp16 on one rank was planned 45.04 MB for 40.83 MB measured (gpt_tiny), while the rules
+# added memopt's non-model bytes at memopt's own peak (its optimizer step's fp32 gradient temporaries);
+# stages 0-2 now add the compute bytes (activations, temp) of the forward and backward (now 40.93 MB).
 # Not yet within 3% (measured here; strict expected failures, so the mark goes with the fix):
-# zero1 + fp16 on one rank 40.83 MB measured vs 45.04 MB planned (gpt_tiny; wider: 33.25 vs 34.74 MB);
 # zero2 + cpu_offload on gpt_tiny 63.36 MB measured vs 61.24 MB planned (the wider model passes; at
 # the measured peak, in the backward, the run holds 2,192,896 B more ``other`` than memopt's step:
 # allocated in ``initialize`` and never re-tagged, not yet identified);
@@ -36,8 +38,7 @@ TINY, WIDE = MODELS
 CASES = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,fp16]", HEALTHY]), (1, ["+strategy=zero2"]),
          (1, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=zero3"]), (2, ["+strategy=[zero3,fp16]", HEALTHY]),
          (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"])]
-GAPS = {(1, "+strategy=[zero1,fp16]", "tiny"), (1, "+strategy=[zero1,fp16]", "tiny_wide"),
-        (2, "+strategy=[zero3,fp16]", "tiny_wide"), (2, "+strategy=[zero3,cpu_offload]", "tiny"),
+GAPS = {(2, "+strategy=[zero3,fp16]", "tiny_wide"), (2, "+strategy=[zero3,cpu_offload]", "tiny"),
         (1, "+strategy=[zero3,cpu_offload]", "tiny"), (1, "+strategy=[zero3,cpu_offload]", "tiny_wide")}
 MATRIX = [pytest.param(world, ov, model, marks=GAP if (world, ov[0], mid) in GAPS else (), id=f"{world}rank-{'+'.join(ov)}-{mid}")
           for world, ov in CASES for model, mid in ((TINY, "tiny"), (WIDE, "tiny_wide"))]
