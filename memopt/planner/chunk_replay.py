@@ -331,7 +331,7 @@ class Recorder:
                         info = t.tracker._info.get(k)
                         if pre.get(k) == transient and info is not None and info.category == to and isinstance(t.cls.get(k), tuple):
                             moved.append((t.cls[k][1], t.cls[k][2], info.device, info.nbytes))
-                    t._emit(("retag", transient, to, moved))
+                    t._emit(("retag", transient, to, sorted(moved)))  # capture order follows storage reuse, which the GC times
                 t._emit(("exit",))
 
         return ctx
