@@ -39,32 +39,41 @@ _MEASURED: dict[str, float] = {}
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.2) -> float:
-    """Best observed square-matmul throughput of this CPU in TFLOP/s for ``dtype`` (cached per dtype
-    for the process). The size starts small and doubles up to ``n`` while one product stays under a
-    tenth of ``seconds``: a CPU without bf16/fp16 matrix units emulates them hundreds of times slower
-    than fp32 (a 512-cube bf16 product can take seconds there), so that probe stays short. At least
-    one product is timed after the warm-up, however loaded the machine (a zero peak would read as
+    """Peak square-matmul throughput of this CPU in TFLOP/s for ``dtype``: the best product timed on one
+    thread, times torch's intra-op threads (cached per dtype for the process). One thread because a
+    multi-threaded product on a shared machine waits for its slowest thread: with one of 2 cores busy
+    elsewhere, every product took a scheduler slice (~25 ms), a 64-cube fp32 probe read 1.9e-5 TFLOP/s
+    (4000x under the idle 0.078) and MFU read 97,000%; a peak is per-core throughput x cores, as a
+    datasheet's. The size starts small and doubles up to ``n`` while one product stays under a tenth
+    of ``seconds``: a CPU without bf16/fp16 matrix units emulates them hundreds of times slower than
+    fp32 (a 512-cube bf16 product can take seconds there), so that probe stays short. At least one
+    product is timed after the warm-up, however loaded the machine (a zero peak would read as
     "unknown")."""
     key = str(dtype)
     if key in _MEASURED:
         return _MEASURED[key]
-    size = 64
-    while True:
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        t0 = time.perf_counter()
-        a @ b  # warm-up (and the size probe)
-        took = time.perf_counter() - t0
-        if size >= n or took > seconds / 10:
-            break
-        size *= 2
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        a @ b
-        best = max(best, 2 * size**3 / max(time.perf_counter() - t0, 1e-9))
-        if time.perf_counter() >= t_end:
-            break
-    _MEASURED[key] = best / 1e12
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        size = 64
+        while True:
+            a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+            t0 = time.perf_counter()
+            a @ b  # warm-up (and the size probe)
+            took = time.perf_counter() - t0
+            if size >= n or took > seconds / 10:
+                break
+            size *= 2
+        best, t_end = 0.0, time.perf_counter() + seconds
+        while True:
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * size**3 / max(time.perf_counter() - t0, 1e-9))
+            if time.perf_counter() >= t_end:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    _MEASURED[key] = best * threads / 1e12
     return _MEASURED[key]
 
 

@@ -40,3 +40,27 @@ def test_plan_table_without_a_compute_peak():
     plan = make_plan(cfg, hw)
     assert plan["step_time"]["compute_s"] is None
     assert "step time: not estimated (hardware nopeak has no fp32 peak FLOP/s)" in plan_table(plan)
+
+
+def test_the_peak_is_one_threads_product_times_the_threads(monkeypatch):
+    """A multi-threaded probe on a shared machine timed the scheduler (a slice per product: 4000x under
+    the idle peak, MFU 97,000%); one thread's rate x the threads does not depend on another process.
+    Reference: the same product timed here on one thread."""
+    import time
+
+    monkeypatch.setattr(hardware, "_MEASURED", {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    best = min(_timed(a, b, time) for _ in range(20))
+    torch.set_num_threads(threads)
+    got = hardware.measure_cpu_tflops(torch.float32, n=256, seconds=0.1)
+    assert torch.get_num_threads() == threads  # restored
+    one_thread = 2 * 256**3 / best / 1e12
+    assert 0.5 * threads * one_thread < got < 2 * threads * one_thread
+
+
+def _timed(a, b, time) -> float:
+    t0 = time.perf_counter()
+    a @ b
+    return time.perf_counter() - t0
