@@ -11,8 +11,11 @@ parameters (X: all experts of all layers), so per rank, b bytes per parameter:
   optim   12 (D / W + (X / ep) / (W / ep)) = 12 (D + X) / W  (the expert share is X / W whatever ep)
   grads   the reduction buckets (one per communication dtype, as dense) + stage 2's gradient partition
           b (D + X) / W
-  stage 0 params, param.grad and the flat all-reduce copy of the rank's own D + X / ep; optim 8 per
-          parameter (fp32 Adam moments, the weights are the masters)
+  stage 0 params and param.grad of the rank's own D + X / ep, and one flat all-reduce copy of the dense
+          or of the expert gradients (DeepSpeed flattens them apart), the larger; optim 8 per parameter
+          (fp32 Adam moments, the weights are the masters). The peak is either the backward's compute
+          bytes beside the states without gradients, or the end of the backward: every gradient and the
+          flat copy, the activations gone (the dense rules add the two, 40% over on moe_tiny ep=2)
 
 and the ``params`` peak is at least the swap at build time: the fp32 model (D + X / ep parameters)
 plus one MoE layer's DeepSpeed copy (its gate and local experts) before the memopt layer is dropped.
@@ -81,8 +84,17 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
     D, X, layer = param_split(cfg, ep)
     local = D + X // ep  # parameters this rank holds
     stage = selected_stage(cfg)[1]
-    if stage == 0:  # nothing partitioned: the dense rules of the rank's own parameters
+    if stage == 0:  # nothing partitioned: the rank's own parameters, its gradients (param.grad) and Adam's
+        # moments; DeepSpeed all-reduces the dense and the expert gradients in separate flat copies after the
+        # backward, when the activations are gone: the total is the larger of the backward's compute bytes
+        # beside the states without gradients (``device_total``, deepspeed_sim adds those bytes) and the
+        # states with every gradient and the larger flat copy (``after_backward``)
         out = dense_states(local, W)
+        dev = out["device"]
+        flat = max(D, X // ep) * b
+        dev["grads"] = local * b + flat
+        out["device_total"] = local * b + dev["optim"]
+        out["after_backward"] = out["device_total"] + local * b + flat
     else:
         # the dense rules for the rank's own parameters, whose partitions are then corrected: dense ones
         # over W ranks, expert ones over W / ep (the same X / W elements per rank)

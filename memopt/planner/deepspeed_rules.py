@@ -39,8 +39,8 @@ cpu_offload's device total is 3.3% above the plan on gpt_tiny (within 3% on the 
 holds 2,192,896 B more ``other`` from ``initialize`` at its peak, not yet identified). Stages 0-2 add
 to their states the compute bytes (activations, temp) of memopt's forward and backward
 (``simulate_rank``'s ``backward_nonmodel``): the non-model bytes at memopt's own peak had planned
-zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE is not planned
-(``PlanUnsupported``: DeepSpeed-MoE's expert groups and gate are not modelled). Which category
+zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE: the expert
+groups' states and DeepSpeed-MoE's own layer code on fake tensors (``deepspeed_moe_rules.py``). Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
 and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
@@ -174,6 +174,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
             non_model = sim["backward_nonmodel"]["device"]
         cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
+        if mem == "device" and states.get("after_backward"):  # DeepSpeed-MoE at stage 0 (deepspeed_moe_rules.py)
+            cats["total"] = max(cats["total"], states["after_backward"])
         if mem == "device" and states["held_after_forward"]:
             # stage 3's other candidate moment: the end of the forward (the partitions and buffers,
             # no block in flight, the step's activations and what DeepSpeed keeps gathered)
