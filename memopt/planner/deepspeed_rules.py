@@ -39,8 +39,8 @@ cpu_offload's device total is 3.3% above the plan on gpt_tiny (within 3% on the 
 holds 2,192,896 B more ``other`` from ``initialize`` at its peak, not yet identified). Stages 0-2 add
 to their states the compute bytes (activations, temp) of memopt's forward and backward
 (``simulate_rank``'s ``backward_nonmodel``): the non-model bytes at memopt's own peak had planned
-zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE is not planned
-(``PlanUnsupported``: DeepSpeed-MoE's expert groups and gate are not modelled). Which category
+zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE: the expert
+groups' states and DeepSpeed-MoE's own layer code on fake tensors (``deepspeed_moe_rules.py``). Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
 and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
@@ -48,6 +48,7 @@ and ``temp`` depending on the timing of its overlapped reductions, so the accura
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 
@@ -73,13 +74,14 @@ def _block_numel(cfg) -> int:
     return max((compose.num_params(cfg) - root) // max(1, mc.n_layer), root, 1)
 
 
-def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
-    """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers."""
+def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[str, dict[str, int]]:
+    """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers
+    (``params``: the rank's parameters, when not the whole model's: DeepSpeed-MoE's local experts)."""
     from memopt import compose
     from memopt.strategies.precision import Precision
     from memopt.strategies.zero import selected_stage
 
-    P, W, b = compose.num_params(cfg), max(1, world), _param_bytes(cfg)
+    P, W, b = params or compose.num_params(cfg), max(1, world), _param_bytes(cfg)
     part = math.ceil(P / W)
     _, stage, scfg = selected_stage(cfg)
     offload = cfg.strategy.cpu_offload is not None
@@ -135,15 +137,22 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import PlanUnsupported
 
-    if cfg.strategy.moe is not None:
-        raise PlanUnsupported(
-            "engine=deepspeed with +strategy=moe is not planned: DeepSpeed-MoE partitions its experts in their own "
-            "ZeRO groups (their buffers and reductions per expert group are not modelled, nor measured) and routes "
-            "with its own gate, not the MoE layer memopt's fake step runs; plan it with engine=memopt, or run with "
-            "trainer.preflight=false")
+    moe = contextlib.nullcontext()
+    if cfg.strategy.moe is not None:  # DeepSpeed-MoE: its expert groups' states and its own layer code
+        from memopt.parallel.dims import resolve_sizes
+        from memopt.planner import deepspeed_moe_rules
 
-    sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
-    states = deepspeed_model_states(cfg, world)
+        reason = deepspeed_moe_rules.refusal(cfg)
+        if reason:
+            raise PlanUnsupported(reason)
+        ep = resolve_sizes(cfg.parallel, world)["ep"]
+        moe = deepspeed_moe_rules.deepspeed_moe_layers(ep)
+        states = deepspeed_moe_rules.model_states(cfg, world, ep, _param_bytes(cfg),
+                                                  lambda p, w: deepspeed_model_states(cfg, w, p))
+    else:
+        states = deepspeed_model_states(cfg, world)
+    with moe:
+        sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
     from memopt.strategies.zero import selected_stage
 
     stage = selected_stage(cfg)[1]
@@ -165,6 +174,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
             non_model = sim["backward_nonmodel"]["device"]
         cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
+        if mem == "device" and states.get("after_backward"):  # DeepSpeed-MoE at stage 0 (deepspeed_moe_rules.py)
+            cats["total"] = max(cats["total"], states["after_backward"])
         if mem == "device" and states["held_after_forward"]:
             # stage 3's other candidate moment: the end of the forward (the partitions and buffers,
             # no block in flight, the step's activations and what DeepSpeed keeps gathered)

@@ -1,0 +1,162 @@
+"""``engine=deepspeed`` with ``+strategy=moe`` (DeepSpeed-MoE) planned: the model states by DeepSpeed's
+rules per parameter group, the compute bytes from DeepSpeed-MoE's own layer code on fake tensors.
+
+Model states. DeepSpeed's ZeRO stages 1/2 keep the expert parameters in param groups of their own
+(``engines/deepspeed_moe.optimizer_groups``), each partitioned over its expert-data-parallel group
+(the W / ep ranks holding the same experts) instead of all W ranks, with its own flat buffer, fp32
+master partition and moments. A rank holds D dense parameters (router included) and X / ep expert
+parameters (X: all experts of all layers), so per rank, b bytes per parameter:
+
+  params  (D + X / ep) b                            (the flat low-precision groups)
+  optim   12 (D / W + (X / ep) / (W / ep)) = 12 (D + X) / W  (the expert share is X / W whatever ep)
+  grads   the reduction buckets (one per communication dtype, as dense) + stage 2's gradient partition
+          b (D + X) / W
+  stage 0 params and param.grad of the rank's own D + X / ep, and one flat all-reduce copy of the dense
+          or of the expert gradients (DeepSpeed flattens them apart), the larger; optim 8 per parameter
+          (fp32 Adam moments, the weights are the masters). The peak is either the backward's compute
+          bytes beside the states without gradients, or the end of the backward: every gradient and the
+          flat copy, the activations gone (the dense rules add the two, 40% over on moe_tiny ep=2)
+
+and the ``params`` peak is at least the swap at build time: the fp32 model (D + X / ep parameters)
+plus one MoE layer's DeepSpeed copy (its gate and local experts) before the memopt layer is dropped.
+
+Compute bytes. DeepSpeed-MoE gates, dispatches and combines with its own code (``TopKGate``,
+``MOELayer``: one-hot masks, cumsums, a scatter into an (E, capacity, C) buffer, its all-to-all's
+``empty_like`` outputs), which holds other tensors than memopt's index copies. Rather than a byte
+formula of that code, the planner's fake step runs it: inside ``deepspeed_moe_layers()`` each memopt
+MoE layer forwards through the same ``DeepSpeedMoE`` adapter a run swaps in, built on ``meta`` and
+bound to the memopt layer's own parameters (the gate's weight is the router's, the local experts are
+the memopt expert modules, the same class DeepSpeed deep-copies), so memopt's engine partitions and
+reduces the parameters as usual while the layer's activations, temporaries and all-to-all buffers are
+DeepSpeed's (its all-to-all goes through ``torch.distributed``, the fake process group, instead of
+DeepSpeed's comm module, a thin layer over the same call). The gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured
+capacity factor FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``)
+takes it from the largest expert load, a value fake tensors do not have: refused (``refusal``), as are
+bf16 (its autocast form's reduction buckets per communication dtype are not modelled: 38% under on
+moe_tiny) and cpu_offload (not measured).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+
+def refusal(cfg) -> str | None:
+    """Why this DeepSpeed-MoE config cannot be planned (None: it can)."""
+    if cfg.strategy.moe.drop_tokens is False:
+        return ("engine=deepspeed with strategy.moe.drop_tokens=false is not planned: DeepSpeed-MoE's dropless gate "
+                "reads its capacity (the largest expert load) as a value inside its gating functions, which the "
+                "planner's fake tensors do not have; plan it with engine=memopt (its dropless capacity is planned at "
+                "the worst case), or run with trainer.preflight=false")
+    if cfg.strategy.cpu_offload is not None:
+        return ("engine=deepspeed with +strategy=moe and cpu_offload is not planned: the offloaded expert groups' "
+                "host buffers are not modelled (nor measured); run with trainer.preflight=false")
+    if cfg.strategy.bf16 is not None:
+        return ("engine=deepspeed with +strategy=moe and bf16 is not planned: with bf16 autocast DeepSpeed keeps "
+                "reduction buckets per communication dtype (bf16 and fp32), not modelled (moe_tiny, 1 rank, zero2: "
+                "138.6 MB measured against 85.8 MB by these rules), and bf16 weights are not measured; use fp32 or "
+                "fp16, or run with trainer.preflight=false")
+    return None
+
+
+def param_split(cfg, ep: int) -> tuple[int, int, int]:
+    """(D dense parameters incl. routers, X expert parameters of the whole model, the largest MoE layer's
+    parameters one rank builds: its gate and X_layer / ep experts)."""
+    from memopt import compose
+    from memopt.models import model_class
+    from memopt.strategies.moe import moe_blocks
+
+    o, mc = cfg.strategy.moe, cfg.model
+    expert = model_class(mc).mlp_params(mc, o.d_ff)  # an expert is the dense MLP's structure
+    layers = len(moe_blocks(o, mc.n_layer))
+    X = layers * o.num_experts * expert
+    D = compose.num_params(cfg) - X
+    return D, X, o.num_experts * mc.d_model + (o.num_experts // ep) * expert
+
+
+def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> dict:
+    """``deepspeed_rules.deepspeed_model_states``'s result for DeepSpeed-MoE: ``dense_states(P, W)``
+    computes the dense rules for P parameters partitioned over W ranks; the expert groups' shares
+    are put in (see the module docstring)."""
+    from memopt.strategies.zero import selected_stage
+
+    W, b = max(1, world), param_bytes
+    D, X, layer = param_split(cfg, ep)
+    local = D + X // ep  # parameters this rank holds
+    stage = selected_stage(cfg)[1]
+    if stage == 0:  # nothing partitioned: the rank's own parameters, its gradients (param.grad) and Adam's
+        # moments; DeepSpeed all-reduces the dense and the expert gradients in separate flat copies after the
+        # backward, when the activations are gone: the total is the larger of the backward's compute bytes
+        # beside the states without gradients (``device_total``, deepspeed_sim adds those bytes) and the
+        # states with every gradient and the larger flat copy (``after_backward``)
+        out = dense_states(local, W)
+        dev = out["device"]
+        flat = max(D, X // ep) * b
+        dev["grads"] = local * b + flat
+        out["device_total"] = local * b + dev["optim"]
+        out["after_backward"] = out["device_total"] + local * b + flat
+    else:
+        # the dense rules for the rank's own parameters, whose partitions are then corrected: dense ones
+        # over W ranks, expert ones over W / ep (the same X / W elements per rank)
+        out = dense_states(local, W)
+        part_dense = math.ceil(local / W)
+        part_moe = math.ceil(D / W) + math.ceil((X // ep) / max(1, W // ep))
+        dev = out["device"]
+        dev["optim"] += 12 * (part_moe - part_dense)
+        out["device_total"] += 12 * (part_moe - part_dense)
+        if stage == 2:  # (left out of the total, as the dense rules leave the gradient partition out)
+            dev["grads"] += b * (part_moe - part_dense)
+    dev = out["device"]
+    dev["params"] = max(dev["params"], 4 * (local + layer))  # the fp32 model + one layer's swap
+    return out
+
+
+def _meta_twin(src, ep_size: int):
+    """The ``DeepSpeedMoE`` a run swaps in for memopt layer ``src``, bound to ``src``'s parameters."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt.engines.deepspeed_moe import DeepSpeedMoE
+    from memopt.models.moe import MoE
+
+    fc = next(iter(src.experts.values())).fc
+    with _disable_current_modes(), torch.device("meta"):
+        like = MoE(fc.in_features, fc.out_features, src.num_experts, src.top_k, src.capacity_factor,
+                   src.eval_capacity_factor, src.min_capacity, src.drop_tokens, src.aux_loss_coef, src.z_loss_coef,
+                   bias=fc.bias is not None, ep=src.ep, stats=src.stats, name=src.name)
+        twin = DeepSpeedMoE(like, ep_size)
+    inner = twin.moe.deepspeed_moe
+    inner.gate.wg.weight = src.router.weight
+    first = (src.ep.rank if src.parallel else 0) * src.local
+    inner.experts.deepspeed_experts = torch.nn.ModuleList(src.experts[str(first + i)] for i in range(src.local))
+    if src.parallel:
+        inner._set_ep_group(src.ep.group)
+    return twin
+
+
+@contextlib.contextmanager
+def deepspeed_moe_layers(ep_size: int):
+    """Inside: memopt's MoE layers forward through DeepSpeed-MoE's layer code (see the module docstring)."""
+    import torch.distributed
+    from deepspeed.moe import sharded_moe
+
+    from memopt.models import moe
+
+    original, comm = moe.MoE.forward, sharded_moe.dist
+
+    def forward(self, x):
+        twin = self.__dict__.get("_ds_twin")  # not a submodule: the model's parameters and modules are unchanged
+        if twin is None:
+            twin = self.__dict__["_ds_twin"] = _meta_twin(self, ep_size)
+        twin.train(self.training)
+        y = twin(x)
+        self._aux, self._pending, twin._aux, twin._pending = twin._aux, twin._pending, None, None
+        return y
+
+    # its all-to-all through torch.distributed (the fake process group), which DeepSpeed's comm module calls
+    # in a run: the planner never initialises DeepSpeed's communication backend
+    moe.MoE.forward, sharded_moe.dist = forward, torch.distributed
+    try:
+        yield
+    finally:
+        moe.MoE.forward, sharded_moe.dist = original, comm
