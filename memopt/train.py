@@ -146,7 +146,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     host budget there), the preflight's suggestion is added: the first composition of its list whose
     plan fits (``planner.preflight.suggestion``), or why none can."""
     from memopt.planner.figure import plan_figure
-    from memopt.planner.plan import make_plan, plan_table
+    from memopt.planner.plan import fmt_params, make_plan, plan_table
     from memopt.planner.preflight import suggestion
     from memopt.planner.simulate import PlanUnsupported
     from memopt.sweep import job_identity
@@ -177,7 +177,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     if "error" in plan:
         summary["error"] = plan["error"]
         write_json(os.path.join(run_dir, "summary.json"), summary)
-        print(f"memopt plan: {plan['model']} ({plan['params'] / 1e9:.2f}B params) with "
+        print(f"memopt plan: {plan['model']} ({fmt_params(plan['params'])} params) with "
               f"{'+'.join(plan['strategy']) or 'no strategy'} does not fit: refused by the engine "
               f"(hardware {hw.name}): {plan['error']}\n  suggestion: {plan['suggestion']['text']}\n  plan.json in {run_dir}")
         return summary

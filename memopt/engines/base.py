@@ -164,9 +164,37 @@ def gather_over_ep(state: dict[str, torch.Tensor], expert_names, dims) -> dict[s
     if not dims.ep.enabled:
         return state
     mine = {k: state[k] for k in expert_names if k in state}
-    for part in dims.ep.gather_objects(mine):
+    parts = _fake_ep_parts(mine, dims.ep) if _is_fake(mine) else dims.ep.gather_objects(mine)
+    for part in parts:
         state.update(part)
     return state
+
+
+def _is_fake(tensors: dict) -> bool:
+    return any(type(t).__name__ == "FakeTensor" for t in tensors.values())
+
+
+def _fake_ep_parts(mine: dict[str, torch.Tensor], ep) -> list[dict[str, torch.Tensor]]:
+    """What ``gather_objects`` allocates and returns, for the planner's fake tensors (which do not
+    pickle): ``all_gather_object`` pickles this rank's experts into a byte tensor, gathers every rank's
+    into one buffer of ep x that size, and unpickles every rank's part, its own included, into new
+    tensors. Every ep rank holds as many experts of the same shapes under its own global indices (rank
+    j: j x per + i). The pickle's own framing (a few hundred bytes per tensor) is not counted."""
+    import re
+
+    per = len({m[1] for k in mine if (m := re.search(r"experts\.(\d+)\.", k))})
+
+    def renamed(k: str, j: int) -> str:
+        return re.sub(r"experts\.(\d+)\.", lambda m: f"experts.{int(m[1]) + (j - ep.rank) * per}.", k, count=1)
+
+    first = next(iter(mine.values()), None)
+    if first is None:
+        return [{} for _ in range(ep.size)]
+    payload = sum(v.untyped_storage().nbytes() for v in mine.values())
+    buffers = [first.new_empty(payload, dtype=torch.uint8), first.new_empty(payload * ep.size, dtype=torch.uint8)]
+    parts = [{renamed(k, j): torch.empty_like(v) for k, v in mine.items()} for j in range(ep.size)]
+    del buffers  # the pickled input and the gathered output live until the gather returns
+    return parts
 
 
 def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:

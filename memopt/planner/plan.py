@@ -157,6 +157,11 @@ def _hw_dict(hw) -> dict:
     return {k: v for k, v in asdict(hw).items()}
 
 
+def fmt_params(n: int) -> str:
+    """A parameter count as a reader says it: 10.28B, or 0.84M for a test model (not 0.00B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
 def fmt(n: float | None) -> str:
     if n is None:
         return "-"
@@ -179,7 +184,7 @@ def plan_table(plan: dict) -> str:
     w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     lines = ["  " + "  ".join(str(c).rjust(w[i]) for i, c in enumerate(r)) for r in [head] + rows]
     hw = plan["hardware"]
-    lines.insert(0, f"memopt plan: {plan['model']} ({plan['params'] / 1e9:.2f}B params), "
+    lines.insert(0, f"memopt plan: {plan['model']} ({fmt_params(plan['params'])} params), "
                     f"{'+'.join(plan['strategy']) or 'plain'} ({plan['engine']}), {plan['world_size']} rank(s) "
                     f"({plan['ranks_per_node']} per node), micro-batch {plan['micro_batch_size']} x {plan['grad_accum']}, "
                     f"hardware {hw['name']}")

@@ -18,7 +18,7 @@ import time
 import warnings
 
 from memopt.errors import ConfigError
-from memopt.planner.plan import GiB, fmt, limits_of, make_plan, runtime_bytes
+from memopt.planner.plan import GiB, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
 STATE_BYTES_PER_PARAM = 16
@@ -60,7 +60,7 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
         return None
     t0 = time.perf_counter()
     local = cfg.trainer.nproc_per_node
-    what = f"{cfg.model.name} ({compose.num_params(cfg) / 1e9:.2f}B params) with {'+'.join(cfg.strategy.selected()) or 'no strategy'}"
+    what = f"{cfg.model.name} ({fmt_params(compose.num_params(cfg))} params) with {'+'.join(cfg.strategy.selected()) or 'no strategy'}"
     try:
         plan = make_plan(cfg, hw, limits_of(hw, local))
     except PlanUnsupported as e:

@@ -15,14 +15,14 @@ from tests.planner.test_accuracy import compare, measured, planned
 SAVE = ["trainer.save_checkpoint=true", "trainer.checkpoint_every=1", "model.n_layer=4"]
 
 
-def _whole_fp32(overrides: list[str]) -> int:
+def _whole_fp32(overrides: list[str], world: int) -> int:
     from memopt import compose
     from tests.conftest import typed
 
-    return 4 * compose.num_params(typed(overrides))
+    return 4 * compose.num_params(typed([*overrides, f"trainer.nproc_per_node={world}"]))
 
 
-def _check(overrides: list[str], world: int, tmp_path) -> None:
+def _check(overrides: list[str], world: int, tmp_path, streamed: bool = True) -> None:
     ov = [*overrides, *SAVE]
     plan = planned(ov, world)
     slack: dict = {}
@@ -32,10 +32,10 @@ def _check(overrides: list[str], world: int, tmp_path) -> None:
     # the save's own bytes: the measured peak over the planned one without the save (which the
     # accuracy matrix holds to the measured run without it); the old save held the whole fp32 model
     before = planned([*overrides, *SAVE, "trainer.save_checkpoint=false"], world)
-    whole = _whole_fp32(ov)
+    whole = _whole_fp32(ov, world)
     for rank, devs in real.items():
         added = devs["device"]["other"] - before[rank]["device"]["other"]
-        assert 0 <= added < whole / 2, (rank, added, whole)  # 0: fp32 weights on the host are written as they are
+        assert 0 <= added < (whole / 2 if streamed else 3 * whole), (rank, added, whole)  # 0: fp32 weights on the host are written as they are
     assert (tmp_path / "run" / "model.pt").is_file()
 
 
@@ -45,10 +45,15 @@ def test_final_save_chunk_engine_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["+strategy=chunk"], ["+strategy=hybrid_adam_fp32"], ["+strategy=zero3"],
-                                       ["engine=fsdp2", "+strategy=zero3"]],
-                         ids=["chunk", "hybrid_adam_fp32", "zero3", "fsdp2_zero3"])
+                                       ["engine=fsdp2", "+strategy=zero3"],
+                                       ["model=moe_tiny", "+strategy=zero2", "parallel.ep=2"]],
+                         ids=["chunk", "hybrid_adam_fp32", "zero3", "fsdp2_zero3", "moe_ep2_zero2"])
 def test_final_save_two_ranks(overrides, tmp_path):
-    _check(overrides, 2, tmp_path)
+    # moe_ep2_zero2: the experts are gathered over ep by all_gather_object (pickled, gathered, unpickled:
+    # engines.base._fake_ep_parts plans it; fake tensors do not pickle, so plan mode had crashed). With
+    # expert parallelism the save is the whole dict, not streamed (docs/design.md): measured 1.96x the
+    # fp32 model on top of the run (the dict and the gather's pickled copies), planned within 3%
+    _check(overrides, 2, tmp_path, streamed="parallel.ep=2" not in overrides)
 
 
 @pytest.mark.slow
