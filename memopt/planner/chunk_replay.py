@@ -593,9 +593,9 @@ def record(cfg, rank: int, world: int, backend: str) -> tuple[list, dict]:
     return rec.streams, sim
 
 
-def replay(cfg, streams: list, n: int, rank: int, world: int, limits: dict | None, backend: str) -> dict:
-    """``simulate_rank`` of ``cfg`` (N blocks) with the n-block recording stretched in place of the model."""
+def replay(cfg, stretched: list, rank: int, world: int, limits: dict | None, backend: str) -> dict:
+    """``simulate_rank`` of ``cfg`` (N blocks) with a recording stretched to N blocks (``stretch``) in place of the model."""
     from memopt.planner.simulate import simulate_rank
 
-    with replaying(stretch(streams, n, cfg.model.n_layer)):
+    with replaying(stretched):
         return simulate_rank(cfg, rank, world, limits, backend=backend)
