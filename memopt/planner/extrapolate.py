@@ -205,7 +205,11 @@ def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: 
             if len(_RECORDED) >= 4:
                 _RECORDED.pop(next(iter(_RECORDED)))
             _RECORDED[key] = mine
-        sim = chunk_replay.replay(cfg, mine[0], n, rank, world, limits, backend)
+        stretched = _STRETCHED.get((key, N))
+        if stretched is None or stretched[0] is not mine[0]:  # the next rank replays the same stretch
+            _STRETCHED.clear()
+            stretched = _STRETCHED[(key, N)] = (mine[0], chunk_replay.stretch(mine[0], n, N))
+        sim = chunk_replay.replay(cfg, stretched[1], rank, world, limits, backend)
     except chunk_replay.Unsupported as e:
         e.seconds = time.perf_counter() - t0
         raise
@@ -215,6 +219,7 @@ def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: 
 
 
 _RECORDED: dict = {}  # the last recordings (streams, rank, checked): the next rank and later candidates replay them
+_STRETCHED: dict = {}  # the last recording stretched to the planned depth (items are tuples: replays only read them)
 
 
 def model_side(cfg) -> str:
@@ -278,16 +283,30 @@ _CHUNK_SIZE: dict = {}
 
 
 def _layout(cfg, rank: int, world: int) -> dict:
+    """This rank's chunk layout (``chunk_layout``). The meta model's parameters it packs are the same on
+    every rank (the chunk engine partitions over dp_shard only; its model-phase strategies do not depend
+    on the rank): listed once per depth, model and world, not once per rank, window and candidate (a
+    suggestion search packs ~100 layouts at ~15 depths; a 50-block model takes ~0.2 s to build)."""
     import torch
 
     from memopt.compose import model_on_meta
-    from memopt.engines.chunk.engine import chunk_layout
+    from memopt.engines.chunk.engine import chunk_layout, distinct_params
     from memopt.memory.tracker import NullTracker
     from memopt.planner.simulate import fake_world
+    from memopt.strategies.base import selected
 
+    key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world)
     with fake_world(cfg, rank, world) as dims:
-        model = model_on_meta(cfg, torch.device("cpu"), dims, NullTracker())
-        return chunk_layout(cfg, model, dims)
+        params = _META_PARAMS.get(key)
+        if params is None:
+            params = distinct_params(model_on_meta(cfg, torch.device("cpu"), dims, NullTracker()))
+            if len(_META_PARAMS) >= 64:
+                _META_PARAMS.pop(next(iter(_META_PARAMS)))
+            _META_PARAMS[key] = params
+        return chunk_layout(cfg, None, dims, params)
+
+
+_META_PARAMS: dict = {}  # distinct_params of the meta models _layout packed (~0.1 MB each), by model, strategies and world
 
 
 def _layout_inconsistency(lays: list[dict], rank: int, depths: tuple[int, ...]) -> str | None:

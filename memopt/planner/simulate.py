@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST, MemoryTracker
+from memopt.planner import fast_ops
 from memopt.planner.routing import planned_routing
 
 
@@ -130,7 +131,7 @@ class PlanTracker(MemoryTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # a fake tensor's device, asked from C++ (Python indexing, autograd's checks): a third of
-            return func(*args)  # the ops a plan sees; nothing to count, so not through the tracker's own dispatch
+            return fast_ops.device(args)  # the ops a plan sees; nothing to count, so not through the tracker's own dispatch
         if func is torch.ops.aten._local_scalar_dense.default:
             ref, healthy = self._healthy.get(id(args[0]), (None, None))
             return healthy if ref is not None and ref() is args[0] else _scalar(args[0])
@@ -151,6 +152,10 @@ class PlanTracker(MemoryTracker):
                 if a is not None and b is not None and a != b:
                     self.traffic["offload_bytes"] += out.nbytes
         return out
+
+    def _run(self, func, args, kwargs):
+        out = fast_ops.run(func, args, kwargs)
+        return func(*args, **(kwargs or {})) if out is NotImplemented else out
 
     def _device_of(self, t) -> str | None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":  # not ``is_meta`` (an op on a fake tensor)

@@ -19,7 +19,7 @@ from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.moe import Expert
 from memopt.optim.step import StepResult
-from memopt.engines.chunk.chunk import DEVICE, HOST
+from memopt.engines.chunk.chunk import DEVICE, HOST, _shaped
 from memopt.engines.chunk.comm import ChunkComm
 from memopt.engines.chunk.hooks import ChunkHooks
 from memopt.engines.chunk.hybrid_adam import ChunkAdam
@@ -130,15 +130,16 @@ def check_host_budget(cfg, mgr: ChunkManager) -> None:
             "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
 
 
-def chunk_layout(cfg, model, dims) -> dict:
+def chunk_layout(cfg, model, dims, params: tuple | None = None) -> dict:
     """This rank's chunk layout of ``model`` (meta parameters), packed and assigned by the manager's own
     code without allocating anything, and the engine's host-budget refusal (``check_host_budget``): the
     planner checks that the shallow models it simulates have a layout that grows with depth the way the
-    planned model's does, and packs the planned model first so that a refusal names its bytes."""
+    planned model's does, and packs the planned model first so that a refusal names its bytes.
+    ``params``: ``distinct_params(model)`` when the caller has it already (the planner keeps it per depth)."""
     from memopt.memory.tracker import NullTracker
 
     ccfg = cfg.strategy.chunk
-    named, experts = distinct_params(model)
+    named, experts = params if params is not None else distinct_params(model)
     size = resolve_chunk_size(ccfg, named, experts)
     cpu, null = torch.device("cpu"), NullTracker()
     mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null))
@@ -314,7 +315,7 @@ class ChunkEngine(PrecisionEngine):
         a time: with 2+ ranks each unit is gathered, its tensors yielded, and released before the next;
         then the tensors outside the chunks (buffers)."""
         mgr = self.mgr
-        view = lambda info: info.chunk.view_of(info).view(info.shape)  # noqa: E731
+        view = lambda info: _shaped(info.chunk.data, info)  # noqa: E731  (one view op, not narrow + view: a plan runs ~600)
         if mgr.comm is None:
             for info in mgr.infos.values():
                 yield info.name, view(info)
