@@ -33,11 +33,19 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # reductions) vs 7.95 MB planned (3.05% under the lower value, so strict); zero3 + cpu_offload on one
 # rank, whose device peak is at ``initialize`` (DeepSpeed's create_reduce_and_remove_grad_hooks gathers
 # every parameter: 14.87 MB of ``other`` on gpt_tiny, 7.07 MB wider), an init transient not modelled.
+# bf16, both translations (engines/deepspeed.py): autocast over fp32 weights (``torch_autocast``) and bf16
+# weights (``bf16: enabled``). Before the rules counted DeepSpeed's reduction buckets per communication dtype,
+# zero2 + bf16 autocast on gpt_tiny, 1 rank, was planned 70.29 MB for 123.12 MB measured (now 122.72 MB), and
+# stage 0's all-reduce after the backward was added to the backward's compute bytes (ddp + bf16 autocast,
+# gpt_tiny 2 ranks: 21.20 MB planned for 17.16 MB measured, now 17.16 MB).
+BF16_WEIGHTS = "strategy.bf16.params=bf16"
 GAP = pytest.mark.xfail(strict=True, reason="DeepSpeed rules not yet within 3% here (see the comment above)")
 TINY, WIDE = MODELS
 CASES = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,fp16]", HEALTHY]), (1, ["+strategy=zero2"]),
          (1, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=zero3"]), (2, ["+strategy=[zero3,fp16]", HEALTHY]),
-         (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"])]
+         (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"]),
+         (1, ["+strategy=[zero2,bf16]"]), (2, ["+strategy=[zero2,bf16]"]), (1, ["+strategy=[zero2,bf16]", BF16_WEIGHTS]),
+         (2, ["+strategy=[zero1,bf16]", BF16_WEIGHTS]), (2, ["+strategy=[ddp,bf16]"]), (2, ["+strategy=[ddp,bf16]", BF16_WEIGHTS])]
 GAPS = {(2, "+strategy=[zero3,fp16]", "tiny_wide"), (2, "+strategy=[zero3,cpu_offload]", "tiny"),
         (1, "+strategy=[zero3,cpu_offload]", "tiny"), (1, "+strategy=[zero3,cpu_offload]", "tiny_wide")}
 MATRIX = [pytest.param(world, ov, model, marks=GAP if (world, ov[0], mid) in GAPS else (), id=f"{world}rank-{'+'.join(ov)}-{mid}")
