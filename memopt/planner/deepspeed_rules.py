@@ -37,8 +37,10 @@ The ``params`` peak is at least the whole fp32 model (4 P), which every rank mat
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
 activation exists; on one rank with zero3 + cpu_offload they are the device peak: initialize gathers
-every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3's backward (its peak is in the first
-reduce-scatter; the plan takes the end of the forward, measured 1.4-3.4% below it). Measured gaps left
+every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3 with bf16 autocast (refused: its buckets per
+communication dtype are in that dtype, and its activations peak was 1.5 MB below these rules' on gpt_tiny, not
+yet understood), stage 3's backward (its peak is in the first reduce-scatter; the plan takes the end of
+the forward, measured 1.4-3.4% below it). Measured gaps left
 (tests/planner/test_accuracy_deepspeed.py, expected failures): zero3 + fp16 on the wider model (3.4%
 under), zero3 + cpu_offload on gpt_tiny 2 ranks (3.05% under; a second run's rank 0 was 262,144 B
 higher still, timing of the overlapped reductions) and on one rank (the init transient above); zero2 +
@@ -188,6 +190,15 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import PlanUnsupported
 
+    from memopt.strategies.zero import selected_stage
+
+    stage = selected_stage(cfg)[1]
+    if stage == 3 and _autocast(cfg):
+        raise PlanUnsupported(
+            "engine=deepspeed with zero3 and bf16 autocast (strategy.bf16.params=fp32) is not planned: DeepSpeed's "
+            "stage 3 keeps a reduction bucket per communication dtype in that dtype (bf16 and fp32) and holds other "
+            "gathered bytes at the end of the forward than its fp32 rules say (gpt_tiny, 2 ranks: 15.11 MB measured, "
+            "16.06 MB by these rules); use strategy.bf16.params=bf16, zero1/zero2, or run with trainer.preflight=false")
     moe = contextlib.nullcontext()
     if cfg.strategy.moe is not None:  # DeepSpeed-MoE: its expert groups' states and its own layer code
         from memopt.parallel.dims import resolve_sizes
@@ -204,9 +215,6 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         states = deepspeed_model_states(cfg, world)
     with moe:
         sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
-    from memopt.strategies.zero import selected_stage
-
-    stage = selected_stage(cfg)[1]
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
