@@ -32,8 +32,8 @@ DeepSpeed's (its all-to-all goes through ``torch.distributed``, the fake process
 DeepSpeed's comm module, a thin layer over the same call). The gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured
 capacity factor FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``)
 takes it from the largest expert load, a value fake tensors do not have: refused (``refusal``), as are
-bf16 (its autocast form's reduction buckets per communication dtype are not modelled: 38% under on
-moe_tiny) and cpu_offload (not measured).
+cpu_offload and bf16 but its autocast form at zero1/zero2 (not measured; the autocast form's reduction
+buckets per communication dtype are the dense rules', which were 38% under on moe_tiny without them).
 """
 from __future__ import annotations
 
@@ -51,11 +51,12 @@ def refusal(cfg) -> str | None:
     if cfg.strategy.cpu_offload is not None:
         return ("engine=deepspeed with +strategy=moe and cpu_offload is not planned: the offloaded expert groups' "
                 "host buffers are not modelled (nor measured); run with trainer.preflight=false")
-    if cfg.strategy.bf16 is not None:
-        return ("engine=deepspeed with +strategy=moe and bf16 is not planned: with bf16 autocast DeepSpeed keeps "
-                "reduction buckets per communication dtype (bf16 and fp32), not modelled (moe_tiny, 1 rank, zero2: "
-                "138.6 MB measured against 85.8 MB by these rules), and bf16 weights are not measured; use fp32 or "
-                "fp16, or run with trainer.preflight=false")
+    from memopt.strategies.zero import selected_stage
+
+    if cfg.strategy.bf16 is not None and (cfg.strategy.bf16.params == "bf16" or selected_stage(cfg)[1] not in (1, 2)):
+        return ("engine=deepspeed with +strategy=moe and bf16 is planned with bf16 autocast (strategy.bf16.params=fp32) "
+                "at zero1/zero2 only: bf16 weights, and bf16 at stage 0 or 3, with DeepSpeed-MoE are not measured; use "
+                "zero1/zero2, fp32 or fp16, or run with trainer.preflight=false")
     return None
 
 

@@ -10,12 +10,19 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
 4; DeepSpeed accumulates gradients in the parameters' dtype by default), part = P / W:
 
   stage 0   params P b; grads P b (param.grad); optim 8 P (fp32: moments, the weights are the masters)
-            or 12 P (fp16/bf16: fp32 masters + moments); a flat copy of the gradients for the
-            all-reduce (its 500M-element buckets hold any model this small whole)
+            or 12 P (bf16 weights: fp32 masters + moments); a flat copy of the gradients for the
+            all-reduce (its 500M-element buckets hold any model this small whole). The all-reduce runs
+            after the backward, so the total is the larger of the backward (compute bytes beside params
+            and optim) and the end of the backward (every gradient and the flat copy, or the step:
+            with bf16 weights DeepSpeed's unfused optimizer's fp32 copy of every gradient, 4 P, beside
+            AdamW's foreach temporaries, 4 bytes x the larger optimizer group); adding them was 24% over
   stage 1/2 params P b (the flat low-precision copy); optim 12 part (fp32 master partition + moments;
             DeepSpeed clones the partition even in fp32); the reduction buckets, reduce_bucket_size
             elements x b, two with overlap_comm (allocated at every backward whatever the model size,
-            so 2 x 25 MiB dominate a small model); stage 2 also the gradient partition part x b
+            so 2 x 25 MiB dominate a small model), and that once per communication dtype: under bf16
+            autocast (torch_autocast) Linear parameters' gradients communicate in bf16 and the rest in
+            fp32, each in buckets of their own (fp32 buffers, the parameters' dtype), so twice the
+            buckets; stage 2 also the gradient partition part x b
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b); in the total, the live gathered blocks
             (stage3_max_live_parameters x b), which a run counts where they are gathered (activations
@@ -30,8 +37,10 @@ The ``params`` peak is at least the whole fp32 model (4 P), which every rank mat
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
 activation exists; on one rank with zero3 + cpu_offload they are the device peak: initialize gathers
-every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3's backward (its peak is in the first
-reduce-scatter; the plan takes the end of the forward, measured 1.4-3.4% below it). Measured gaps left
+every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3 with bf16 autocast (refused: its buckets per
+communication dtype are in that dtype, and its activations peak was 1.5 MB below these rules' on gpt_tiny, not
+yet understood), stage 3's backward (its peak is in the first reduce-scatter; the plan takes the end of
+the forward, measured 1.4-3.4% below it). Measured gaps left
 (tests/planner/test_accuracy_deepspeed.py, expected failures): zero3 + fp16 on the wider model (3.4%
 under), zero3 + cpu_offload on gpt_tiny 2 ranks (3.05% under; a second run's rank 0 was 262,144 B
 higher still, timing of the overlapped reductions) and on one rank (the init transient above); zero2 +
@@ -62,6 +71,41 @@ def _param_bytes(cfg) -> int:
     return 4  # fp32, or bf16 autocast over fp32 weights
 
 
+def _autocast(cfg) -> bool:
+    """bf16 over fp32 weights: the translation's ``torch_autocast`` (engines/deepspeed.py)."""
+    return cfg.strategy.bf16 is not None and cfg.strategy.bf16.params != "bf16"
+
+
+def _meta_params(cfg) -> list[tuple[int, int, bool]]:
+    """(numel, ndim, lower-precision safe) of each distinct parameter of the model built on meta; safe:
+    its module's exact class is one DeepSpeed's torch_autocast communicates in bf16 (Linear, Conv)."""
+    import torch
+    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt.models import model_class
+
+    with _disable_current_modes(), torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+    safe = {id(p) for m in model.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES for p in m.parameters(recurse=False)}
+    return [(p.numel(), p.ndim, id(p) in safe) for p in model.parameters()]
+
+
+def comm_dtypes(cfg) -> int:
+    """How many reduction buckets DeepSpeed keeps per bucket slot: one per communication dtype. Under
+    ``torch_autocast`` the gradients of lower-precision safe modules' parameters communicate in bf16 and
+    every other one in its own dtype, each kind in buckets of its own; otherwise one dtype."""
+    return len({safe for _, _, safe in _meta_params(cfg)}) if _autocast(cfg) else 1
+
+
+def _largest_group(cfg) -> int:
+    """Elements of the larger of the translation's two optimizer groups (weight decay on ndim >= 2)."""
+    sizes = [0, 0]
+    for n, ndim, _ in _meta_params(cfg):
+        sizes[ndim >= 2] += n
+    return max(sizes)
+
+
 def _block_numel(cfg) -> int:
     """memopt's zero3 unit as the translation computes it: one block, or the root group (embeddings,
     final LayerNorm, untied head) when that is larger."""
@@ -88,12 +132,19 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     dev = {"params": 0, "grads": 0, "optim": 0}
     host = {"params": 0, "grads": 0, "optim": 0}
     opt_mem = host if offload else dev
+    after = 0
     if stage == 0:
         dev["params"], dev["grads"] = P * b, 2 * P * b  # param.grad + the flat all-reduce copy
         dev["optim"] = 8 * P if Precision.of(cfg).param_dtype.itemsize == 4 else 12 * P
+        # the all-reduce runs after the backward (the activations gone): its peak is every param.grad and the
+        # flat copy beside params and optim; or the step: param.grad, (bf16 weights: DeepSpeed's unfused
+        # optimizer's fp32 copy of every gradient) and the foreach AdamW's sqrt of the larger group's moments
+        step = P * b + (4 * P if b == 2 else 0) + 4 * _largest_group(cfg)
+        after = P * b + dev["optim"] + max(2 * P * b, step)
     elif stage in (1, 2):
         bucket = max(1, int(scfg.bucket_mb * 2**20 / b))  # reduce_bucket_size, elements of the parameter dtype
-        buffers = 2 if stage == 2 and scfg.overlap_comm else 1
+        # per communication dtype (``comm_dtypes``), in the parameters' dtype whatever the communication dtype
+        buffers = (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg)
         dev["params"] = P * b
         opt_mem["optim"] = 12 * part
         dev["grads"] = buffers * bucket * b + (part * b if stage == 2 and not offload else 0)
@@ -113,6 +164,8 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     # at the training peak (the backward's reductions) stage 1/2's gradient partition is not yet
     # counted beside the buckets: it is left out of the total (measured: the totals then agree within 3%)
     in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
+    if stage == 0:  # in the backward: the compute bytes (deepspeed_sim adds them) beside params and optim
+        in_total = dev["params"] + dev["optim"]
     held = 0
     if stage == 3 and W > 1:  # what DeepSpeed's coordinator still holds gathered when the forward returns
         # (on one rank nothing is gathered: a parameter's data is its partition)
@@ -127,7 +180,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     # activations or temp)
     dev["params"] = max(dev["params"] - (live if stage == 3 else 0), 4 * P)
     return {"device": dev, "host": host, "device_total": in_total, "held_after_forward": held,
-            "live_gathered": live if stage == 3 else 0}
+            "live_gathered": live if stage == 3 else 0, "after_backward": after}
 
 
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
@@ -137,6 +190,15 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import PlanUnsupported
 
+    from memopt.strategies.zero import selected_stage
+
+    stage = selected_stage(cfg)[1]
+    if stage == 3 and _autocast(cfg):
+        raise PlanUnsupported(
+            "engine=deepspeed with zero3 and bf16 autocast (strategy.bf16.params=fp32) is not planned: DeepSpeed's "
+            "stage 3 keeps a reduction bucket per communication dtype in that dtype (bf16 and fp32) and holds other "
+            "gathered bytes at the end of the forward than its fp32 rules say (gpt_tiny, 2 ranks: 15.11 MB measured, "
+            "16.06 MB by these rules); use strategy.bf16.params=bf16, zero1/zero2, or run with trainer.preflight=false")
     moe = contextlib.nullcontext()
     if cfg.strategy.moe is not None:  # DeepSpeed-MoE: its expert groups' states and its own layer code
         from memopt.parallel.dims import resolve_sizes
@@ -153,9 +215,6 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         states = deepspeed_model_states(cfg, world)
     with moe:
         sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
-    from memopt.strategies.zero import selected_stage
-
-    stage = selected_stage(cfg)[1]
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
@@ -174,8 +233,9 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
             non_model = sim["backward_nonmodel"]["device"]
         cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
-        if mem == "device" and states.get("after_backward"):  # DeepSpeed-MoE at stage 0 (deepspeed_moe_rules.py)
-            cats["total"] = max(cats["total"], states["after_backward"])
+        if mem == "device" and states.get("after_backward"):  # stage 0 (and DeepSpeed-MoE's, deepspeed_moe_rules.py):
+            # its all-reduce or step, the activations gone; the run's own ``other`` (the batch) still held
+            cats["total"] = max(cats["total"], states["after_backward"] + cats["other"])
         if mem == "device" and states["held_after_forward"]:
             # stage 3's other candidate moment: the end of the forward (the partitions and buffers,
             # no block in flight, the step's activations and what DeepSpeed keeps gathered)

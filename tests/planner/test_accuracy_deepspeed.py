@@ -33,11 +33,25 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # reductions) vs 7.95 MB planned (3.05% under the lower value, so strict); zero3 + cpu_offload on one
 # rank, whose device peak is at ``initialize`` (DeepSpeed's create_reduce_and_remove_grad_hooks gathers
 # every parameter: 14.87 MB of ``other`` on gpt_tiny, 7.07 MB wider), an init transient not modelled.
+# bf16, both translations (engines/deepspeed.py): autocast over fp32 weights (``torch_autocast``) and bf16
+# weights (``bf16: enabled``). Before the rules counted DeepSpeed's reduction buckets per communication dtype,
+# zero2 + bf16 autocast on gpt_tiny, 1 rank, was planned 70.29 MB for 123.12 MB measured (now 122.72 MB), and
+# stage 0's all-reduce after the backward was added to the backward's compute bytes (ddp + bf16 autocast,
+# gpt_tiny 2 ranks: 21.20 MB planned for 17.16 MB measured, now 17.16 MB). Measured vs planned device totals
+# (rank 0; params, optim, activations within 16 B but for 208 B of optim at stage 0), gpt_tiny / the wider model:
+# zero2 autocast 1 rank 123.12 vs 122.72 / 113.54 vs 113.24, 2 ranks 118.61 vs 118.21 / 111.34 vs 111.04;
+# zero2 bf16 weights 1 rank 67.05 vs 66.68 / 59.46 vs 59.19; zero1 bf16 weights 2 ranks 35.83 vs 35.46 /
+# 31.05 vs 30.78; ddp autocast 2 ranks 17.16 vs 17.16 / 7.80 vs 7.81; ddp bf16 weights 2 ranks 20.47 vs 20.47
+# / 9.25 vs 9.26 (its peak is DeepSpeed's unfused optimizer step). zero3 + bf16 weights, gpt_tiny 2 ranks:
+# 11.13 vs 10.95 (not in the matrix); zero3 + bf16 autocast is refused (15.11 measured vs 16.06 by the rules).
+BF16_WEIGHTS = "strategy.bf16.params=bf16"
 GAP = pytest.mark.xfail(strict=True, reason="DeepSpeed rules not yet within 3% here (see the comment above)")
 TINY, WIDE = MODELS
 CASES = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,fp16]", HEALTHY]), (1, ["+strategy=zero2"]),
          (1, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=zero3"]), (2, ["+strategy=[zero3,fp16]", HEALTHY]),
-         (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"])]
+         (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"]),
+         (1, ["+strategy=[zero2,bf16]"]), (2, ["+strategy=[zero2,bf16]"]), (1, ["+strategy=[zero2,bf16]", BF16_WEIGHTS]),
+         (2, ["+strategy=[zero1,bf16]", BF16_WEIGHTS]), (2, ["+strategy=[ddp,bf16]"]), (2, ["+strategy=[ddp,bf16]", BF16_WEIGHTS])]
 GAPS = {(2, "+strategy=[zero3,fp16]", "tiny_wide"), (2, "+strategy=[zero3,cpu_offload]", "tiny"),
         (1, "+strategy=[zero3,cpu_offload]", "tiny"), (1, "+strategy=[zero3,cpu_offload]", "tiny_wide")}
 MATRIX = [pytest.param(world, ov, model, marks=GAP if (world, ov[0], mid) in GAPS else (), id=f"{world}rank-{'+'.join(ov)}-{mid}")
@@ -76,3 +90,12 @@ def test_matrix_deepspeed(world, overrides, model, tmp_path):
 @pytest.mark.parametrize("model", [WIDE, pytest.param(TINY, marks=GAP)], ids=["tiny_wide", "tiny"])
 def test_matrix_deepspeed_zero2_cpu_offload(model, tmp_path):
     check_deepspeed(2, [*model, "+strategy=[zero2,cpu_offload]"], tmp_path)
+
+
+def test_zero3_bf16_autocast_is_refused_with_its_reason():
+    """zero3 + bf16 autocast: these rules were 6.3% over the measured run (gpt_tiny, 2 ranks): plan mode says so."""
+    from memopt.planner.simulate import PlanUnsupported
+
+    with pytest.raises(PlanUnsupported) as e:
+        planned(["engine=deepspeed", *TINY, "+strategy=[zero3,bf16]"], 1)
+    assert "zero3 and bf16 autocast" in str(e.value)

@@ -15,10 +15,12 @@ MOE = ["model=moe_tiny"]
 # -2.12%): 1 rank zero2 86.03 MB vs 85.56 MB planned, zero1+fp16 53.52 vs 52.78; 2 ranks zero2 ep1 76.28
 # vs 78.44 (+2.83%: memopt's own end-of-backward reduction scratch taken as compute bytes), zero2 ep2
 # 74.42 vs 73.95, zero1 ep2 48.21 vs 47.73, top-1 72.58 vs 72.12, zero2+fp16 ep2 68.73 vs 68.19, ddp ep2
-# 21.03 vs 20.56, ddp ep1 30.70 vs 30.22.
+# 21.03 vs 20.56, ddp ep1 30.70 vs 30.22; 1 rank zero2 + bf16 autocast 138.57 vs 138.20 (85.77 before the
+# rules counted DeepSpeed's reduction buckets per communication dtype).
 CASES = {  # id -> (ranks, overrides)
     "1rank-zero2": (1, ["+strategy=zero2"]),
     "1rank-zero1-fp16": (1, ["+strategy=[zero1,fp16]", "strategy.fp16.init_scale=1024"]),
+    "1rank-zero2-bf16": (1, ["+strategy=[zero2,bf16]"]),
     "2rank-zero1-ep1": (2, ["+strategy=zero1"]),
     "2rank-zero2-ep1": (2, ["+strategy=zero2"]),
     "2rank-zero1-ep2": (2, ["+strategy=zero1", "parallel.ep=2"]),
@@ -64,13 +66,14 @@ def test_plan_counts_expert_partitions_over_the_expert_data_parallel_group():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["strategy.moe.drop_tokens=false"], "drop_tokens=false is not planned"),
+    (["+strategy=zero2", "strategy.moe.drop_tokens=false"], "drop_tokens=false is not planned"),
     (["+strategy=[zero2,cpu_offload]"], "cpu_offload is not planned"),
-    (["+strategy=[zero2,bf16]"], "bf16 is not planned"),
+    (["+strategy=[zero2,bf16]", "strategy.bf16.params=bf16"], "zero1/zero2 only"),
+    (["+strategy=[ddp,bf16]"], "zero1/zero2 only"),
 ])
 def test_deepspeed_moe_refusals_name_the_reason(overrides, needle):
     from memopt.planner.simulate import PlanUnsupported
 
     with pytest.raises(PlanUnsupported) as e:
-        planned(["engine=deepspeed", *MOE, "+strategy=zero2", *overrides], 1)
+        planned(["engine=deepspeed", *MOE, *overrides], 1)
     assert needle in str(e.value)
