@@ -24,7 +24,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             rules: on gpt_tiny b x 510,848 elements), and the end of the forward is a second
             candidate for the total peak (partitions, buffers, those activations)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
-            masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition
+            masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
+            stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
+            largest parameter on the host and on the device (largest x b each)
 
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
@@ -34,9 +36,9 @@ every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3's backward (its pea
 reduce-scatter; the plan takes the end of the forward, measured 1.4-3.4% below it). Measured gaps left
 (tests/planner/test_accuracy_deepspeed.py, expected failures): zero3 + fp16 on the wider model (3.4%
 under), zero3 + cpu_offload on gpt_tiny 2 ranks (3.05% under; a second run's rank 0 was 262,144 B
-higher still, timing of the overlapped reductions) and on one rank (the init transient above); zero2 +
-cpu_offload's device total is 3.3% above the plan on gpt_tiny (within 3% on the wider model; the run
-holds 2,192,896 B more ``other`` from ``initialize`` at its peak, not yet identified). Stages 0-2 add
+higher still, timing of the overlapped reductions) and on one rank (the init transient above). Fixed:
+zero2 + cpu_offload on gpt_tiny was 3.3% above the plan (2,192,896 B of ``other`` from ``initialize``:
+the offload staging buffers above, never re-tagged; now 0.65% under). Stages 0-2 add
 to their states the compute bytes (activations, temp) of memopt's forward and backward
 (``simulate_rank``'s ``backward_nonmodel``): the non-model bytes at memopt's own peak had planned
 zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE is not planned
@@ -73,6 +75,16 @@ def _block_numel(cfg) -> int:
     return max((compose.num_params(cfg) - root) // max(1, mc.n_layer), root, 1)
 
 
+def _largest_param(cfg) -> int:
+    import torch
+
+    from memopt.models import model_class
+
+    with torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+    return max((p.numel() for p in model.parameters()), default=0)
+
+
 def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
     """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers."""
     from memopt import compose
@@ -97,6 +109,12 @@ def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
         dev["grads"] = buffers * bucket * b + (part * b if stage == 2 and not offload else 0)
         if offload:
             host["grads"] = 4 * part  # the fp32 gradient partition the host Adam reads
+            # the host staging (a b-byte copy of the partition for the updated weights, one gradient of the
+            # largest parameter) and that gradient's device twin (temp_grad_buffer_for_{cpu,gpu}_offload)
+            largest = _largest_param(cfg)
+            host["params"] = part * b
+            host["grads"] += largest * b
+            dev["grads"] += largest * b
     else:
         block = _block_numel(cfg)
         live = (2 if scfg.prefetch else 1) * block * b  # stage3_max_live_parameters

@@ -22,10 +22,11 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # Fixed: zero1 + fp16 on one rank was planned 45.04 MB for 40.83 MB measured (gpt_tiny), while the rules
 # added memopt's non-model bytes at memopt's own peak (its optimizer step's fp32 gradient temporaries);
 # stages 0-2 now add the compute bytes (activations, temp) of the forward and backward (now 40.93 MB).
+# Fixed: zero2 + cpu_offload on gpt_tiny measured 63.36 MB for 60.77 MB planned: the 2,192,896 B of
+# ``other`` from ``initialize`` were stage 1/2 offload's staging buffers (a b-byte copy of the partition
+# and one gradient of the largest parameter on the host, that gradient's twin on the device), never
+# re-tagged, so counted under the device; now re-tagged (host) and planned: 61.43 MB measured, 61.03 MB planned.
 # Not yet within 3% (measured here; strict expected failures, so the mark goes with the fix):
-# zero2 + cpu_offload on gpt_tiny 63.36 MB measured vs 61.24 MB planned (the wider model passes; at
-# the measured peak, in the backward, the run holds 2,192,896 B more ``other`` than memopt's step:
-# allocated in ``initialize`` and never re-tagged, not yet identified);
 # stage 3, where the plan takes the end of the forward and DeepSpeed's peak is in the first
 # reduce-scatter of the backward: zero3 + fp16 on the wider model 5.86 MB measured vs 5.66 MB planned
 # (3.4%), zero3 + cpu_offload on gpt_tiny (2 ranks) 8.20 MB in one run on both ranks, 8.46 MB on rank 0
@@ -73,6 +74,6 @@ def test_matrix_deepspeed(world, overrides, model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [WIDE, pytest.param(TINY, marks=GAP)], ids=["tiny_wide", "tiny"])
+@pytest.mark.parametrize("model", [WIDE, TINY], ids=["tiny_wide", "tiny"])
 def test_matrix_deepspeed_zero2_cpu_offload(model, tmp_path):
     check_deepspeed(2, [*model, "+strategy=[zero2,cpu_offload]"], tmp_path)
