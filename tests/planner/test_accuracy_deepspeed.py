@@ -26,22 +26,22 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # ``other`` from ``initialize`` were stage 1/2 offload's staging buffers (a b-byte copy of the partition
 # and one gradient of the largest parameter on the host, that gradient's twin on the device), never
 # re-tagged, so counted under the device; now re-tagged (host) and planned: 61.43 MB measured, 61.03 MB planned.
-# Not yet within 3% (measured here; strict expected failures, so the mark goes with the fix):
-# stage 3, where the plan takes the end of the forward and DeepSpeed's peak is in the first
-# reduce-scatter of the backward: zero3 + fp16 on the wider model 5.86 MB measured vs 5.66 MB planned
-# (3.4%), zero3 + cpu_offload on gpt_tiny (2 ranks) 8.20 MB in one run on both ranks, 8.46 MB on rank 0
-# in an identical run (rank 1: 8.20 MB again; the 262,144 B spread is the timing of the overlapped
-# reductions) vs 7.95 MB planned (3.05% under the lower value, so strict); zero3 + cpu_offload on one
-# rank, whose device peak is at ``initialize`` (DeepSpeed's create_reduce_and_remove_grad_hooks gathers
-# every parameter: 14.87 MB of ``other`` on gpt_tiny, 7.07 MB wider), an init transient not modelled.
-GAP = pytest.mark.xfail(strict=True, reason="DeepSpeed rules not yet within 3% here (see the comment above)")
+# Fixed, stage 3: the plan took the end of the forward (and memopt's non-model bytes at its own peak
+# beside two gathered blocks); DeepSpeed's peak is when the backward starts, every activation beside the
+# loss's gradient, now planned (compute bytes of a one-rank step: memopt's W-rank backward holds its own
+# reduce-scatter scratch at its compute peak). zero3 + fp16 on the wider model: 5,858,182 B measured, was
+# 5,657,833 planned (3.4% under), now 5,860,253; zero3 + cpu_offload on gpt_tiny, 2 ranks: 8.20 MB
+# measured in one run (rank 0 8.46 MB in another: the overlapped reductions' timing), was 7.95 MB planned,
+# now 8.24 MB. zero3 + cpu_offload on one rank: its device peak was ``initialize`` (14.87 MB gpt_tiny,
+# 7.07 MB wider), DeepSpeed's host buffers (partitions, masters, gradient buffers) counted under the device
+# on this CPU-only machine until the engine re-tagged them; now counted on the host from their birth
+# (engines/deepspeed.py), the peak is in the backward: gpt_tiny 6,269,306 B measured (the first
+# reduce-scatter: 1.13% above the start of the backward) vs 6,198,173 planned, wider 3,780,346 vs 3,784,477.
 TINY, WIDE = MODELS
 CASES = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,fp16]", HEALTHY]), (1, ["+strategy=zero2"]),
          (1, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=zero3"]), (2, ["+strategy=[zero3,fp16]", HEALTHY]),
          (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"])]
-GAPS = {(2, "+strategy=[zero3,fp16]", "tiny_wide"), (2, "+strategy=[zero3,cpu_offload]", "tiny"),
-        (1, "+strategy=[zero3,cpu_offload]", "tiny"), (1, "+strategy=[zero3,cpu_offload]", "tiny_wide")}
-MATRIX = [pytest.param(world, ov, model, marks=GAP if (world, ov[0], mid) in GAPS else (), id=f"{world}rank-{'+'.join(ov)}-{mid}")
+MATRIX = [pytest.param(world, ov, model, id=f"{world}rank-{'+'.join(ov)}-{mid}")
           for world, ov in CASES for model, mid in ((TINY, "tiny"), (WIDE, "tiny_wide"))]
 
 
