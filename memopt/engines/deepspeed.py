@@ -92,12 +92,12 @@ parameters); the fp32 master partitions and the Adam moments -> ``optim`` (host 
 stage 1/2 offload's host staging (the low-precision copy of the partition -> ``params``, the gradient
 of the largest parameter -> ``grads``) and that gradient's device twin -> ``grads``; after every
 backward, the IPG reduction buckets, the averaged gradient partitions and the stage-3 gradient
-partition buffer -> ``grads``. ``initialize`` runs in the tracker's ``placed_at_exit``: what it
-allocates and the re-tag moves to the host is counted on the host from its birth (on a CPU-only
-machine it would otherwise count under the device until the re-tag, as it never does on a GPU: with
-zero3 + cpu_offload on one rank that made ``initialize`` the device peak, 14.87 MB on gpt_tiny). Adam moments are created before the first step (both
-optimizers would create the same zeros lazily; memopt creates them in its constructor) so they
-never pass through ``temp``. Gradients that land in ``param.grad`` (stage 0) are tagged ``grads``
+partition buffer -> ``grads``. ``initialize`` and the re-tag after it run in the tracker's
+``placed_at_exit``: what DeepSpeed allocates there on the host counts on the host from its birth, as
+on a GPU (on a CPU-only machine it would count under the device until the re-tag: with zero3 +
+cpu_offload on one rank that made ``initialize`` the device peak, 14.87 MB on gpt_tiny). Adam
+moments are created before the first step (both optimizers would create the same zeros lazily;
+memopt creates them in its constructor) so they never pass through ``temp``. Gradients that land in ``param.grad`` (stage 0) are tagged ``grads``
 by the module hook. Approximate: what ``initialize`` allocates and frees again is counted as
 ``other``; transient flattening/reduction scratch counts as ``temp`` (backward and step) or as
 forward transients; under zero3 the model is built whole on every rank and partitioned by

@@ -149,6 +149,19 @@ def deepspeed_model_states(cfg, world: int) -> dict[str, dict[str, int]]:
             "live_gathered": live if stage == 3 else 0}
 
 
+_ONE_RANK: dict[str, dict] = {}  # the last one-rank step, shared by the ranks a plan simulates
+
+
+def _one_rank(mcfg, backend: str, depths: dict) -> dict:
+    from memopt.planner.extrapolate import simulate
+
+    key = repr((mcfg, backend))
+    if key not in _ONE_RANK:
+        _ONE_RANK.clear()
+        _ONE_RANK[key] = simulate(mcfg, 0, 1, None, backend=backend, **depths)
+    return _ONE_RANK[key]
+
+
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
@@ -172,7 +185,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
     # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
     # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
-    one = sim if stage < 3 or world == 1 else simulate(mcfg, 0, 1, None, backend=backend, **depths)
+    one = sim if stage < 3 or world == 1 else _one_rank(mcfg, backend, depths)
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
