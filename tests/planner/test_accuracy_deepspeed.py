@@ -28,11 +28,11 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # re-tagged, so counted under the device; now re-tagged (host) and planned: 61.43 MB measured, 61.03 MB planned.
 # Fixed, stage 3: the plan took the end of the forward (and memopt's non-model bytes at its own peak
 # beside two gathered blocks); DeepSpeed's peak is when the backward starts, every activation beside the
-# loss's gradient, now planned (compute bytes of a one-rank step: memopt's W-rank backward holds its own
+# loss's gradient (or its first reduce-scatter, within 1.2% of that moment), now planned (compute bytes of a one-rank step: memopt's W-rank backward holds its own
 # reduce-scatter scratch at its compute peak). zero3 + fp16 on the wider model: 5,858,182 B measured, was
-# 5,657,833 planned (3.4% under), now 5,860,253; zero3 + cpu_offload on gpt_tiny, 2 ranks: 8.20 MB
-# measured in one run (rank 0 8.46 MB in another: the overlapped reductions' timing), was 7.95 MB planned,
-# now 8.24 MB. zero3 + cpu_offload on one rank: its device peak was ``initialize`` (14.87 MB gpt_tiny,
+# 5,657,833 planned (3.4% under), now 5,860,253; zero3 + cpu_offload on gpt_tiny, 2 ranks: 8,185,210 B
+# measured (its first reduce-scatter; rank 0 of an earlier run 8.46 MB: the overlapped reductions'
+# timing), was 7,946,089 planned, now 8,241,565; the wider model 4,983,162 measured, now 4,985,245. zero3 + cpu_offload on one rank: its device peak was ``initialize`` (14.87 MB gpt_tiny,
 # 7.07 MB wider), DeepSpeed's host buffers (partitions, masters, gradient buffers) counted under the device
 # on this CPU-only machine until the engine re-tagged them; now counted on the host from their birth
 # (engines/deepspeed.py), the peak is in the backward: gpt_tiny 6,269,306 B measured (the first
