@@ -89,10 +89,15 @@ are re-tagged by walking the ZeRO optimizer's attributes (names of DeepSpeed 0.1
 attribute that is missing is skipped): after ``initialize``, the low-precision flat parameter
 buffers and stage-3 partitions -> ``params`` (host under zero3 + cpu_offload, which also offloads
 parameters); the fp32 master partitions and the Adam moments -> ``optim`` (host under cpu_offload);
-after every backward, the IPG reduction buckets, the averaged gradient partitions and the stage-3
-gradient partition buffer -> ``grads``. Adam moments are created before the first step (both
-optimizers would create the same zeros lazily; memopt creates them in its constructor) so they
-never pass through ``temp``. Gradients that land in ``param.grad`` (stage 0) are tagged ``grads``
+stage 1/2 offload's host staging (the low-precision copy of the partition -> ``params``, the gradient
+of the largest parameter -> ``grads``) and that gradient's device twin -> ``grads``; after every
+backward, the IPG reduction buckets, the averaged gradient partitions and the stage-3 gradient
+partition buffer -> ``grads``. ``initialize`` and the re-tag after it run in the tracker's
+``placed_at_exit``: what DeepSpeed allocates there on the host counts on the host from its birth, as
+on a GPU (on a CPU-only machine it would count under the device until the re-tag: with zero3 +
+cpu_offload on one rank that made ``initialize`` the device peak, 14.87 MB on gpt_tiny). Adam
+moments are created before the first step (both optimizers would create the same zeros lazily;
+memopt creates them in its constructor) so they never pass through ``temp``. Gradients that land in ``param.grad`` (stage 0) are tagged ``grads``
 by the module hook. Approximate: what ``initialize`` allocates and frees again is counted as
 ``other``; transient flattening/reduction scratch counts as ``temp`` (backward and step) or as
 forward transients; under zero3 the model is built whole on every rank and partitioned by
@@ -286,15 +291,19 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
             optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, adamw_mode=True)
         else:
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-    with tracker.category("other"):
-        engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                                     dist_init_required=False)
-    _undo_priming_step(engine.optimizer, optimizer)
-    precision = Precision.of(cfg)
-    out = DeepSpeedEngine(engine, optimizer, precision, device, dims, tracker, stage=config["zero_optimization"]["stage"],
-                          offload=offload)
-    out._prime_optimizer_state()
-    out._retag()
+    # DeepSpeed allocates its offload buffers on the host itself; they are re-tagged after initialize, and
+    # counted where they end from their birth (on a CPU-only machine they would count under the device
+    # until the re-tag; on a GPU they are host memory from the start)
+    with tracker.placed_at_exit():
+        with tracker.category("other"):
+            engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                         dist_init_required=False)
+        _undo_priming_step(engine.optimizer, optimizer)
+        precision = Precision.of(cfg)
+        out = DeepSpeedEngine(engine, optimizer, precision, device, dims, tracker,
+                              stage=config["zero_optimization"]["stage"], offload=offload)
+        out._prime_optimizer_state()
+        out._retag()
     return out
 
 
@@ -381,6 +390,11 @@ class DeepSpeedEngine(Engine):
             if t.untyped_storage().data_ptr() not in model_storage:  # fp32 ZeRO-0 updates the weights in place
                 self._reg(t, "optim", host)
         self._reg(list(self.base_optimizer.state.values()), "optim", host)
+        # stage 1/2 offload's host staging: a low-precision copy of the partition (the updated weights on their
+        # way back) and one gradient of the largest parameter; its device twin stays a device gradient buffer
+        self._reg(getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", None), "params", host)
+        self._reg(getattr(zo, "temp_grad_buffer_for_cpu_offload", None), "grads", host)
+        self._reg(getattr(zo, "temp_grad_buffer_for_gpu_offload", None), "grads")
         self._retag_grads()
 
     def _retag_grads(self) -> None:

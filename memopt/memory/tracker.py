@@ -51,6 +51,7 @@ class MemoryTracker(TorchDispatchMode):
     """Counts live storage bytes; use as a context manager around the work to measure."""
 
     enabled = True
+    _window: list | None = None  # allocation events of a ``placed_at_exit`` block
 
     def __init__(self, compute_device: torch.device | str = "cpu"):
         super().__init__()
@@ -109,6 +110,61 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self._host_depth -= 1
 
+    @contextlib.contextmanager
+    def placed_at_exit(self):
+        """Storages created inside the block and still alive when it exits are counted from their
+        creation on the device they are on at its exit (their categories change when they are
+        re-tagged, as always); the block's peaks are replayed from its events in order. For a library
+        that allocates host buffers itself, which the engine can only re-tag after the call
+        (DeepSpeed's offload buffers, made by ``initialize``): on a GPU they are host memory from their
+        birth, on a CPU-only machine they would otherwise count under the device until the re-tag."""
+        with self._lock:
+            live0 = {d: dict(c) for d, c in self.live.items()}
+            peak0 = {d: dict(c) for d, c in self.peak.items()}
+            self._window = events = []
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._window = None
+                self._replay(events, live0, peak0)
+
+    def _replay(self, events: list, live0: dict, peak0: dict) -> None:
+        born, final = {}, {}  # storage key -> its birth event; birth event -> its device at exit
+        for i, (kind, key, *_) in enumerate(events):
+            if kind == "new":
+                born[key] = i
+            elif kind == "free":
+                born.pop(key, None)
+        for key, i in born.items():
+            if key in self._info:
+                final[i] = self._info[key].device
+        live, nest = self.live, lambda: defaultdict(lambda: defaultdict(int))
+        self.live, self.peak = nest(), nest()
+        for src, dst in ((live0, self.live), (peak0, self.peak)):
+            for d, cats in src.items():
+                dst[d].update(cats)
+        placed = {}  # storage key born in the block -> (device, category, bytes) counted for it now
+        for i, (kind, key, *where) in enumerate(events):
+            if kind == "new":
+                dev, cat, n = where[0]
+                placed[key] = (final.get(i, dev), cat, n)
+                moves = [(placed[key], 1)]
+            elif kind == "free":
+                moves = [(placed.pop(key, where[0]), -1)]
+            elif key in placed:  # a re-tag of a storage born in the block: its category moves, on its final device
+                old = placed[key]
+                placed[key] = (old[0], where[1][1], where[1][2])
+                moves = [(old, -1), (placed[key], 1)]
+            else:  # a re-tag of an older storage
+                moves = [(where[0], -1), (where[1], 1)]
+            for (dev, cat, n), sign in moves:
+                self.live[dev][cat] += sign * n
+                self._update_peak(dev)
+        self.live = live  # the replay ends where counting stands
+        for dev in list(live):
+            self._update_peak(dev)
+
     def _device_key(self, t: torch.Tensor) -> str | None:
         dev = t.device
         if dev.type == "meta":
@@ -136,12 +192,15 @@ class MemoryTracker(TorchDispatchMode):
             if info is not None and self._refs[key]() is st:
                 if not retag:
                     return
+                old = (info.device, info.category, info.nbytes)
                 self.live[info.device][info.category] -= info.nbytes
                 info.category = category
                 if device is not None:
                     info.device = device
                 info.nbytes = st.nbytes()
                 self.live[info.device][info.category] += info.nbytes
+                if self._window is not None:
+                    self._window.append(("retag", key, old, (info.device, info.category, info.nbytes)))
             else:
                 dev = device or self._device_key(t)
                 if dev is None:
@@ -150,6 +209,8 @@ class MemoryTracker(TorchDispatchMode):
                 self._info[key] = info
                 self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
                 self.live[dev][category] += info.nbytes
+                if self._window is not None:
+                    self._window.append(("new", key, (dev, category, info.nbytes)))
                 if self._captures:
                     self._captures[-1].append(key)
             self._update_peak(info.device)
@@ -166,6 +227,8 @@ class MemoryTracker(TorchDispatchMode):
             self._refs.pop(key, None)
             if info is not None:
                 self.live[info.device][info.category] -= info.nbytes
+                if self._window is not None:
+                    self._window.append(("free", key, (info.device, info.category, info.nbytes)))
 
     def _update_peak(self, device: str) -> None:
         live, peak = self.live[device], self.peak[device]
@@ -276,6 +339,9 @@ class NullTracker:
         return contextlib.nullcontext()
 
     def host_scope(self):
+        return contextlib.nullcontext()
+
+    def placed_at_exit(self):
         return contextlib.nullcontext()
 
     def register(self, t, category: str, device: str | None = None) -> None:

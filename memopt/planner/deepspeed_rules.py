@@ -24,28 +24,36 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             fp32, each in buckets of their own (fp32 buffers, the parameters' dtype), so twice the
             buckets; stage 2 also the gradient partition part x b
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
-            one reduce bucket (one block's elements x b); in the total, the live gathered blocks
-            (stage3_max_live_parameters x b), which a run counts where they are gathered (activations
-            or temp), not as params; activations + what DeepSpeed's coordinator still holds gathered
-            when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its prefetch/release
-            rules: on gpt_tiny b x 510,848 elements), and the end of the forward is a second
-            candidate for the total peak (partitions, buffers, those activations)
+            one reduce bucket (one block's elements x b); activations + what DeepSpeed's coordinator
+            still holds gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
+            prefetch/release rules: on gpt_tiny b x 510,848 elements). The total is taken when the
+            backward starts: partitions and buffers, no block in flight, those held parameters, every
+            activation beside the loss's gradient (the compute peak of a one-rank memopt step: a
+            W-rank step's backward holds memopt's own reduce-scatter scratch at that peak, 542,208 B
+            on gpt_tiny zero3 + cpu_offload) and the data (the one-rank step's ``other``)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
-            masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition
+            masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
+            stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
+            largest parameter on the host and on the device (largest x b each)
 
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
-activation exists; on one rank with zero3 + cpu_offload they are the device peak: initialize gathers
-every parameter, 14.87 MB of ``other`` on gpt_tiny), stage 3 with bf16 autocast (refused: its buckets per
-communication dtype are in that dtype, and its activations peak was 1.5 MB below these rules' on gpt_tiny, not
-yet understood), stage 3's backward (its peak is in the first reduce-scatter; the plan takes the end of
-the forward, measured 1.4-3.4% below it). Measured gaps left
-(tests/planner/test_accuracy_deepspeed.py, expected failures): zero3 + fp16 on the wider model (3.4%
-under), zero3 + cpu_offload on gpt_tiny 2 ranks (3.05% under; a second run's rank 0 was 262,144 B
-higher still, timing of the overlapped reductions) and on one rank (the init transient above); zero2 +
-cpu_offload's device total is 3.3% above the plan on gpt_tiny (within 3% on the wider model; the run
-holds 2,192,896 B more ``other`` from ``initialize`` at its peak, not yet identified). Stages 0-2 add
+activation exists), stage 3 with bf16 autocast (refused: its buckets per communication dtype are in
+that dtype, and its activations peak was 1.5 MB below these rules' on gpt_tiny, not yet understood),
+stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
+last block's activations freed), which is the measured peak on gpt_tiny zero3 + cpu_offload: 1.13%
+above the plan on one rank, 0.69% below it on two (a second run's rank 0 once measured 262,144 B
+more: the overlapped reductions' timing); with activation checkpointing (outside the tested matrix)
+the compute peak is a recomputation in the backward, when most held parameters are released, so the
+plan counts both: gpt_tiny zero3 + ckpt on 2 ranks planned 14,350,237 B for 13,568,902 measured
+(5.8% over; its activations 4% over, the replay ignores recomputation). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
+stage 3 had been planned at the end of the forward, 1.4-3.4% under (zero3 + fp16 on the wider model
+5,858,182 B measured, now 5,860,253 planned); zero3 + cpu_offload on one rank peaked at
+``initialize`` (14.87 MB on gpt_tiny) only because the tracker counted DeepSpeed's host buffers under
+the device until their re-tag (``engines/deepspeed.py`` now counts them on the host from their birth);
+zero2 + cpu_offload on gpt_tiny was 3.3% above the plan (2,192,896 B of ``other`` from
+``initialize``: the offload staging buffers above, never re-tagged; now 0.65% under). Stages 0-2 add
 to their states the compute bytes (activations, temp) of memopt's forward and backward
 (``simulate_rank``'s ``backward_nonmodel``): the non-model bytes at memopt's own peak had planned
 zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE: the expert
@@ -118,6 +126,16 @@ def _block_numel(cfg) -> int:
     return max((compose.num_params(cfg) - root) // max(1, mc.n_layer), root, 1)
 
 
+def _largest_param(cfg) -> int:
+    import torch
+
+    from memopt.models import model_class
+
+    with torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+    return max((p.numel() for p in model.parameters()), default=0)
+
+
 def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[str, dict[str, int]]:
     """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers
     (``params``: the rank's parameters, when not the whole model's: DeepSpeed-MoE's local experts)."""
@@ -150,6 +168,12 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         dev["grads"] = buffers * bucket * b + (part * b if stage == 2 and not offload else 0)
         if offload:
             host["grads"] = 4 * part  # the fp32 gradient partition the host Adam reads
+            # the host staging (a b-byte copy of the partition for the updated weights, one gradient of the
+            # largest parameter) and that gradient's device twin (temp_grad_buffer_for_{cpu,gpu}_offload)
+            largest = _largest_param(cfg)
+            host["params"] = part * b
+            host["grads"] += largest * b
+            dev["grads"] += largest * b
     else:
         block = _block_numel(cfg)
         live = (2 if scfg.prefetch else 1) * block * b  # stage3_max_live_parameters
@@ -183,6 +207,19 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
             "live_gathered": live if stage == 3 else 0, "after_backward": after}
 
 
+_ONE_RANK: dict[str, dict] = {}  # the last one-rank step, shared by the ranks a plan simulates
+
+
+def _one_rank(mcfg, backend: str, depths: dict) -> dict:
+    from memopt.planner.extrapolate import simulate
+
+    key = repr((mcfg, backend))
+    if key not in _ONE_RANK:
+        _ONE_RANK.clear()
+        _ONE_RANK[key] = simulate(mcfg, 0, 1, None, backend=backend, **depths)
+    return _ONE_RANK[key]
+
+
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
@@ -213,8 +250,13 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
                                                   lambda p, w: deepspeed_model_states(cfg, w, p))
     else:
         states = deepspeed_model_states(cfg, world)
+    mcfg = replace(cfg, engine=replace(cfg.engine, name="memopt"))
     with moe:
-        sim = simulate(replace(cfg, engine=replace(cfg.engine, name="memopt")), rank, world, None, backend=backend, **depths)
+        sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
+        # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
+        # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
+        # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
+        one = sim if stage < 3 or world == 1 else _one_rank(mcfg, backend, depths)
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
@@ -236,11 +278,13 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if mem == "device" and states.get("after_backward"):  # stage 0 (and DeepSpeed-MoE's, deepspeed_moe_rules.py):
             # its all-reduce or step, the activations gone; the run's own ``other`` (the batch) still held
             cats["total"] = max(cats["total"], states["after_backward"] + cats["other"])
-        if mem == "device" and states["held_after_forward"]:
-            # stage 3's other candidate moment: the end of the forward (the partitions and buffers,
-            # no block in flight, the step's activations and what DeepSpeed keeps gathered)
-            at_forward_end = states["device_total"] - states["live_gathered"] + cats["activations"] + cats["other"]
-            cats["total"] = max(cats["total"], at_forward_end)
+        if mem == "device" and stage == 3 and "device" in one.get("backward_nonmodel", {}):
+            # stage 3 peaks when the backward starts: the partitions and buffers, no block in flight, what
+            # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient
+            # (the compute peak of the forward and backward) and the run's data (``other`` of the one-rank
+            # step, without memopt's collectives' scratch)
+            cats["total"] = (states["device_total"] - states["live_gathered"] + states["held_after_forward"]
+                             + one["backward_nonmodel"]["device"] + one["peaks"]["device"].get("other", 0))
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks

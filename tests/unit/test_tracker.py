@@ -55,3 +55,23 @@ def test_peak_window_reset():
         y = torch.empty(10)
     assert tr.peaks()["cpu"]["total"] == 40
     del y
+
+
+def test_placed_at_exit_counts_survivors_on_their_final_device_from_their_birth():
+    """A library allocates a host buffer and a device scratch inside the block; the host buffer is
+    re-tagged only at the end: the block's device peak is the scratch alone, the host holds the buffer
+    from its birth (as ``other`` until its re-tag). A scratch freed inside the block stays where it was born."""
+    tr = MemoryTracker("cpu")
+    with tr:
+        old = torch.empty(100)  # 400 bytes on the device before the block
+        with tr.placed_at_exit():
+            host_buf = torch.empty(1000)  # 4000 bytes, host memory in truth
+            scratch = torch.empty(500)  # 2000 bytes, freed inside the block
+            del scratch
+            tr.register(old, "params")  # a re-tag of an older storage happens in order
+            tr.register(host_buf, "optim", device="host")
+    p = tr.peaks()
+    assert p["cpu"]["total"] == 400 + 2000 and p["cpu"]["other"] == 2400 and p["cpu"]["params"] == 400
+    assert p["host"]["optim"] == 4000 and p["host"]["other"] == 4000 and p["host"]["total"] == 4000
+    assert tr.live["cpu"]["params"] == 400 and tr.live["host"]["optim"] == 4000 and tr.live["cpu"]["other"] == 0
+    del host_buf, old
