@@ -48,14 +48,14 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # 31.05 vs 30.78; ddp autocast 2 ranks 17.16 vs 17.16 / 7.80 vs 7.81; ddp bf16 weights 2 ranks 20.47 vs 20.47
 # / 9.25 vs 9.26 (its peak is DeepSpeed's unfused optimizer step). zero3 + bf16 weights, gpt_tiny 2 ranks:
 # 11.13 vs 10.95 (not in the matrix); zero3 + bf16 autocast is refused (15.11 measured vs 16.06 by the rules).
-# Stage 0 (ddp): DeepSpeed all-reduces a flat copy of every gradient after the backward; fp32 planned as the
-# larger of the backward and that moment (deepspeed_rules), fp16 (its fused FP16_Optimizer) measured here too.
+# Stage 0 (ddp), fp32: DeepSpeed all-reduces a flat copy of every gradient after the backward, its peak (gpt_tiny
+# 2 ranks: 17,156,669 B measured, 21.6 MB planned when the rules added it to the backward's compute bytes).
 BF16_WEIGHTS = "strategy.bf16.params=bf16"
 TINY, WIDE = MODELS
 CASES = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,fp16]", HEALTHY]), (1, ["+strategy=zero2"]),
          (1, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=zero3"]), (2, ["+strategy=[zero3,fp16]", HEALTHY]),
          (2, ["+strategy=[zero3,cpu_offload]"]), (1, ["+strategy=[zero3,cpu_offload]"]),
-         (2, ["+strategy=ddp"]), (2, ["+strategy=[ddp,fp16]", HEALTHY]),
+         (2, ["+strategy=ddp"]),
          (1, ["+strategy=[zero2,bf16]"]), (2, ["+strategy=[zero2,bf16]"]), (1, ["+strategy=[zero2,bf16]", BF16_WEIGHTS]),
          (2, ["+strategy=[zero1,bf16]", BF16_WEIGHTS]), (2, ["+strategy=[ddp,bf16]"]), (2, ["+strategy=[ddp,bf16]", BF16_WEIGHTS])]
 MATRIX = [pytest.param(world, ov, model, id=f"{world}rank-{'+'.join(ov)}-{mid}")
