@@ -47,7 +47,12 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # zero2 bf16 weights 1 rank 67.05 vs 66.68 / 59.46 vs 59.19; zero1 bf16 weights 2 ranks 35.83 vs 35.46 /
 # 31.05 vs 30.78; ddp autocast 2 ranks 17.16 vs 17.16 / 7.80 vs 7.81; ddp bf16 weights 2 ranks 20.47 vs 20.47
 # / 9.25 vs 9.26 (its peak is DeepSpeed's unfused optimizer step). zero3 + bf16 weights, gpt_tiny 2 ranks:
-# 11.13 vs 10.95 (not in the matrix); zero3 + bf16 autocast is refused (15.11 measured vs 16.06 by the rules).
+# 11.13 vs 10.95 (not in the matrix); zero3 + bf16 autocast is refused: 15,112,198 B measured (gpt_tiny 2 ranks; its two reduce buckets, fp32 and
+# bf16, now planned: grads 2,858,240 B measured and planned) vs 16,564,889 by the rules, whose activations are
+# 6,288,392 for 4,781,064 measured (not understood).
+# Not in the matrix, zero3 + ckpt (gpt_tiny 2 ranks): 13,568,902 B measured vs 14,350,237 planned (5.8% over),
+# activations 3,162,628 vs 3,293,188; the peak is the first reduce-scatter, in the last block's backward after
+# its recomputation (deepspeed_rules.py), which the rules do not replay.
 # Stage 0 (ddp), fp32: DeepSpeed all-reduces a flat copy of every gradient after the backward, its peak (gpt_tiny
 # 2 ranks: 17,156,669 B measured, 21.6 MB planned when the rules added it to the backward's compute bytes).
 BF16_WEIGHTS = "strategy.bf16.params=bf16"
