@@ -42,8 +42,11 @@ DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elemen
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
 activation exists), stage 3 with bf16 autocast (refused: its buckets are planned, 2,858,240 B
 of grads measured and planned on gpt_tiny, 2 ranks, but its activations peak, 4,781,064 B measured,
-is 1.5 MB below these rules' 6,288,392, not yet understood; its total peaks in the backward at
-15,112,198 B, planned 16,564,889),
+is 1.5 MB below these rules' 6,288,392; its total peaks in the backward at 15,112,198 B, planned
+16,564,889. The gap is in the compute activations, not the held parameters: DeepSpeed's first
+forward, before any trace is recorded (nothing held), keeps 2,901,512 B, memopt's one-rank fake step
+of the same model 4,245,000 B, the difference being saved bf16 tensors of the blocks' sizes; the
+second forward then holds 1,879,552 B more, where the replay says 2,043,392. Not yet understood),
 stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
 last block's activations freed), which is the measured peak on gpt_tiny zero3 + cpu_offload: 1.13%
 above the plan on one rank, 0.69% below it on two (a second run's rank 0 once measured 262,144 B

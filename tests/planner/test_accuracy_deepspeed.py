@@ -49,7 +49,8 @@ HEALTHY = "strategy.fp16.init_scale=1024"  # an fp16 step that is applied (see t
 # / 9.25 vs 9.26 (its peak is DeepSpeed's unfused optimizer step). zero3 + bf16 weights, gpt_tiny 2 ranks:
 # 11.13 vs 10.95 (not in the matrix); zero3 + bf16 autocast is refused: 15,112,198 B measured (gpt_tiny 2 ranks; its two reduce buckets, fp32 and
 # bf16, now planned: grads 2,858,240 B measured and planned) vs 16,564,889 by the rules, whose activations are
-# 6,288,392 for 4,781,064 measured (not understood).
+# 6,288,392 for 4,781,064 measured: DeepSpeed's first forward keeps 2,901,512 B of activations, memopt's one-rank
+# fake step 4,245,000 (not understood).
 # Not in the matrix, zero3 + ckpt (gpt_tiny 2 ranks): 13,568,902 B measured vs 14,350,237 planned (5.8% over),
 # activations 3,162,628 vs 3,293,188; the peak is the first reduce-scatter, in the last block's backward after
 # its recomputation (deepspeed_rules.py), which the rules do not replay.
