@@ -19,7 +19,7 @@ from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.moe import Expert
 from memopt.optim.step import StepResult
-from memopt.engines.chunk.chunk import DEVICE, HOST, _shaped
+from memopt.engines.chunk.chunk import DEVICE, HOST, shaped_view
 from memopt.engines.chunk.comm import ChunkComm
 from memopt.engines.chunk.hooks import ChunkHooks
 from memopt.engines.chunk.hybrid_adam import ChunkAdam
@@ -315,7 +315,7 @@ class ChunkEngine(PrecisionEngine):
         a time: with 2+ ranks each unit is gathered, its tensors yielded, and released before the next;
         then the tensors outside the chunks (buffers)."""
         mgr = self.mgr
-        view = lambda info: _shaped(info.chunk.data, info)  # noqa: E731  (one view op, not narrow + view: a plan runs ~600)
+        view = lambda info: shaped_view(info.chunk.data, info)  # noqa: E731  (one view op, not narrow + view: a plan runs ~600)
         if mgr.comm is None:
             for info in mgr.infos.values():
                 yield info.name, view(info)
