@@ -138,13 +138,7 @@ def _block_numel(cfg) -> int:
 
 
 def _largest_param(cfg) -> int:
-    import torch
-
-    from memopt.models import model_class
-
-    with torch.device("meta"):
-        model = model_class(cfg.model)(cfg.model)
-    return max((p.numel() for p in model.parameters()), default=0)
+    return max((n for n, _, _ in _meta_params(cfg)), default=0)
 
 
 def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[str, dict[str, int]]:
