@@ -223,3 +223,19 @@ def test_sweep_runs_both_engines_in_one_wandb_group(tmp_path):
     assert {r["group"] for r in runs} == {"engines_sweep"}
     assert sorted(tuple(sorted(r["tags"])) for r in runs) == [
         ("deepspeed", "zero2"), ("deepspeed", "zero3"), ("memopt", "zero2"), ("memopt", "zero3")]
+
+
+def test_a_run_leaves_no_shared_memory_behind(tmp_path):
+    """DeepSpeed's CPU backend creates a ~69 MB shared-memory segment per rank, named after
+    MASTER_ADDR/MASTER_PORT, and never removed it: every run left its RAM taken
+    (engines/deepspeed_shm.py). A one-process run with a port no other run uses leaves none."""
+    shm = "/dev/shm"  # Linux's POSIX shared-memory mount, where DeepSpeed's shm_open puts them
+    assert os.path.isdir(shm), "this test needs Linux's shared-memory mount"
+    port = str(40000 + os.getpid() % 20000)
+    env = dict(os.environ, PYTHONPATH=REPO, MASTER_ADDR="memopt-shm-test", MASTER_PORT=port)
+    p = subprocess.run([sys.executable, "-m", "memopt.train", "engine=deepspeed", "+strategy=zero1", *BASE, "trainer.max_steps=1",
+                        f"hydra.run.dir={tmp_path}"], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"
+    left = [f for f in os.listdir(shm) if f.startswith("deepspeed_allreduce_buffer_") and f"_memopt-shm-test_{port}_" in f]
+    assert not left, f"left in {shm}: {left}"
