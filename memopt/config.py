@@ -141,7 +141,7 @@ def validate(cfg: TrainConfig) -> None:
     if t.device == "cuda" and not _cuda_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is available here; use trainer.device=cpu or auto")
     cores = os.cpu_count() or 1
-    if t.device != "cuda" and not _cuda_available() and t.nproc_per_node > cores:
+    if t.mode == "train" and t.device != "cuda" and not _cuda_available() and t.nproc_per_node > cores:  # plan: nothing runs
         warnings.warn(f"trainer.nproc_per_node={t.nproc_per_node} CPU ranks on {cores} cores: each rank gets a fraction "
                       f"of a core and steps slow down accordingly (use at most {cores})", stacklevel=2)
     for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "nproc_per_node"):

@@ -122,3 +122,15 @@ def test_text_file_needs_path():
 def test_experiment_config_is_global():
     cfg = typed(["experiment=quick"])
     assert cfg.experiment == "quick" and cfg.trainer.max_steps == 30
+
+
+def test_oversubscribed_cpu_ranks_warn_only_when_they_run():
+    """More CPU ranks than cores slows a run; a plan runs nothing (a GPU node planned from here would warn)."""
+    import warnings
+
+    ranks = f"trainer.nproc_per_node={(os.cpu_count() or 1) + 1}"
+    with pytest.warns(UserWarning, match="CPU ranks on"):
+        typed([ranks, "trainer.device=cpu"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        typed([ranks, "trainer.device=cpu", "trainer.mode=plan", "hardware=a100_80g"])
