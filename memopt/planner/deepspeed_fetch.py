@@ -66,8 +66,10 @@ def module_trace(cfg) -> tuple[list[list[int]], list[int], list[tuple[str, int]]
 
 
 def held_after_forward(trace: list[list[int]], numel: list[int], events: list[tuple[str, int]], world: int,
-                       max_live: int, prefetch: int) -> int:
-    """Elements DeepSpeed's coordinator holds when the forward of a step with a complete trace ends."""
+                       max_live: int, prefetch: int, flat_ratio: list[float] | None = None) -> int:
+    """Elements DeepSpeed's coordinator holds when the forward of a step with a complete trace ends
+    (``flat_ratio``: per parameter, its communication dtype's size over its own, the flat buffers
+    being in the communication dtype; 1 when not given)."""
     W = max(1, world)
     queue = deque((p, step) for step, ps in enumerate(trace) for p in ps)
     recent: dict[int, float] = {}
@@ -82,7 +84,7 @@ def held_after_forward(trace: list[list[int]], numel: list[int], events: list[tu
             return
         live[0] += sum(numel[p] for p in ps)
         h = len(handles) + 1
-        handles[h] = [sum(math.ceil(numel[p] / W) for p in ps) * W, set(ps)]
+        handles[h] = [sum(math.ceil(numel[p] / W) * W * (flat_ratio[p] if flat_ratio else 1) for p in ps), set(ps)]
         for p in ps:
             status[p], registry[p] = "inflight", h
 
@@ -118,4 +120,4 @@ def held_after_forward(trace: list[list[int]], numel: list[int], events: list[tu
             gather(todo)
         step += 1
     flats = sum(h[0] for h in handles.values() if h[1])
-    return sum(numel[p] for p in range(len(numel)) if status[p] == "gathered") + flats
+    return sum(numel[p] for p in range(len(numel)) if status[p] == "gathered") + round(flats)

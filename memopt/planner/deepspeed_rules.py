@@ -203,8 +203,11 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         from memopt.planner.deepspeed_fetch import held_after_forward, module_trace
 
         block = _block_numel(cfg)
+        # a fetch's flat buffers are in the communication dtype: bf16 for Linear weights under torch_autocast
+        # (partition_parameters.py's get_allgather_dtype), the gathered parameters in their own
+        ratio = [2 / b if safe and _autocast(cfg) else 1 for _, _, safe in _meta_params(cfg)]
         held = b * held_after_forward(*module_trace(cfg), W, (2 if scfg.prefetch else 1) * block,
-                                      block if scfg.prefetch else 0)
+                                      block if scfg.prefetch else 0, ratio)
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
     # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
@@ -231,18 +234,12 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
     from memopt.memory.tracker import CATEGORIES
+    from memopt.planner.deepspeed_linear import zero3_linear
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import PlanUnsupported
-
     from memopt.strategies.zero import selected_stage
 
     stage = selected_stage(cfg)[1]
-    if stage == 3 and _autocast(cfg):
-        raise PlanUnsupported(
-            "engine=deepspeed with zero3 and bf16 autocast (strategy.bf16.params=fp32) is not planned: DeepSpeed's "
-            "stage 3 under torch_autocast holds 1.5 MB fewer activations than these rules say, not yet understood "
-            "(gpt_tiny, 2 ranks: 15.11 MB measured, 16.56 MB by these rules; activations 4.78 MB measured, 6.29 MB "
-            "planned); use strategy.bf16.params=bf16, zero1/zero2, or run with trainer.preflight=false")
     moe = contextlib.nullcontext()
     if cfg.strategy.moe is not None:  # DeepSpeed-MoE: its expert groups' states and its own layer code
         from memopt.parallel.dims import resolve_sizes
@@ -258,7 +255,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     else:
         states = deepspeed_model_states(cfg, world)
     mcfg = replace(cfg, engine=replace(cfg.engine, name="memopt"))
-    with moe:
+    with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (deepspeed_linear.py)
         sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
         # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
         # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
