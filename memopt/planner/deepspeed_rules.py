@@ -197,6 +197,9 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
     if stage == 0:  # in the backward: the compute bytes (deepspeed_sim adds them) beside params and optim
         in_total = dev["params"] + dev["optim"]
+    if stage == 3 and not offload:  # its step, one optimizer group at a time: DeepSpeed's fp32 copy of the group's
+        # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
+        after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
     held = 0
     if stage == 3 and W > 1:  # what DeepSpeed's coordinator still holds gathered when the forward returns
         # (on one rank nothing is gathered: a parameter's data is its partition)
@@ -287,8 +290,9 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient
             # (the compute peak of the forward and backward) and the run's data (``other`` of the one-rank
             # step, without memopt's collectives' scratch)
-            cats["total"] = (states["device_total"] - states["live_gathered"] + states["held_after_forward"]
-                             + one["backward_nonmodel"]["device"] + one["peaks"]["device"].get("other", 0))
+            data = one["peaks"]["device"].get("other", 0)
+            cats["total"] = max(states["device_total"] - states["live_gathered"] + states["held_after_forward"]
+                                + one["backward_nonmodel"]["device"] + data, states["after_backward"] + data)
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
