@@ -7,7 +7,8 @@ forward + backward trace, up to ``stage3_prefetch_bucket_size`` elements and whi
 ``stage3_max_live_parameters`` are gathered; a parameter the prefetcher passed over (already gathered)
 is marked as used again at that later step and is then not released after its module's forward. So
 when the forward ends the head and the first blocks of the backward stay gathered. A prefetch is one
-coalesced all-gather into a flat buffer (each parameter's partition ``ceil(n / W)`` x ``W``); the
+coalesced all-gather into a flat buffer per communication dtype (each parameter's partition
+``ceil(n / W)`` x ``W``); the
 handle, and with it the flat buffer, lives until the last of its parameters has been waited for by
 its own module, so a buffer shared by a forward parameter and a backward one survives the forward too.
 

@@ -25,13 +25,18 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             buckets; stage 2 also the gradient partition part x b
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
-            stage 3's buckets are in their communication dtype); activations + what DeepSpeed's coordinator
-            still holds gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
-            prefetch/release rules: on gpt_tiny b x 510,848 elements). The total is taken when the
-            backward starts: partitions and buffers, no block in flight, those held parameters, every
-            activation beside the loss's gradient (the compute peak of a one-rank memopt step: a
-            W-rank step's backward holds memopt's own reduce-scatter scratch at that peak, 542,208 B
-            on gpt_tiny zero3 + cpu_offload) and the data (the one-rank step's ``other``)
+            stage 3's buckets are in their communication dtype); activations (the fake step runs
+            DeepSpeed's own linear, ``deepspeed_linear.py``) + what DeepSpeed's coordinator still holds
+            gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
+            prefetch/release rules: on gpt_tiny b x 510,848 elements; its flat buffers in the
+            communication dtype). The total is the larger of the start of the backward: partitions and
+            buffers, no block in flight, those held parameters, every activation beside the loss's
+            gradient (the compute peak of a one-rank memopt step: a W-rank step's backward holds
+            memopt's own reduce-scatter scratch at that peak, 542,208 B on gpt_tiny zero3 +
+            cpu_offload) and the data (the one-rank step's ``other``); and without offload the
+            optimizer step (one group at a time: an fp32 copy of its gradient partition beside the
+            foreach AdamW's temporaries, 8 bytes x the larger group's partition; the peak of one-rank
+            bf16 autocast)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
             masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
             stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
@@ -40,14 +45,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
-activation exists), stage 3 with bf16 autocast (refused: its buckets are planned, 2,858,240 B
-of grads measured and planned on gpt_tiny, 2 ranks, but its activations peak, 4,781,064 B measured,
-is 1.5 MB below these rules' 6,288,392; its total peaks in the backward at 15,112,198 B, planned
-16,564,889. The gap is in the compute activations, not the held parameters: DeepSpeed's first
-forward, before any trace is recorded (nothing held), keeps 2,901,512 B, memopt's one-rank fake step
-of the same model 4,245,000 B, the difference being saved bf16 tensors of the blocks' sizes; the
-second forward then holds 1,879,552 B more, where the replay says 2,043,392. Not yet understood),
-stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
+activation exists), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
+compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
+compute peak a block later, 1.76% over), stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
 last block's activations freed), which is the measured peak on gpt_tiny zero3 + cpu_offload: 1.13%
 above the plan on one rank, 0.69% below it on two (a second run's rank 0 once measured 262,144 B
 more: the overlapped reductions' timing); with activation checkpointing (outside the tested matrix)
