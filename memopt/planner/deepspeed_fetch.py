@@ -7,7 +7,8 @@ forward + backward trace, up to ``stage3_prefetch_bucket_size`` elements and whi
 ``stage3_max_live_parameters`` are gathered; a parameter the prefetcher passed over (already gathered)
 is marked as used again at that later step and is then not released after its module's forward. So
 when the forward ends the head and the first blocks of the backward stay gathered. A prefetch is one
-coalesced all-gather into a flat buffer (each parameter's partition ``ceil(n / W)`` x ``W``); the
+coalesced all-gather into a flat buffer per communication dtype (each parameter's partition
+``ceil(n / W)`` x ``W``); the
 handle, and with it the flat buffer, lives until the last of its parameters has been waited for by
 its own module, so a buffer shared by a forward parameter and a backward one survives the forward too.
 
@@ -66,8 +67,10 @@ def module_trace(cfg) -> tuple[list[list[int]], list[int], list[tuple[str, int]]
 
 
 def held_after_forward(trace: list[list[int]], numel: list[int], events: list[tuple[str, int]], world: int,
-                       max_live: int, prefetch: int) -> int:
-    """Elements DeepSpeed's coordinator holds when the forward of a step with a complete trace ends."""
+                       max_live: int, prefetch: int, flat_ratio: list[float] | None = None) -> int:
+    """Elements DeepSpeed's coordinator holds when the forward of a step with a complete trace ends
+    (``flat_ratio``: per parameter, its communication dtype's size over its own, the flat buffers
+    being in the communication dtype; 1 when not given)."""
     W = max(1, world)
     queue = deque((p, step) for step, ps in enumerate(trace) for p in ps)
     recent: dict[int, float] = {}
@@ -82,7 +85,7 @@ def held_after_forward(trace: list[list[int]], numel: list[int], events: list[tu
             return
         live[0] += sum(numel[p] for p in ps)
         h = len(handles) + 1
-        handles[h] = [sum(math.ceil(numel[p] / W) for p in ps) * W, set(ps)]
+        handles[h] = [sum(math.ceil(numel[p] / W) * W * (flat_ratio[p] if flat_ratio else 1) for p in ps), set(ps)]
         for p in ps:
             status[p], registry[p] = "inflight", h
 
@@ -118,4 +121,4 @@ def held_after_forward(trace: list[list[int]], numel: list[int], events: list[tu
             gather(todo)
         step += 1
     flats = sum(h[0] for h in handles.values() if h[1])
-    return sum(numel[p] for p in range(len(numel)) if status[p] == "gathered") + flats
+    return sum(numel[p] for p in range(len(numel)) if status[p] == "gathered") + round(flats)

@@ -25,13 +25,18 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             buckets; stage 2 also the gradient partition part x b
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
-            stage 3's buckets are in their communication dtype); activations + what DeepSpeed's coordinator
-            still holds gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
-            prefetch/release rules: on gpt_tiny b x 510,848 elements). The total is taken when the
-            backward starts: partitions and buffers, no block in flight, those held parameters, every
-            activation beside the loss's gradient (the compute peak of a one-rank memopt step: a
-            W-rank step's backward holds memopt's own reduce-scatter scratch at that peak, 542,208 B
-            on gpt_tiny zero3 + cpu_offload) and the data (the one-rank step's ``other``)
+            stage 3's buckets are in their communication dtype); activations (the fake step runs
+            DeepSpeed's own linear, ``deepspeed_linear.py``) + what DeepSpeed's coordinator still holds
+            gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
+            prefetch/release rules: on gpt_tiny b x 510,848 elements; its flat buffers in the
+            communication dtype). The total is the larger of the start of the backward: partitions and
+            buffers, no block in flight, those held parameters, every activation beside the loss's
+            gradient (the compute peak of a one-rank memopt step: a W-rank step's backward holds
+            memopt's own reduce-scatter scratch at that peak, 542,208 B on gpt_tiny zero3 +
+            cpu_offload) and the data (the one-rank step's ``other``); and without offload the
+            optimizer step (one group at a time: an fp32 copy of its gradient partition beside the
+            foreach AdamW's temporaries, 8 bytes x the larger group's partition; the peak of one-rank
+            bf16 autocast)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
             masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
             stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
@@ -40,14 +45,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
-activation exists), stage 3 with bf16 autocast (refused: its buckets are planned, 2,858,240 B
-of grads measured and planned on gpt_tiny, 2 ranks, but its activations peak, 4,781,064 B measured,
-is 1.5 MB below these rules' 6,288,392; its total peaks in the backward at 15,112,198 B, planned
-16,564,889. The gap is in the compute activations, not the held parameters: DeepSpeed's first
-forward, before any trace is recorded (nothing held), keeps 2,901,512 B, memopt's one-rank fake step
-of the same model 4,245,000 B, the difference being saved bf16 tensors of the blocks' sizes; the
-second forward then holds 1,879,552 B more, where the replay says 2,043,392. Not yet understood),
-stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
+activation exists), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
+compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
+compute peak a block later, 1.76% over), stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
 last block's activations freed), which is the measured peak on gpt_tiny zero3 + cpu_offload: 1.13%
 above the plan on one rank, 0.69% below it on two (a second run's rank 0 once measured 262,144 B
 more: the overlapped reductions' timing); with activation checkpointing (outside the tested matrix)
@@ -197,14 +197,20 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
     if stage == 0:  # in the backward: the compute bytes (deepspeed_sim adds them) beside params and optim
         in_total = dev["params"] + dev["optim"]
+    if stage == 3 and not offload:  # its step, one optimizer group at a time: DeepSpeed's fp32 copy of the group's
+        # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
+        after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
     held = 0
     if stage == 3 and W > 1:  # what DeepSpeed's coordinator still holds gathered when the forward returns
         # (on one rank nothing is gathered: a parameter's data is its partition)
         from memopt.planner.deepspeed_fetch import held_after_forward, module_trace
 
         block = _block_numel(cfg)
+        # a fetch's flat buffers are in the communication dtype: bf16 for Linear weights under torch_autocast
+        # (partition_parameters.py's get_allgather_dtype), the gathered parameters in their own
+        ratio = [2 / b if safe and _autocast(cfg) else 1 for _, _, safe in _meta_params(cfg)]
         held = b * held_after_forward(*module_trace(cfg), W, (2 if scfg.prefetch else 1) * block,
-                                      block if scfg.prefetch else 0)
+                                      block if scfg.prefetch else 0, ratio)
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
     # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
@@ -231,18 +237,12 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
     from memopt.memory.tracker import CATEGORIES
+    from memopt.planner.deepspeed_linear import zero3_linear
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import PlanUnsupported
-
     from memopt.strategies.zero import selected_stage
 
     stage = selected_stage(cfg)[1]
-    if stage == 3 and _autocast(cfg):
-        raise PlanUnsupported(
-            "engine=deepspeed with zero3 and bf16 autocast (strategy.bf16.params=fp32) is not planned: DeepSpeed's "
-            "stage 3 under torch_autocast holds 1.5 MB fewer activations than these rules say, not yet understood "
-            "(gpt_tiny, 2 ranks: 15.11 MB measured, 16.56 MB by these rules; activations 4.78 MB measured, 6.29 MB "
-            "planned); use strategy.bf16.params=bf16, zero1/zero2, or run with trainer.preflight=false")
     moe = contextlib.nullcontext()
     if cfg.strategy.moe is not None:  # DeepSpeed-MoE: its expert groups' states and its own layer code
         from memopt.parallel.dims import resolve_sizes
@@ -258,7 +258,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     else:
         states = deepspeed_model_states(cfg, world)
     mcfg = replace(cfg, engine=replace(cfg.engine, name="memopt"))
-    with moe:
+    with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (deepspeed_linear.py)
         sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
         # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
         # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
@@ -290,8 +290,9 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient
             # (the compute peak of the forward and backward) and the run's data (``other`` of the one-rank
             # step, without memopt's collectives' scratch)
-            cats["total"] = (states["device_total"] - states["live_gathered"] + states["held_after_forward"]
-                             + one["backward_nonmodel"]["device"] + one["peaks"]["device"].get("other", 0))
+            data = one["peaks"]["device"].get("other", 0)
+            cats["total"] = max(states["device_total"] - states["live_gathered"] + states["held_after_forward"]
+                                + one["backward_nonmodel"]["device"] + data, states["after_backward"] + data)
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
