@@ -102,11 +102,17 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
         out = dense_states(local, W)
         part_dense = math.ceil(local / W)
         part_moe = math.ceil(D / W) + math.ceil((X // ep) / max(1, W // ep))
-        dev = out["device"]
-        dev["optim"] += 12 * (part_moe - part_dense)
-        out["device_total"] += 12 * (part_moe - part_dense)
-        if stage == 2:  # (left out of the total, as the dense rules leave the gradient partition out)
-            dev["grads"] += b * (part_moe - part_dense)
+        dev, host, extra = out["device"], out["host"], part_moe - part_dense
+        if cfg.strategy.cpu_offload is not None:  # each group's partitions on the host: fp32 master and moments,
+            # the fp32 gradient the host Adam reads, the b-byte staging of the updated weights
+            host["optim"] += 12 * extra
+            host["grads"] += 4 * extra
+            host["params"] += b * extra
+        else:
+            dev["optim"] += 12 * extra
+            out["device_total"] += 12 * extra
+            if stage == 2:  # (left out of the total, as the dense rules leave the gradient partition out)
+                dev["grads"] += b * extra
     dev = out["device"]
     dev["params"] = max(dev["params"], 4 * (local + layer))  # the fp32 model + one layer's swap
     return out
@@ -135,10 +141,58 @@ def _meta_twin(src, ep_size: int):
     return twin
 
 
+class _WorstCaseTorch:
+    """``torch`` as DeepSpeed's gating functions see it in a dropless plan: ``torch.max`` of a whole tensor
+    (there only the dropless capacity, the largest expert load) answers ``tokens``, a constant the fake
+    tensors carry through the gate's arithmetic and ``int()``; everything else is torch's."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+    def max(self, t, *args, **kwargs):
+        import torch
+
+        if args or kwargs:
+            return torch.max(t, *args, **kwargs)
+        return torch.tensor(self.tokens, dtype=t.dtype, device=t.device)
+
+
+@contextlib.contextmanager
+def worst_case_capacity():
+    """Inside: DeepSpeed-MoE's dropless gate takes its capacity as every token of the rank (S) in one
+    expert, the worst case (``planner/routing.py``); its run reads the largest expert load as a value, max-
+    reduced over the expert-parallel group, whose ranks hold S tokens each, so S bounds it there too."""
+    import torch
+    from deepspeed.moe import sharded_moe
+
+    forward = sharded_moe.TopKGate.forward
+
+    def gate(self, input, *args, **kwargs):
+        if self.drop_tokens:
+            return forward(self, input, *args, **kwargs)
+        sharded_moe.torch = _WorstCaseTorch(input.shape[0])
+        try:
+            return forward(self, input, *args, **kwargs)
+        finally:
+            sharded_moe.torch = torch
+
+    sharded_moe.TopKGate.forward = gate
+    try:
+        yield
+    finally:
+        sharded_moe.TopKGate.forward = forward
+
+
 @contextlib.contextmanager
 def deepspeed_moe_layers(ep_size: int):
     """Inside: memopt's MoE layers forward through DeepSpeed-MoE's layer code (see the module docstring)."""
     import torch.distributed
+    from deepspeed.comm import pg_utils
     from deepspeed.moe import sharded_moe
 
     from memopt.models import moe
@@ -154,10 +208,12 @@ def deepspeed_moe_layers(ep_size: int):
         self._aux, self._pending, twin._aux, twin._pending = twin._aux, twin._pending, None, None
         return y
 
-    # its all-to-all through torch.distributed (the fake process group), which DeepSpeed's comm module calls
-    # in a run: the planner never initialises DeepSpeed's communication backend
-    moe.MoE.forward, sharded_moe.dist = forward, torch.distributed
+    # its all-to-all (and the dropless gate's group size and all-reduce) through torch.distributed (the fake
+    # process group), which DeepSpeed's comm module calls in a run: the planner never initialises DeepSpeed's
+    # communication backend
+    moe.MoE.forward, sharded_moe.dist, pg_utils.dist = forward, torch.distributed, torch.distributed
     try:
-        yield
+        with worst_case_capacity():
+            yield
     finally:
-        moe.MoE.forward, sharded_moe.dist = original, comm
+        moe.MoE.forward, sharded_moe.dist, pg_utils.dist = original, comm, comm
