@@ -16,24 +16,25 @@ parameters (X: all experts of all layers), so per rank, b bytes per parameter:
           (fp32 Adam moments, the weights are the masters). The peak is either the backward's compute
           bytes beside the states without gradients, or the end of the backward: every gradient and the
           flat copy, the activations gone (the dense rules add the two, 40% over on moe_tiny ep=2)
+  offload each group's partitions on the host (fp32 master and moments, the fp32 gradient, the b-byte
+          staging of the updated weights: 12 + 4 + b per partition element; moe_tiny: host exact)
 
 and the ``params`` peak is at least the swap at build time: the fp32 model (D + X / ep parameters)
 plus one MoE layer's DeepSpeed copy (its gate and local experts) before the memopt layer is dropped.
 
 Compute bytes. DeepSpeed-MoE gates, dispatches and combines with its own code (``TopKGate``,
-``MOELayer``: one-hot masks, cumsums, a scatter into an (E, capacity, C) buffer, its all-to-all's
-``empty_like`` outputs), which holds other tensors than memopt's index copies. Rather than a byte
-formula of that code, the planner's fake step runs it: inside ``deepspeed_moe_layers()`` each memopt
-MoE layer forwards through the same ``DeepSpeedMoE`` adapter a run swaps in, built on ``meta`` and
-bound to the memopt layer's own parameters (the gate's weight is the router's, the local experts are
-the memopt expert modules, the same class DeepSpeed deep-copies), so memopt's engine partitions and
-reduces the parameters as usual while the layer's activations, temporaries and all-to-all buffers are
-DeepSpeed's (its all-to-all goes through ``torch.distributed``, the fake process group, instead of
-DeepSpeed's comm module, a thin layer over the same call). The gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured
-capacity factor FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``)
-takes it from the largest expert load, a value fake tensors do not have: refused (``refusal``), as are
-cpu_offload and bf16 but its autocast form at zero1/zero2 (not measured; the autocast form's reduction
-buckets per communication dtype are the dense rules', which were 38% under on moe_tiny without them).
+``MOELayer``), which holds other tensors than memopt's index copies. The planner's fake step runs it:
+inside ``deepspeed_moe_layers()`` each memopt MoE layer forwards through the same ``DeepSpeedMoE``
+adapter a run swaps in, built on ``meta`` and bound to the memopt layer's own parameters (the gate's
+weight is the router's, the local experts are the memopt expert modules), so memopt's engine partitions
+and reduces the parameters as usual while the layer's activations, temporaries and all-to-all buffers
+are DeepSpeed's (its collectives through ``torch.distributed``, the fake process group, instead of
+DeepSpeed's comm module). The fake step is memopt's zero1 for a stage-2 run (``fake_step_cfg``). The
+gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured capacity factor
+FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``) takes it from the
+largest expert load, a value: the plan takes the worst case, S (``worst_case_capacity``), as memopt's
+own MoE does (``planner/routing.py``). Refused (``refusal``): ddp with bf16 weights (measured 29% above
+these rules, not located).
 """
 from __future__ import annotations
 
@@ -43,20 +44,13 @@ import math
 
 def refusal(cfg) -> str | None:
     """Why this DeepSpeed-MoE config cannot be planned (None: it can)."""
-    if cfg.strategy.moe.drop_tokens is False:
-        return ("engine=deepspeed with strategy.moe.drop_tokens=false is not planned: DeepSpeed-MoE's dropless gate "
-                "reads its capacity (the largest expert load) as a value inside its gating functions, which the "
-                "planner's fake tensors do not have; plan it with engine=memopt (its dropless capacity is planned at "
-                "the worst case), or run with trainer.preflight=false")
-    if cfg.strategy.cpu_offload is not None:
-        return ("engine=deepspeed with +strategy=moe and cpu_offload is not planned: the offloaded expert groups' "
-                "host buffers are not modelled (nor measured); run with trainer.preflight=false")
     from memopt.strategies.zero import selected_stage
 
-    if cfg.strategy.bf16 is not None and (cfg.strategy.bf16.params == "bf16" or selected_stage(cfg)[1] not in (1, 2)):
-        return ("engine=deepspeed with +strategy=moe and bf16 is planned with bf16 autocast (strategy.bf16.params=fp32) "
-                "at zero1/zero2 only: bf16 weights, and bf16 at stage 0 or 3, with DeepSpeed-MoE are not measured; use "
-                "zero1/zero2, fp32 or fp16, or run with trainer.preflight=false")
+    if cfg.strategy.bf16 is not None and cfg.strategy.bf16.params == "bf16" and selected_stage(cfg)[1] == 0:
+        return ("engine=deepspeed with +strategy=moe, ddp and bf16 weights (strategy.bf16.params=bf16) is not planned: "
+                "measured 24.71 MB on moe_tiny, 2 ranks, ep=2, where these rules say 19.20 MB (the peak, 24.52 MB of it "
+                "not re-tagged by the engine, is not located); use zero1/zero2, bf16 autocast, or run with "
+                "trainer.preflight=false")
     return None
 
 
@@ -102,14 +96,36 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
         out = dense_states(local, W)
         part_dense = math.ceil(local / W)
         part_moe = math.ceil(D / W) + math.ceil((X // ep) / max(1, W // ep))
-        dev = out["device"]
-        dev["optim"] += 12 * (part_moe - part_dense)
-        out["device_total"] += 12 * (part_moe - part_dense)
-        if stage == 2:  # (left out of the total, as the dense rules leave the gradient partition out)
-            dev["grads"] += b * (part_moe - part_dense)
+        dev, host, extra = out["device"], out["host"], part_moe - part_dense
+        if cfg.strategy.cpu_offload is not None:  # each group's partitions on the host: fp32 master and moments,
+            # the fp32 gradient the host Adam reads, the b-byte staging of the updated weights
+            host["optim"] += 12 * extra
+            host["grads"] += 4 * extra
+            host["params"] += b * extra
+        else:
+            dev["optim"] += 12 * extra
+            out["device_total"] += 12 * extra
+            if stage == 2:  # (left out of the total, as the dense rules leave the gradient partition out)
+                dev["grads"] += b * extra
     dev = out["device"]
     dev["params"] = max(dev["params"], 4 * (local + layer))  # the fp32 model + one layer's swap
     return out
+
+
+def fake_step_cfg(mcfg):
+    """The memopt config whose fake step gives a DeepSpeed-MoE stage-2 run's compute bytes: memopt's zero1.
+    memopt's zero2 reduces each group from a flat temporary copy of its gradients (``temp``, at its backward's
+    peak: on 2 ranks with ep=1 the expert groups', 4 X / ep bytes), where DeepSpeed reduces through its
+    buckets (in the rules); memopt's zero1 reduces in its gradient buffer (``grads``, not compute bytes)."""
+    from dataclasses import replace
+
+    from memopt.strategies.zero import Zero1Config
+
+    z = mcfg.strategy.zero2
+    if z is None:
+        return mcfg
+    return replace(mcfg, strategy=replace(mcfg.strategy, zero2=None,
+                                          zero1=Zero1Config(bucket_mb=z.bucket_mb, overlap_comm=z.overlap_comm)))
 
 
 def _meta_twin(src, ep_size: int):
@@ -135,10 +151,58 @@ def _meta_twin(src, ep_size: int):
     return twin
 
 
+class _WorstCaseTorch:
+    """``torch`` as DeepSpeed's gating functions see it in a dropless plan: ``torch.max`` of a whole tensor
+    (there only the dropless capacity, the largest expert load) answers ``tokens``, a constant the fake
+    tensors carry through the gate's arithmetic and ``int()``; everything else is torch's."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+    def max(self, t, *args, **kwargs):
+        import torch
+
+        if args or kwargs:
+            return torch.max(t, *args, **kwargs)
+        return torch.tensor(self.tokens, dtype=t.dtype, device=t.device)
+
+
+@contextlib.contextmanager
+def worst_case_capacity():
+    """Inside: DeepSpeed-MoE's dropless gate takes its capacity as every token of the rank (S) in one
+    expert, the worst case (``planner/routing.py``); its run reads the largest expert load as a value, max-
+    reduced over the expert-parallel group, whose ranks hold S tokens each, so S bounds it there too."""
+    import torch
+    from deepspeed.moe import sharded_moe
+
+    forward = sharded_moe.TopKGate.forward
+
+    def gate(self, input, *args, **kwargs):
+        if self.drop_tokens:
+            return forward(self, input, *args, **kwargs)
+        sharded_moe.torch = _WorstCaseTorch(input.shape[0])
+        try:
+            return forward(self, input, *args, **kwargs)
+        finally:
+            sharded_moe.torch = torch
+
+    sharded_moe.TopKGate.forward = gate
+    try:
+        yield
+    finally:
+        sharded_moe.TopKGate.forward = forward
+
+
 @contextlib.contextmanager
 def deepspeed_moe_layers(ep_size: int):
     """Inside: memopt's MoE layers forward through DeepSpeed-MoE's layer code (see the module docstring)."""
     import torch.distributed
+    from deepspeed.comm import pg_utils
     from deepspeed.moe import sharded_moe
 
     from memopt.models import moe
@@ -154,10 +218,12 @@ def deepspeed_moe_layers(ep_size: int):
         self._aux, self._pending, twin._aux, twin._pending = twin._aux, twin._pending, None, None
         return y
 
-    # its all-to-all through torch.distributed (the fake process group), which DeepSpeed's comm module calls
-    # in a run: the planner never initialises DeepSpeed's communication backend
-    moe.MoE.forward, sharded_moe.dist = forward, torch.distributed
+    # its all-to-all (and the dropless gate's group size and all-reduce) through torch.distributed (the fake
+    # process group), which DeepSpeed's comm module calls in a run: the planner never initialises DeepSpeed's
+    # communication backend
+    moe.MoE.forward, sharded_moe.dist, pg_utils.dist = forward, torch.distributed, torch.distributed
     try:
-        yield
+        with worst_case_capacity():
+            yield
     finally:
-        moe.MoE.forward, sharded_moe.dist = original, comm
+        moe.MoE.forward, sharded_moe.dist, pg_utils.dist = original, comm, comm

@@ -258,6 +258,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     else:
         states = deepspeed_model_states(cfg, world)
     mcfg = replace(cfg, engine=replace(cfg.engine, name="memopt"))
+    if cfg.strategy.moe is not None:
+        mcfg = deepspeed_moe_rules.fake_step_cfg(mcfg)
     with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (deepspeed_linear.py)
         sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
         # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
