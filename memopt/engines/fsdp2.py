@@ -28,7 +28,7 @@ Mapping (memopt strategy -> FSDP2):
                  host). On a CPU run it is refused in ``validate``: with the default pinned memory
                  PyTorch raises "Cannot access accelerator device when none is available", and with
                  ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
-                 "cpu_offload" label would be meaningless.
+                 "cpu_offload" label would be meaningless. Not planned (``planner/simulate.py``).
     tp           memopt's ``tp`` strategy (model phase, so before ``fully_shard``: torchtitan's order);
                  its parameters are plain tp-local tensors, so FSDP2 shards them over the 1-D dp_shard
                  mesh; the norm sums split parameters over tp. Needs dp_shard >= 2 (no HSDP with tp).
@@ -101,7 +101,8 @@ def validate(cfg) -> None:
             f"dp_shard={sizes['dp_shard_mod_ep'] * sizes['ep']}, dp_replicate={sizes['dp_replicate']}): fully_shard runs "
             "on the dp_shard dimension after tensor parallelism (torchtitan's order); with nothing to shard use "
             "engine=memopt, and tp with HSDP is not built")
-    if s.cpu_offload is not None and not _cuda_device(cfg):
+    # plan mode allocates nothing and plans for the hardware profile's device: the planner gives its own answer
+    if s.cpu_offload is not None and not _cuda_device(cfg) and cfg.trainer.mode != "plan":
         raise ConfigError(
             f"strategy cpu_offload with engine=fsdp2 needs a CUDA device (trainer.device={cfg.trainer.device} runs on "
             "the CPU here): FSDP2's CPUOffloadPolicy keeps shards in pinned host memory and copies them to the "

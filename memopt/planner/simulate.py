@@ -90,6 +90,14 @@ class PlanOverflow(RuntimeError):
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 
+# FSDP2 places its offloaded tensors itself (``.to("cpu")``, pinned copies): on the fake step's CPU device those
+# are the device tensors, so nothing would land on the host, and fake tensors cannot be pinned (NYI in torch).
+FSDP2_OFFLOAD = (
+    "engine=fsdp2 with cpu_offload is not planned: FSDP2's CPUOffloadPolicy moves shards, gradients and the "
+    "optimizer step to the host with its own copies, which the planner's fake step (run on the CPU) cannot tell "
+    "from device tensors, so every byte would be planned on the device; plan memopt's or DeepSpeed's "
+    "cpu_offload (engine=memopt or engine=deepspeed), or run on the GPU (its preflight skips this plan)")
+
 NOT_COMPUTE = ("params", "grads", "optim", "chunks", "comm", "other")  # model states and the engine's own buffers
 
 
@@ -289,6 +297,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     from memopt.parallel.dims import build_dims
 
     t0 = time.perf_counter()
+    if cfg.engine.name == "fsdp2" and cfg.strategy.cpu_offload is not None:
+        raise PlanUnsupported(FSDP2_OFFLOAD)
     device = torch.device("cpu")  # bytes do not depend on the device; placement is logical (host_scope)
     keymap = {"cpu": "device", HOST: "host"}
     inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}

@@ -78,3 +78,30 @@ def test_suggestion_applies_the_chunk_engines_fixes_and_the_fix_runs(tmp_path, c
     run = [o for o in TINY if o not in ("trainer.mode=plan", "hardware=v100_patrickstar")] + ["trainer.max_steps=2"]
     summary = run_jobs_on_ranks(2, [([*run, *fix], str(tmp_path / "run"))])[0]
     assert summary["status"] == "ok" and summary["steps"] == 2, summary
+
+
+def test_fsdp2_cpu_offload_plan_on_a_gpu_profile_is_refused_with_its_reason(tmp_path, capsys):
+    """FSDP2's CPUOffloadPolicy places shards, gradients and the step on the host with its own copies,
+    which the fake step on the CPU cannot separate from device tensors (and fake tensors cannot be
+    pinned: torch raised NYI _pin_memory before this refusal). Plan mode for an A100 says so and writes
+    no plan, here and on a GPU machine (make_plan itself refuses, so the preflight skips rather than
+    planning every byte on the device)."""
+    import pytest
+
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.plan import make_plan
+    from memopt.planner.simulate import PlanUnsupported
+
+    d = tmp_path / "plan"
+    offload = ["engine=fsdp2", "+strategy=[zero3,cpu_offload]", "hardware=a100_80g", "trainer.nproc_per_node=2"]
+    assert cli_main([*TINY, *offload, f"hydra.run.dir={d}"]) == 2
+    err = capsys.readouterr().err
+    assert "plan refused" in err and "CPUOffloadPolicy" in err and "engine=memopt" in err, err
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "refused" and summary["mode"] == "plan" and "CPUOffloadPolicy" in summary["error"]
+    assert not (d / "plan.json").exists()
+
+    gpu = HardwareConfig(name="gpu", device_memory_gb=80, host_memory_gb=1024, peak_tflops={"fp32": 19.5},
+                         host_device_gbps=25, device_device_gbps=300, devices_per_node=8)
+    with pytest.raises(PlanUnsupported, match="CPUOffloadPolicy"):
+        make_plan(typed([*TINY, *offload[:2]]), gpu)
