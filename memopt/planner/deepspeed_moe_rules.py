@@ -13,9 +13,12 @@ parameters (X: all experts of all layers), so per rank, b bytes per parameter:
           b (D + X) / W
   stage 0 params and param.grad of the rank's own D + X / ep, and one flat all-reduce copy of the dense
           or of the expert gradients (DeepSpeed flattens them apart), the larger; optim 8 per parameter
-          (fp32 Adam moments, the weights are the masters). The peak is either the backward's compute
-          bytes beside the states without gradients, or the end of the backward: every gradient and the
-          flat copy, the activations gone (the dense rules add the two, 40% over on moe_tiny ep=2)
+          (fp32 Adam moments, the weights are the masters; 12 with bf16 weights: fp32 masters too). The
+          peak is either the backward's compute bytes beside the states without gradients, or after it,
+          the activations gone, every gradient beside the flat copy or (bf16 weights) the unfused
+          optimizer's step: an fp32 copy of every gradient and AdamW's foreach sqrt of the largest of the
+          four groups (``group_sizes``; moe_tiny ep=2: 24.72 MB planned, 24.71 measured, 19.20 when the
+          step was left out; adding the backward and the end of it was 40% over)
   offload each group's partitions on the host (fp32 master and moments, the fp32 gradient, the b-byte
           staging of the updated weights: 12 + 4 + b per partition element; moe_tiny: host exact)
 
@@ -33,25 +36,12 @@ DeepSpeed's comm module). The fake step is memopt's zero1 for a stage-2 run (``f
 gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured capacity factor
 FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``) takes it from the
 largest expert load, a value: the plan takes the worst case, S (``worst_case_capacity``), as memopt's
-own MoE does (``planner/routing.py``). Refused (``refusal``): ddp with bf16 weights (measured 29% above
-these rules, not located).
+own MoE does (``planner/routing.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-
-
-def refusal(cfg) -> str | None:
-    """Why this DeepSpeed-MoE config cannot be planned (None: it can)."""
-    from memopt.strategies.zero import selected_stage
-
-    if cfg.strategy.bf16 is not None and cfg.strategy.bf16.params == "bf16" and selected_stage(cfg)[1] == 0:
-        return ("engine=deepspeed with +strategy=moe, ddp and bf16 weights (strategy.bf16.params=bf16) is not planned: "
-                "measured 24.71 MB on moe_tiny, 2 ranks, ep=2, where these rules say 19.20 MB (the peak, 24.52 MB of it "
-                "not re-tagged by the engine, is not located); use zero1/zero2, bf16 autocast, or run with "
-                "trainer.preflight=false")
-    return None
 
 
 def param_split(cfg, ep: int) -> tuple[int, int, int]:
@@ -69,6 +59,23 @@ def param_split(cfg, ep: int) -> tuple[int, int, int]:
     return D, X, o.num_experts * mc.d_model + (o.num_experts // ep) * expert
 
 
+def group_sizes(cfg, ep: int) -> list[int]:
+    """Elements per rank of the translation's optimizer groups as DeepSpeed-MoE splits them: weight decay
+    (ndim >= 2) or not, dense or expert (a rank holds 1 / ep of every MoE layer's experts)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt import compose
+    from memopt.model_file import logical_model
+
+    sizes = [0, 0, 0, 0]  # dense no decay, dense decay, expert no decay, expert decay
+    with _disable_current_modes(), torch.device("meta"):
+        model = logical_model(compose.model_record(cfg))
+    for name, p in model.named_parameters():  # distinct parameters (a tied head once)
+        sizes[2 * (".experts." in f".{name}") + (p.ndim >= 2)] += p.numel()
+    return [sizes[0], sizes[1], sizes[2] // ep, sizes[3] // ep]
+
+
 def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> dict:
     """``deepspeed_rules.deepspeed_model_states``'s result for DeepSpeed-MoE: ``dense_states(P, W)``
     computes the dense rules for P parameters partitioned over W ranks; the expert groups' shares
@@ -83,13 +90,16 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
         # moments; DeepSpeed all-reduces the dense and the expert gradients in separate flat copies after the
         # backward, when the activations are gone: the total is the larger of the backward's compute bytes
         # beside the states without gradients (``device_total``, deepspeed_sim adds those bytes) and the
-        # states with every gradient and the larger flat copy (``after_backward``)
+        # states with every gradient and either the larger flat copy or the step (``after_backward``)
         out = dense_states(local, W)
         dev = out["device"]
         flat = max(D, X // ep) * b
         dev["grads"] = local * b + flat
         out["device_total"] = local * b + dev["optim"]
-        out["after_backward"] = out["device_total"] + local * b + flat
+        # the step with bf16 weights: the unfused optimizer's fp32 copy of every gradient beside the foreach
+        # AdamW's sqrt of the largest group's second moments (its constructor's priming step holds the same)
+        step = (4 * local if b == 2 else 0) + 4 * max(group_sizes(cfg, ep))
+        out["after_backward"] = out["device_total"] + local * b + max(flat, step)
     else:
         # the dense rules for the rank's own parameters, whose partitions are then corrected: dense ones
         # over W ranks, expert ones over W / ep (the same X / W elements per rank)

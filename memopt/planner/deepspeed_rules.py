@@ -239,7 +239,6 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     from memopt.memory.tracker import CATEGORIES
     from memopt.planner.deepspeed_linear import zero3_linear
     from memopt.planner.extrapolate import simulate
-    from memopt.planner.simulate import PlanUnsupported
     from memopt.strategies.zero import selected_stage
 
     stage = selected_stage(cfg)[1]
@@ -248,9 +247,6 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         from memopt.parallel.dims import resolve_sizes
         from memopt.planner import deepspeed_moe_rules
 
-        reason = deepspeed_moe_rules.refusal(cfg)
-        if reason:
-            raise PlanUnsupported(reason)
         ep = resolve_sizes(cfg.parallel, world)["ep"]
         moe = deepspeed_moe_rules.deepspeed_moe_layers(ep)
         states = deepspeed_moe_rules.model_states(cfg, world, ep, _param_bytes(cfg),
