@@ -281,8 +281,11 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             non_model = sim["backward_nonmodel"]["device"]
         cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
         if mem == "device" and states.get("after_backward"):  # stage 0 (and DeepSpeed-MoE's, deepspeed_moe_rules.py):
-            # its all-reduce or step, the activations gone; the run's own ``other`` (the batch) still held
+            # its all-reduce or step, the activations gone; the run's own ``other`` (its data) still held
             cats["total"] = max(cats["total"], states["after_backward"] + cats["other"])
+            if stage == 0:  # ... and held in the backward too (memopt's ddp has no scratch of its own there; MoE
+                # ddp ep=2, whose backward is the peak: 471,777 B under without it, the data's 470,373)
+                cats["total"] = max(cats["total"], states["device_total"] + max(0, non_model) + cats["other"])
         if mem == "device" and stage == 3 and "device" in one.get("backward_nonmodel", {}):
             # stage 3 peaks when the backward starts: the partitions and buffers, no block in flight, what
             # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient

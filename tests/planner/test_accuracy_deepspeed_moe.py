@@ -16,8 +16,9 @@ BF16_WEIGHTS = "strategy.bf16.params=bf16"
 # bf16 weights' -2.12%): 1 rank zero2 86.03 MB vs 85.56 MB planned, zero1+fp16 53.52 vs 52.78; 2 ranks zero2
 # ep1 76.28 vs 78.44 (+2.83% when the fake step was memopt's zero2, whose flat gradient copies are compute
 # bytes; now memopt's zero1: 75.81), zero2 ep2 74.42 vs 73.95, zero1 ep2 48.21 vs 47.73, top-1 72.58 vs 72.12,
-# zero2+fp16 ep2 68.73 vs 68.19, ddp ep2 21.03 vs 20.56 (one run under load: rank 1 21.19, 352 B past 3%), ddp
-# ep1 30.70 vs 30.22; 1 rank zero2 + bf16 autocast 138.57 vs 138.20 (85.77 before the rules counted
+# zero2+fp16 ep2 68.73 vs 68.19, ddp ep2 21.03 vs 21.04 (20.56 when the backward's total left out the run's
+# data; one run under load: rank 1 21.19, an all-to-all backward output of 164 KB still alive), ddp ep1 30.70 vs
+# 30.70 (was 30.22); 1 rank zero2 + bf16 autocast 138.57 vs 138.20 (85.77 before the rules counted
 # DeepSpeed's reduction buckets per communication dtype). bf16 weights: 1 rank zero2 79.54 vs 79.00, 2 ranks
 # zero2 ep2 68.73 vs 68.19, zero1 ep1 43.77 vs 43.03; ddp + bf16 autocast 2 ranks ep2 20.34 vs 20.35, ep1
 # 30.70 vs 30.70. zero2 + cpu_offload (host: exact): 1 rank 66.79 vs 66.32, 2 ranks ep2 64.93 vs 64.46, ep1
