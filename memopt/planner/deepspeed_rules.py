@@ -272,6 +272,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             for c in ("activations", "temp", "other"):
                 cats[c] = measured.get(c, 0)
             cats["activations"] += states["held_after_forward"]
+        else:  # act_offload's checkpoint inputs: the same model-side code on both engines
+            cats["activations"] = measured.get("activations", 0)
         for c, v in states[mem].items():
             cats[c] += v
         non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
@@ -281,7 +283,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # optimizer step's fp32 gradient temporaries (zero1 + fp16, 1 rank: 4-10% over), nor memopt's own
             # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
             non_model = sim["backward_nonmodel"]["device"]
-        cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
+        cats["total"] = (states["device_total"] + max(0, non_model) if mem == "device"
+                         else sum(states[mem].values()) + cats["activations"])
         if mem == "device" and states.get("after_backward"):  # stage 0 (and DeepSpeed-MoE's, deepspeed_moe_rules.py):
             # its all-reduce or step, the activations gone; the run's own ``other`` (the batch) still held
             cats["total"] = max(cats["total"], states["after_backward"] + cats["other"])
