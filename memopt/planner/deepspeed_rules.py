@@ -197,20 +197,22 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
     if stage == 0:  # in the backward: the compute bytes (deepspeed_sim adds them) beside params and optim
         in_total = dev["params"] + dev["optim"]
-    held = 0
-    if stage == 3 and W > 1:  # what DeepSpeed's coordinator still holds gathered when the forward returns
-        # (on one rank nothing is gathered: a parameter's data is its partition)
-        from memopt.planner.deepspeed_fetch import held_after_forward, module_trace
+    moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False}
+    if stage == 3 and W > 1:  # what DeepSpeed's coordinator holds gathered (deepspeed_fetch.py; on one rank
+        # nothing is gathered: a parameter's data is its partition)
+        from memopt.planner.deepspeed_fetch import stage3_moments
 
         block = _block_numel(cfg)
-        held = b * held_after_forward(*module_trace(cfg), W, (2 if scfg.prefetch else 1) * block,
-                                      block if scfg.prefetch else 0)
+        moments = stage3_moments(cfg, W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block)
+        moments = {**moments, "held_after_forward": b * moments["held_after_forward"],
+                   "activations_held": b * moments["activations_held"],
+                   "grads": [(b * held, b * flat) for held, flat in moments["grads"]]}
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
     # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
     # activations or temp)
     dev["params"] = max(dev["params"] - (live if stage == 3 else 0), 4 * P)
-    return {"device": dev, "host": host, "device_total": in_total, "held_after_forward": held,
+    return {"device": dev, "host": host, "device_total": in_total, **moments,
             "live_gathered": live if stage == 3 else 0, "after_backward": after}
 
 
@@ -271,7 +273,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if mem == "device":
             for c in ("activations", "temp", "other"):
                 cats[c] = measured.get(c, 0)
-            cats["activations"] += states["held_after_forward"]
+            cats["activations"] += states.get("activations_held", 0)
         else:  # act_offload's checkpoint inputs: the same model-side code on both engines
             cats["activations"] = measured.get("activations", 0)
         for c, v in states[mem].items():
@@ -293,8 +295,16 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient
             # (the compute peak of the forward and backward) and the run's data (``other`` of the one-rank
             # step, without memopt's collectives' scratch)
-            cats["total"] = (states["device_total"] - states["live_gathered"] + states["held_after_forward"]
-                             + one["backward_nonmodel"]["device"] + one["peaks"]["device"].get("other", 0))
+            # (with recomputation that compute peak is later: memopt's own buffers then beside it, so the first
+            # gradient's moment); or a gradient's arrival up to DeepSpeed's first reduce-scatter: what is held
+            # then, the one-rank step's compute bytes at that gradient and, at the reduce, the bucket's flat
+            # copy (and gloo's input-sized scratch)
+            ready = one.get("grad_ready_nonmodel") or [0]
+            start = states["held_after_forward"] + (ready[0] if states["recomputed"] else one["backward_nonmodel"]["device"])
+            grads = [held + ready[j] + flat * (2 if backend == "gloo" else 1)
+                     for j, (held, flat) in enumerate(states["grads"][:len(ready)])]
+            cats["total"] = (states["device_total"] - states["live_gathered"] + max(start, *grads)
+                             + one["peaks"]["device"].get("other", 0))
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
