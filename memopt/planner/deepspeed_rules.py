@@ -26,12 +26,14 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
             stage 3's buckets are in their communication dtype); activations + what DeepSpeed's coordinator
-            still holds gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
-            prefetch/release rules: on gpt_tiny b x 510,848 elements). The total is taken when the
-            backward starts: partitions and buffers, no block in flight, those held parameters, every
-            activation beside the loss's gradient (the compute peak of a one-rank memopt step: a
-            W-rank step's backward holds memopt's own reduce-scatter scratch at that peak, 542,208 B
-            on gpt_tiny zero3 + cpu_offload) and the data (the one-rank step's ``other``)
+            holds gathered at their peak (W > 1: ``deepspeed_fetch.py`` replays its prefetch/release
+            rules over the step's trace, recomputation included). The total is the larger of the start
+            of the backward (partitions and buffers, no block in flight, the parameters held after the
+            forward, the compute peak of a one-rank memopt step, whose backward holds none of memopt's
+            reduce-scatter scratch; with recomputation its bytes at the first gradient instead) and each
+            gradient's arrival up to the first reduce-scatter (what is held then, the one-rank step's
+            compute bytes at that gradient, at the reduce the bucket's flat copy and gloo's scratch),
+            plus the data (the one-rank step's ``other``)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
             masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
             stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
@@ -47,18 +49,10 @@ is 1.5 MB below these rules' 6,288,392; its total peaks in the backward at 15,11
 forward, before any trace is recorded (nothing held), keeps 2,901,512 B, memopt's one-rank fake step
 of the same model 4,245,000 B, the difference being saved bf16 tensors of the blocks' sizes; the
 second forward then holds 1,879,552 B more, where the replay says 2,043,392. Not yet understood),
-stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
-last block's activations freed), which is the measured peak on gpt_tiny zero3 + cpu_offload: 1.13%
-above the plan on one rank, 0.69% below it on two (a second run's rank 0 once measured 262,144 B
-more: the overlapped reductions' timing); with activation checkpointing (outside the tested matrix)
-the peak is also the first reduce-scatter, in the last block's backward after its recomputation:
-measured on gpt_tiny, 2 ranks, 13,568,902 B = the states and bucket, the data, 1,118,208 B of the
-parameters gathered in the forward and not released, that block gathered again for the
-recomputation and the next one prefetched (a block each), the bucket's flat copy (a block), the
-block inputs and the backward's gradients; the plan (the start of the backward: every parameter held
-after the forward beside the one-rank step's compute peak, whose recomputed block has no gathered
-parameters) is 14,350,237 B, 5.8% over, and its activations 4% over (3,293,188 for 3,162,628: the
-replay follows a trace without the recomputation's fetches, which DeepSpeed records and prefetches). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
+stage 3's moments between gradients: with checkpointing, the end of the last block's recomputation
+(the wider model's peak, 7,067,718 B measured on 2 ranks, planned 6,872,797 from its first
+reduce-scatter, -2.8%; gpt_tiny peaks at that reduce-scatter, 13,568,902 measured, 13,504,925
+planned). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
 stage 3 had been planned at the end of the forward, 1.4-3.4% under (zero3 + fp16 on the wider model
 5,858,182 B measured, now 5,860,253 planned); zero3 + cpu_offload on one rank peaked at
 ``initialize`` (14.87 MB on gpt_tiny) only because the tracker counted DeepSpeed's host buffers under
