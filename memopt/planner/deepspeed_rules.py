@@ -297,7 +297,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             start = states["held_after_forward"] + (ready[0] if states["recomputed"] else one["backward_nonmodel"]["device"])
             grads = [held + ready[j] + flat * (2 if backend == "gloo" else 1)
                      for j, (held, flat) in enumerate(states["grads"][:len(ready)])]
-            cats["total"] = (states["device_total"] - states["live_gathered"] + max(start, *grads)
+            cats["total"] = (states["device_total"] - states["live_gathered"] + max([start, *grads])
                              + one["peaks"]["device"].get("other", 0))
         if cats["total"]:
             peaks[mem] = cats
