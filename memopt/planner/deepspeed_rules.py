@@ -26,17 +26,18 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
             stage 3's buckets are in their communication dtype); activations (the fake step runs
-            DeepSpeed's own linear, ``deepspeed_linear.py``) + what DeepSpeed's coordinator still holds
-            gathered when the forward returns (W > 1; ``deepspeed_fetch.py`` replays its
-            prefetch/release rules: on gpt_tiny b x 510,848 elements; its flat buffers in the
-            communication dtype). The total is the larger of the start of the backward: partitions and
-            buffers, no block in flight, those held parameters, every activation beside the loss's
-            gradient (the compute peak of a one-rank memopt step: a W-rank step's backward holds
-            memopt's own reduce-scatter scratch at that peak, 542,208 B on gpt_tiny zero3 +
-            cpu_offload) and the data (the one-rank step's ``other``); and without offload the
-            optimizer step (one group at a time: an fp32 copy of its gradient partition beside the
-            foreach AdamW's temporaries, 8 bytes x the larger group's partition; the peak of one-rank
-            bf16 autocast)
+            DeepSpeed's own linear, ``deepspeed_linear.py``) + what DeepSpeed's coordinator holds
+            gathered at their peak (W > 1: ``deepspeed_fetch.py`` replays its prefetch/release rules
+            over the step's trace, recomputation included; flat buffers in the communication dtype).
+            The total is the largest of the start of the backward (partitions and buffers, no block in
+            flight, the parameters held after the forward, the compute peak of a one-rank memopt step,
+            whose backward holds none of memopt's reduce-scatter scratch; with recomputation its bytes
+            at the first gradient instead), each gradient's arrival up to the first reduce-scatter
+            (what is held then, the one-rank step's compute bytes at that gradient, at the reduce the
+            bucket's flat copy and gloo's scratch), each plus the data (the one-rank step's
+            ``other``); and without offload the optimizer step (one group at a time: an fp32 copy of
+            its gradient partition beside the foreach AdamW's temporaries, 8 bytes x the larger
+            group's partition; the peak of one-rank bf16 autocast)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
             masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
             stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
@@ -47,18 +48,10 @@ DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elemen
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
 activation exists), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
 compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
-compute peak a block later, 1.76% over), stage 3's first reduce-scatter (the bucket, its flat copy, a gathered block, the
-last block's activations freed), which is the measured peak on gpt_tiny zero3 + cpu_offload: 1.13%
-above the plan on one rank, 0.69% below it on two (a second run's rank 0 once measured 262,144 B
-more: the overlapped reductions' timing); with activation checkpointing (outside the tested matrix)
-the peak is also the first reduce-scatter, in the last block's backward after its recomputation:
-measured on gpt_tiny, 2 ranks, 13,568,902 B = the states and bucket, the data, 1,118,208 B of the
-parameters gathered in the forward and not released, that block gathered again for the
-recomputation and the next one prefetched (a block each), the bucket's flat copy (a block), the
-block inputs and the backward's gradients; the plan (the start of the backward: every parameter held
-after the forward beside the one-rank step's compute peak, whose recomputed block has no gathered
-parameters) is 14,350,237 B, 5.8% over, and its activations 4% over (3,293,188 for 3,162,628: the
-replay follows a trace without the recomputation's fetches, which DeepSpeed records and prefetches). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
+compute peak a block later, 1.76% over), stage 3's moments between gradients: with checkpointing,
+the end of the last block's recomputation (the wider model's peak, 7,067,718 B measured on 2 ranks,
+planned 6,872,797 from its first reduce-scatter, -2.8%; gpt_tiny peaks at that reduce-scatter,
+13,568,902 measured, 13,504,925 planned). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
 stage 3 had been planned at the end of the forward, 1.4-3.4% under (zero3 + fp16 on the wider model
 5,858,182 B measured, now 5,860,253 planned); zero3 + cpu_offload on one rank peaked at
 ``initialize`` (14.87 MB on gpt_tiny) only because the tracker counted DeepSpeed's host buffers under
@@ -200,23 +193,25 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     if stage == 3 and not offload:  # its step, one optimizer group at a time: DeepSpeed's fp32 copy of the group's
         # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
         after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
-    held = 0
-    if stage == 3 and W > 1:  # what DeepSpeed's coordinator still holds gathered when the forward returns
-        # (on one rank nothing is gathered: a parameter's data is its partition)
-        from memopt.planner.deepspeed_fetch import held_after_forward, module_trace
+    moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False}
+    if stage == 3 and W > 1:  # what DeepSpeed's coordinator holds gathered (deepspeed_fetch.py; on one rank
+        # nothing is gathered: a parameter's data is its partition)
+        from memopt.planner.deepspeed_fetch import stage3_moments
 
         block = _block_numel(cfg)
         # a fetch's flat buffers are in the communication dtype: bf16 for Linear weights under torch_autocast
         # (partition_parameters.py's get_allgather_dtype), the gathered parameters in their own
         ratio = [2 / b if safe and _autocast(cfg) else 1 for _, _, safe in _meta_params(cfg)]
-        held = b * held_after_forward(*module_trace(cfg), W, (2 if scfg.prefetch else 1) * block,
-                                      block if scfg.prefetch else 0, ratio)
+        moments = stage3_moments(cfg, W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block, ratio)
+        moments = {**moments, "held_after_forward": round(b * moments["held_after_forward"]),
+                   "activations_held": round(b * moments["activations_held"]),
+                   "grads": [(round(b * held), round(b * flat)) for held, flat in moments["grads"]]}
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
     # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
     # activations or temp)
     dev["params"] = max(dev["params"] - (live if stage == 3 else 0), 4 * P)
-    return {"device": dev, "host": host, "device_total": in_total, "held_after_forward": held,
+    return {"device": dev, "host": host, "device_total": in_total, **moments,
             "live_gathered": live if stage == 3 else 0, "after_backward": after}
 
 
@@ -269,7 +264,9 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if mem == "device":
             for c in ("activations", "temp", "other"):
                 cats[c] = measured.get(c, 0)
-            cats["activations"] += states["held_after_forward"]
+            cats["activations"] += states.get("activations_held", 0)
+        else:  # act_offload's checkpoint inputs: the same model-side code on both engines
+            cats["activations"] = measured.get("activations", 0)
         for c, v in states[mem].items():
             cats[c] += v
         non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
@@ -279,7 +276,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # optimizer step's fp32 gradient temporaries (zero1 + fp16, 1 rank: 4-10% over), nor memopt's own
             # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
             non_model = sim["backward_nonmodel"]["device"]
-        cats["total"] = states["device_total"] + max(0, non_model) if mem == "device" else sum(states[mem].values())
+        cats["total"] = (states["device_total"] + max(0, non_model) if mem == "device"
+                         else sum(states[mem].values()) + cats["activations"])
         if mem == "device" and states.get("after_backward"):  # stage 0 (and DeepSpeed-MoE's, deepspeed_moe_rules.py):
             # its all-reduce or step, the activations gone; the run's own ``other`` (its data) still held
             cats["total"] = max(cats["total"], states["after_backward"] + cats["other"])
@@ -291,9 +289,17 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient
             # (the compute peak of the forward and backward) and the run's data (``other`` of the one-rank
             # step, without memopt's collectives' scratch)
+            # (with recomputation that compute peak is later: memopt's own buffers then beside it, so the first
+            # gradient's moment); or a gradient's arrival up to DeepSpeed's first reduce-scatter: what is held
+            # then, the one-rank step's compute bytes at that gradient and, at the reduce, the bucket's flat
+            # copy (and gloo's input-sized scratch); or (no offload) its optimizer step
+            ready = one.get("grad_ready_nonmodel") or [0]
+            start = states["held_after_forward"] + (ready[0] if states["recomputed"] else one["backward_nonmodel"]["device"])
+            grads = [held + ready[j] + flat * (2 if backend == "gloo" else 1)
+                     for j, (held, flat) in enumerate(states["grads"][:len(ready)])]
             data = one["peaks"]["device"].get("other", 0)
-            cats["total"] = max(states["device_total"] - states["live_gathered"] + states["held_after_forward"]
-                                + one["backward_nonmodel"]["device"] + data, states["after_backward"] + data)
+            cats["total"] = max(states["device_total"] - states["live_gathered"] + max([start, *grads]) + data,
+                                states["after_backward"] + data)
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks

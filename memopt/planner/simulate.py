@@ -113,6 +113,18 @@ class PlanTracker(MemoryTracker):
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
         self.backward_nonmodel: dict[str, int] | None = None  # set to {}: the peak of the bytes outside the model
         # states while it is a dict (the last step's forward and backward: DeepSpeed's rules add it, deepspeed_rules.py)
+        self.grad_ready_nonmodel: list[int] | None = None  # meanwhile: those bytes on the compute device as each
+        # gradient is registered (stage 3 plans the moment DeepSpeed's first bucket fills, deepspeed_rules.py)
+
+    def register(self, t: torch.Tensor, category: str, device: str | None = None) -> None:
+        first = category == "grads" and self.grad_ready_nonmodel is not None
+        if first:  # a gradient once, when it becomes one (not when re-tagged)
+            info = self._info.get(id(t.untyped_storage()))
+            first = info is None or info.category != "grads"
+        super().register(t, category, device)
+        if first:
+            live = self.live[self.compute_key]
+            self.grad_ready_nonmodel.append(sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE))
 
     @staticmethod
     def _counted(t: torch.Tensor) -> bool:
@@ -322,12 +334,14 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     last = step == steps - 1
                     tracker.counting = last
                     tracker.backward_nonmodel = {} if last else None
+                    tracker.grad_ready_nonmodel = [] if last else None
                     for micro in range(t.grad_accum):
                         x, y = data.micro_batch(step, micro, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
                         with tracker.category("other"):
                             x, y = x.to(device), y.to(device)
                         engine.forward_backward(x, y, micro, t.grad_accum)
                     nonmodel, tracker.backward_nonmodel = tracker.backward_nonmodel or {}, None
+                    grad_ready, tracker.grad_ready_nonmodel = tracker.grad_ready_nonmodel or [], None
                     with tracker.category("temp"):
                         engine.step(1e-3)
                     tracker.counting = False
@@ -363,7 +377,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     traffic = dict(tracker.traffic)
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
             "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics,
-            "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}}
+            "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}, "grad_ready_nonmodel": grad_ready}
 
 
 @contextlib.contextmanager
