@@ -28,7 +28,10 @@ Mapping (memopt strategy -> FSDP2):
                  host). On a CPU run it is refused in ``validate``: with the default pinned memory
                  PyTorch raises "Cannot access accelerator device when none is available", and with
                  ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
-                 "cpu_offload" label would be meaningless. Not planned (``planner/simulate.py``).
+                 "cpu_offload" label would be meaningless. Planned for GPU profiles
+                 (``planner/fsdp2_offload.py``: shards, gradients and AdamW states on the host, the
+                 all-gather's host->device and the gradients' device->host copies); checked against
+                 the parameter count only (no GPU here to measure).
     tp           memopt's ``tp`` strategy (model phase, so before ``fully_shard``: torchtitan's order);
                  its parameters are plain tp-local tensors, so FSDP2 shards them over the 1-D dp_shard
                  mesh; the norm sums split parameters over tp. Needs dp_shard >= 2 (no HSDP with tp).
