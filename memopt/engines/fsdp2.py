@@ -28,7 +28,10 @@ Mapping (memopt strategy -> FSDP2):
                  host). On a CPU run it is refused in ``validate``: with the default pinned memory
                  PyTorch raises "Cannot access accelerator device when none is available", and with
                  ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
-                 "cpu_offload" label would be meaningless. Not planned (``planner/simulate.py``).
+                 "cpu_offload" label would be meaningless. Planned for GPU profiles
+                 (``planner/fsdp2_offload.py``: shards, gradients and AdamW states on the host, the
+                 all-gather's host->device and the gradients' device->host copies); checked against
+                 the parameter count only (no GPU here to measure).
     tp           memopt's ``tp`` strategy (model phase, so before ``fully_shard``: torchtitan's order);
                  its parameters are plain tp-local tensors, so FSDP2 shards them over the 1-D dp_shard
                  mesh; the norm sums split parameters over tp. Needs dp_shard >= 2 (no HSDP with tp).
@@ -59,11 +62,14 @@ active when FSDP2 allocates them (forward transients, or ``temp`` in the backwar
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from memopt.compose import model_on_meta
 from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported
 from memopt.errors import ConfigError
+from memopt.memory.tracker import HOST
 from memopt.optim.step import StepResult, StepSequence
 from memopt.parallel.dims import expected_world, resolve_sizes
 from memopt.strategies.precision import Precision
@@ -150,7 +156,7 @@ def build(cfg, device: torch.device, dims, tracker) -> "FSDP2Engine":
 
     # materialise the shards and fill them with the single-process values (each rank slices its own)
     param_device = torch.device("cpu") if s.cpu_offload is not None else device
-    with tracker.category("params"):
+    with tracker.category("params"), _on_host(tracker, s.cpu_offload is not None):
         model.to_empty(device=param_device)
     with torch.no_grad(), tracker.category("temp"):
         for name, p in model.named_parameters():  # distinct parameters: the tied head appears once
@@ -165,7 +171,13 @@ def build(cfg, device: torch.device, dims, tracker) -> "FSDP2Engine":
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-    return FSDP2Engine(model, optimizer, precision, device, dims, tracker, cfg.optim.grad_clip)
+    return FSDP2Engine(model, optimizer, precision, device, dims, tracker, cfg.optim.grad_clip, s.cpu_offload is not None)
+
+
+def _on_host(tracker, offload: bool):
+    """Offloaded shards, their optimizer states and the step are host memory: on a GPU the tracker
+    places CPU tensors there itself; the planner's fake step runs on the CPU and needs the scope."""
+    return tracker.host_scope() if offload else contextlib.nullcontext()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -173,25 +185,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDP2Engine(PrecisionEngine):
-    def __init__(self, model, optimizer, precision, device, dims, tracker, grad_clip: float):
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+    def __init__(self, model, optimizer, precision, device, dims, tracker, grad_clip: float, offload: bool = False):
+        self.model, self.optimizer, self.precision, self.offload = model, optimizer, precision, offload
         self.device, self.dims, self.tracker, self.grad_clip = device, dims, tracker, grad_clip
         self.params = list(model.parameters())
         tp = model.tensor_parallel  # +strategy=tp: split parameters' squared norms are summed over tp too
         self.tp = tp.dim if tp is not None and tp.dim.enabled else None
         split = tp.sharded if self.tp is not None else set()
         self.tp_split = [n in split for n, _ in model.named_parameters()]
-        with tracker.category("optim"):  # Adam's moments, created now as torch would on the first step
+        with tracker.category("optim"), _on_host(tracker, offload):  # Adam's moments, created now as torch would on the first step
             for p in self.params:
                 st = optimizer.state[p]
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if tracker.enabled:
+            where = HOST if offload else None  # states DTensor made out of the tracker's sight are placed here
             for p in self.params:
-                tracker.register(_local(p), "params")
+                tracker.register(_local(p), "params", device=where)
                 for k in ("exp_avg", "exp_avg_sq"):
-                    tracker.register(_local(optimizer.state[p][k]), "optim")
+                    tracker.register(_local(optimizer.state[p][k]), "optim", device=where)
             for b in model.buffers():
                 tracker.register(b, "other")
             self._instrument_unshard()
@@ -239,18 +252,23 @@ class FSDP2Engine(PrecisionEngine):
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        """The shared step sequence over the local shards (FSDP2 averaged the gradients already), then AdamW."""
+        with _on_host(self.tracker, self.offload):
+            return self._step(lr)
+
+    def _step(self, lr: float) -> StepResult:
+        """The shared step sequence over the local shards (FSDP2 averaged the gradients already), then AdamW.
+        Its collectives run on the compute device (offloaded shards are on the host, which NCCL cannot reduce)."""
         have = [p.grad is not None for p in self.params]
         grads = [_local(p.grad) for p, h in zip(self.params, have) if h]
         split = [s for s, h in zip(self.tp_split, have) if h]
         dev = grads[0].device if grads else self.device
-        seq = StepSequence(self.precision, self.grad_clip, self.dims.dp_shard, summed_over=1, device=dev, tp=self.tp)
+        seq = StepSequence(self.precision, self.grad_clip, self.dims.dp_shard, summed_over=1, device=self.device, tp=self.tp)
         bad = None
         if self.precision.scaler is not None:
             bad = torch.zeros((), dtype=torch.float32, device=dev)
             for g in grads:
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-        if seq.skip(bad):
+        if seq.skip(bad.to(self.device) if bad is not None else None):
             self.optimizer.zero_grad(set_to_none=True)
             return seq.skipped()
         if seq.inv != 1.0:
@@ -263,7 +281,7 @@ class FSDP2Engine(PrecisionEngine):
             sq = sq + part
             if s and mine is not None:
                 mine = mine + part
-        norm, coef = seq.clip(sq, sharded=True, split_sq=mine)
+        norm, coef = seq.clip(sq.to(self.device), sharded=True, split_sq=mine.to(self.device) if mine is not None else None)
         if coef is not None:
             torch._foreach_mul_(grads, coef)
         for g in self.optimizer.param_groups:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST, MemoryTracker
 from memopt.planner import fast_ops
+from memopt.planner.fsdp2_offload import fsdp2_offload as offload_copies
 from memopt.planner.routing import planned_routing
 
 
@@ -90,13 +91,10 @@ class PlanOverflow(RuntimeError):
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 
-# FSDP2 places its offloaded tensors itself (``.to("cpu")``, pinned copies): on the fake step's CPU device those
-# are the device tensors, so nothing would land on the host, and fake tensors cannot be pinned (NYI in torch).
-FSDP2_OFFLOAD = (
-    "engine=fsdp2 with cpu_offload is not planned: FSDP2's CPUOffloadPolicy moves shards, gradients and the "
-    "optimizer step to the host with its own copies, which the planner's fake step (run on the CPU) cannot tell "
-    "from device tensors, so every byte would be planned on the device; plan memopt's or DeepSpeed's "
-    "cpu_offload (engine=memopt or engine=deepspeed), or run on the GPU (its preflight skips this plan)")
+FSDP2_OFFLOAD_CPU = (
+    "engine=fsdp2 with cpu_offload runs on a CUDA device only (engines/fsdp2.py validate): this hardware profile's "
+    "device is the host, so there is no run to plan; use a GPU profile (hardware=a100_80g), or engine=memopt or "
+    "engine=deepspeed for cpu_offload on CPU")
 
 NOT_COMPUTE = ("params", "grads", "optim", "chunks", "comm", "other")  # model states and the engine's own buffers
 
@@ -152,6 +150,8 @@ class PlanTracker(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # a fake tensor's device, asked from C++ (Python indexing, autograd's checks): a third of
             return fast_ops.device(args)  # the ops a plan sees; nothing to count, so not through the tracker's own dispatch
+        if func is _IS_PINNED:  # fake tensors have no pinned memory: a host tensor is pinned (FSDP2's offload pins them)
+            return self._device_of(args[0]) == HOST
         if func is torch.ops.aten._local_scalar_dense.default:
             ref, healthy = self._healthy.get(id(args[0]), (None, None))
             return healthy if ref is not None and ref() is args[0] else _scalar(args[0])
@@ -174,6 +174,8 @@ class PlanTracker(MemoryTracker):
         return out
 
     def _run(self, func, args, kwargs):
+        if func is _PIN:  # NYI for fake tensors in torch: pinning copies into new (host) memory
+            return torch.ops.aten.clone.default(args[0])
         out = fast_ops.run(func, args, kwargs)
         return func(*args, **(kwargs or {})) if out is NotImplemented else out
 
@@ -234,6 +236,7 @@ def _group_size(func, args, kwargs) -> int:
 
 _HEALTHY = {torch.ops.aten.all: True, torch.ops.aten.any: False}
 _DEVICE = torch.ops.prim.device.default
+_PIN, _IS_PINNED = torch.ops.aten._pin_memory.default, torch.ops.aten.is_pinned.default
 
 
 def _scalar(t):
@@ -309,8 +312,9 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     from memopt.parallel.dims import build_dims
 
     t0 = time.perf_counter()
-    if cfg.engine.name == "fsdp2" and cfg.strategy.cpu_offload is not None:
-        raise PlanUnsupported(FSDP2_OFFLOAD)
+    fsdp2_offload = cfg.engine.name == "fsdp2" and cfg.strategy.cpu_offload is not None
+    if fsdp2_offload and backend == "gloo":
+        raise PlanUnsupported(FSDP2_OFFLOAD_CPU)
     device = torch.device("cpu")  # bytes do not depend on the device; placement is logical (host_scope)
     keymap = {"cpu": "device", HOST: "host"}
     inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}
@@ -327,7 +331,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
         with tracker:
             data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
             with FakeTensorMode(allow_non_fake_inputs=True), planned_routing(), \
-                    (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()):
+                    (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()), \
+                    (offload_copies(tracker) if fsdp2_offload else contextlib.nullcontext()):
                 engine = engines.build_engine(cfg, device, dims, tracker)
                 engine.model.train()
                 for step in range(steps):
