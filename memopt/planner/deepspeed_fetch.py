@@ -186,7 +186,8 @@ def stage3_moments(cfg, world: int, max_live: int, prefetch: int, bucket: int,
     checkpointed blocks are recomputed, else the end of the forward), and each gradient's arrival up to
     the first reduce-scatter (DeepSpeed reduces a bucket when the next gradient would overflow it: the
     gathered elements then and, at that one, the bucket's flat copy: ``ceil(n / W) x W`` per gradient, in
-    its communication dtype: ``flat_ratio`` as in ``replay``)."""
+    its communication dtype: ``flat_ratio`` as in ``replay``), and each recomputation up to that one: the
+    most held from its first fetch to the next gradient's arrival (its block's backward), in order."""
     trace, numel, events = module_trace(cfg)
     ratio = flat_ratio or [1] * len(numel)
     held = replay(trace, numel, events, world, max_live, prefetch, ratio)
@@ -206,5 +207,14 @@ def stage3_moments(cfg, world: int, max_live: int, prefetch: int, bucket: int,
             break
         filled.append(p)
         grads.append((held[k][0], 0))
+    arrivals = [k for k, e in enumerate(events) if e[0] == "grad"][:len(grads)]
+    recomputations, k = [], end
+    while True:  # a recomputation: forward fetches (and their releases) after the forward, until a backward event
+        k = next((i for i in range(k + 1, len(events)) if kinds[i] == "forward_fetch"), None)
+        arrival = next((a for a in arrivals if k is not None and a > k), None)
+        if arrival is None:
+            break
+        recomputations.append(max(h for h, _ in held[k:arrival + 1]))
+        k = next(i for i in range(k, len(events)) if kinds[i] in ("backward_fetch", "grad"))
     return {"held_after_forward": held[end][0], "activations_held": held[act][1], "grads": grads,
-            "recomputed": act != end}
+            "recomputed": act != end, "recomputations": recomputations}

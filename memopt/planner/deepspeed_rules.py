@@ -34,10 +34,12 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             whose backward holds none of memopt's reduce-scatter scratch; with recomputation its bytes
             at the first gradient instead), each gradient's arrival up to the first reduce-scatter
             (what is held then, the one-rank step's compute bytes at that gradient, at the reduce the
-            bucket's flat copy and gloo's scratch), each plus the data (the one-rank step's
-            ``other``); and without offload the optimizer step (one group at a time: an fp32 copy of
-            its gradient partition beside the foreach AdamW's temporaries, 8 bytes x the larger
-            group's partition; the peak of one-rank bf16 autocast)
+            bucket's flat copy and gloo's scratch), each recomputation before that reduce (the most
+            held from its first fetch to the next gradient, beside the one-rank step's compute peak
+            from the recomputation to that gradient: the recomputed block's backward), each plus the
+            data (the one-rank step's ``other``); and without offload the optimizer step (one group
+            at a time: an fp32 copy of its gradient partition beside the foreach AdamW's temporaries,
+            8 bytes x the larger group's partition; the peak of one-rank bf16 autocast)
   offload   optim and the fp32 gradient partition (4 part) on the host; stage 3 also the fp32
             masters' .grad buffers (4 part, allocated at initialize) beside the b x part partition;
             stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
@@ -48,10 +50,10 @@ DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elemen
 DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
 activation exists), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
 compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
-compute peak a block later, 1.76% over), stage 3's moments between gradients: with checkpointing,
-the end of the last block's recomputation (the wider model's peak, 7,067,718 B measured on 2 ranks,
-planned 6,872,797 from its first reduce-scatter, -2.8%; gpt_tiny peaks at that reduce-scatter,
-13,568,902 measured, 13,504,925 planned). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
+compute peak a block later, 1.76% over). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
+stage 3 + checkpointing on the wider model (2 ranks) peaks in the last block's backward right after its
+recomputation, between two gradients: 7,067,718 B measured, planned 6,830,685 from its first
+reduce-scatter (-3.35%), now 7,069,789 with the recomputation's moment;
 stage 3 had been planned at the end of the forward, 1.4-3.4% under (zero3 + fp16 on the wider model
 5,858,182 B measured, now 5,860,253 planned); zero3 + cpu_offload on one rank peaked at
 ``initialize`` (14.87 MB on gpt_tiny) only because the tracker counted DeepSpeed's host buffers under
@@ -193,7 +195,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     if stage == 3 and not offload:  # its step, one optimizer group at a time: DeepSpeed's fp32 copy of the group's
         # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
         after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
-    moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False}
+    moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False, "recomputations": []}
     if stage == 3 and W > 1:  # what DeepSpeed's coordinator holds gathered (deepspeed_fetch.py; on one rank
         # nothing is gathered: a parameter's data is its partition)
         from memopt.planner.deepspeed_fetch import stage3_moments
@@ -205,7 +207,8 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         moments = stage3_moments(cfg, W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block, ratio)
         moments = {**moments, "held_after_forward": round(b * moments["held_after_forward"]),
                    "activations_held": round(b * moments["activations_held"]),
-                   "grads": [(round(b * held), round(b * flat)) for held, flat in moments["grads"]]}
+                   "grads": [(round(b * held), round(b * flat)) for held, flat in moments["grads"]],
+                   "recomputations": [round(b * held) for held in moments["recomputations"]]}
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
     # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
@@ -297,6 +300,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             start = states["held_after_forward"] + (ready[0] if states["recomputed"] else one["backward_nonmodel"]["device"])
             grads = [held + ready[j] + flat * (2 if backend == "gloo" else 1)
                      for j, (held, flat) in enumerate(states["grads"][:len(ready)])]
+            # or a recomputation before that reduce, up to the next gradient (the recomputed block's backward)
+            grads += [held + compute for held, compute in zip(states["recomputations"], one.get("recompute_nonmodel", []))]
             data = one["peaks"]["device"].get("other", 0)
             cats["total"] = max(states["device_total"] - states["live_gathered"] + max([start, *grads]) + data,
                                 states["after_backward"] + data)

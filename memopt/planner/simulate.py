@@ -113,6 +113,18 @@ class PlanTracker(MemoryTracker):
         # states while it is a dict (the last step's forward and backward: DeepSpeed's rules add it, deepspeed_rules.py)
         self.grad_ready_nonmodel: list[int] | None = None  # meanwhile: those bytes on the compute device as each
         # gradient is registered (stage 3 plans the moment DeepSpeed's first bucket fills, deepspeed_rules.py)
+        self.recompute_nonmodel: list[int] | None = None  # meanwhile: their peak from the start of each recomputation
+        # in the backward to the next gradient's arrival (its block's backward; stage 3 plans it, deepspeed_rules.py)
+        self._recomputing = False  # such a window is open (the last entry of ``recompute_nonmodel``)
+
+    @contextlib.contextmanager
+    def retained(self, name: str = "activations", transient: str = "_forward"):
+        if self.recompute_nonmodel is not None and not self._recomputing and torch._C._current_graph_task_id() != -1:
+            self._recomputing = True  # a checkpoint recomputing its forward (retained inside a backward)
+            self.recompute_nonmodel.append(0)
+            self._update_peak(self.compute_key)
+        with super().retained(name, transient):
+            yield
 
     def register(self, t: torch.Tensor, category: str, device: str | None = None) -> None:
         first = category == "grads" and self.grad_ready_nonmodel is not None
@@ -123,6 +135,7 @@ class PlanTracker(MemoryTracker):
         if first:
             live = self.live[self.compute_key]
             self.grad_ready_nonmodel.append(sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE))
+            self._recomputing = False
 
     @staticmethod
     def _counted(t: torch.Tensor) -> bool:
@@ -135,6 +148,8 @@ class PlanTracker(MemoryTracker):
             b = sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE)
             if b > self.backward_nonmodel.get(device, 0):
                 self.backward_nonmodel[device] = b
+            if self._recomputing and device == self.compute_key:
+                self.recompute_nonmodel[-1] = max(self.recompute_nonmodel[-1], b)
         limit = self.limits.get(device)
         if limit is not None and sum(self.live[device].values()) > limit:
             raise PlanOverflow(device, dict(self.live[device]), limit)
@@ -340,6 +355,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     tracker.counting = last
                     tracker.backward_nonmodel = {} if last else None
                     tracker.grad_ready_nonmodel = [] if last else None
+                    tracker.recompute_nonmodel, tracker._recomputing = ([] if last else None), False
                     for micro in range(t.grad_accum):
                         x, y = data.micro_batch(step, micro, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
                         with tracker.category("other"):
@@ -347,6 +363,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         engine.forward_backward(x, y, micro, t.grad_accum)
                     nonmodel, tracker.backward_nonmodel = tracker.backward_nonmodel or {}, None
                     grad_ready, tracker.grad_ready_nonmodel = tracker.grad_ready_nonmodel or [], None
+                    recompute, tracker.recompute_nonmodel = tracker.recompute_nonmodel or [], None
                     with tracker.category("temp"):
                         engine.step(1e-3)
                     tracker.counting = False
@@ -382,7 +399,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     traffic = dict(tracker.traffic)
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
             "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics,
-            "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}, "grad_ready_nonmodel": grad_ready}
+            "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}, "grad_ready_nonmodel": grad_ready,
+            "recompute_nonmodel": recompute}
 
 
 @contextlib.contextmanager
