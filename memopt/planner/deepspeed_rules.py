@@ -45,8 +45,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
 
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
-DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
-activation exists), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
+``initialize`` (counted as ``other``; it ends at the states before the first step, (2 b + 12) part + block x b
++ the data, below the step by 8 x the larger group's part: gpt_tiny zero3 9,602,410 B on 2 ranks,
+17,945,450 on 1, whose total peaks at the step), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
 compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
 compute peak a block later, 1.76% over), stage 3's moments between gradients: with checkpointing,
 the end of the last block's recomputation (the wider model's peak, 7,067,718 B measured on 2 ranks,
