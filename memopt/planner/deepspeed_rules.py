@@ -47,8 +47,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
 
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
 DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
-DeepSpeed's init-time transients (a flattening copy, counted as ``other`` by the tracker, before any
-activation exists), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
+``initialize`` (counted as ``other``; it ends at the states before the first step, (2 b + 12) part + block x b
++ the data, below the step by 8 x the larger group's part: gpt_tiny zero3 9,602,410 B on 2 ranks,
+17,945,450 on 1, whose total peaks at the step), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
 compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
 compute peak a block later, 1.76% over). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
 stage 3 + checkpointing on the wider model (2 ranks) peaks in the last block's backward right after its
