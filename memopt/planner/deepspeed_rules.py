@@ -197,8 +197,10 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
         after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
     moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False, "recomputations": []}
-    if stage == 3 and W > 1:  # what DeepSpeed's coordinator holds gathered (deepspeed_fetch.py; on one rank
-        # nothing is gathered: a parameter's data is its partition)
+    if stage == 3:  # what DeepSpeed's coordinator holds gathered (deepspeed_fetch.py) and its reduce bucket's
+        # flat copy at the first reduce-scatter (on one rank nothing is gathered: a parameter's data is its
+        # partition; the flat copy remains, and dominates a wide model's one-rank offload run, whose step is
+        # on the host: d_model 256, 16,776,058 B measured, 15,061,917 planned before)
         from memopt.planner.deepspeed_fetch import stage3_moments
 
         block = _block_numel(cfg)
@@ -206,16 +208,20 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         # (partition_parameters.py's get_allgather_dtype), the gathered parameters in their own
         ratio = [2 / b if safe and _autocast(cfg) else 1 for _, _, safe in _meta_params(cfg)]
         moments = stage3_moments(cfg, W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block, ratio)
-        moments = {**moments, "held_after_forward": round(b * moments["held_after_forward"]),
-                   "activations_held": round(b * moments["activations_held"]),
-                   "grads": [(round(b * held), round(b * flat)) for held, flat in moments["grads"]],
-                   "recomputations": [round(b * held) for held in moments["recomputations"]]}
+        g = b if W > 1 else 0  # bytes per gathered element
+        moments = {**moments, "held_after_forward": round(g * moments["held_after_forward"]),
+                   "activations_held": round(g * moments["activations_held"]),
+                   "grads": [(round(g * held), round(b * flat)) for held, flat in moments["grads"]],
+                   "recomputations": [round(g * held) for held in moments["recomputations"]]}
     # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
     # partitions it: the params peak is at least that copy (not in the training total)
     # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
     # activations or temp)
     dev["params"] = max(dev["params"] - (live if stage == 3 else 0), 4 * P)
-    return {"device": dev, "host": host, "device_total": in_total, **moments,
+    # ... and its init: each parameter's values drawn in fp32 and scaled (two copies of the largest);
+    # stage 3 + cpu_offload on one rank holds less than that later (d_model 256, seq_len 16: 15,480,161 B)
+    init = 4 * compose.num_params(cfg) + 2 * 4 * _largest_param(cfg)
+    return {"device": dev, "host": host, "device_total": in_total, "init": init, **moments,
             "live_gathered": live if stage == 3 else 0, "after_backward": after}
 
 
@@ -305,7 +311,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             grads += [held + compute for held, compute in zip(states["recomputations"], one.get("recompute_nonmodel", []))]
             data = one["peaks"]["device"].get("other", 0)
             cats["total"] = max(states["device_total"] - states["live_gathered"] + max([start, *grads]) + data,
-                                states["after_backward"] + data)
+                                states["after_backward"] + data, states.get("init", 0) + data)
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
