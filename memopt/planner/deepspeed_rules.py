@@ -46,7 +46,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             largest parameter on the host and on the device (largest x b each)
 
 The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
-DeepSpeed casts and partitions it. Not modelled: alignment padding (< 2 W elements per group),
+DeepSpeed casts and partitions it; that, the init's two fp32 copies of the largest parameter and the data
+are also a stage-3 total (zero3 + cpu_offload on one rank, d_model 256, seq_len 16: the peak, 15,480,161 B).
+On one rank the first reduce-scatter's flat copies are a moment too (d_model 256: 16,776,058 B measured). Not modelled: alignment padding (< 2 W elements per group),
 ``initialize`` (counted as ``other``; it ends at the states before the first step, (2 b + 12) part + block x b
 + the data, below the step by 8 x the larger group's part: gpt_tiny zero3 9,602,410 B on 2 ranks,
 17,945,450 on 1, whose total peaks at the step), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
