@@ -97,6 +97,19 @@ def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     return out
 
 
+def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
+    """The compute bytes a step records at its moments (``simulate_rank``: at the backward's start, at
+    each early gradient's arrival, in each early recomputation; DeepSpeed's rules read them), at depth n:
+    each grows by the blocks' activations, so by the same line; a list whose length differs between
+    the depths is left out (the rules then fall back to the step's own peak)."""
+    out = {"backward_nonmodel": _nested(a.get("backward_nonmodel") or {}, b.get("backward_nonmodel") or {}, n1, n2, n)}
+    for key in ("grad_ready_nonmodel", "recompute_nonmodel"):
+        x, y = a.get(key) or [], b.get(key) or []
+        if x and len(x) == len(y):
+            out[key] = [max(0, round(lerp(u, v, n1, n2, n))) for u, v in zip(x, y)]
+    return out
+
+
 def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: str = "gloo",
              windows: list[tuple[int, int, int]] | None = None, verify: bool = True, replay: int | None = None) -> dict:
     """``simulate_rank``'s result for ``cfg``: exact for small models, else extrapolated from the last
@@ -167,7 +180,8 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
                "comm_per_step": _nested(sa.get("comm_per_step") or {}, sb.get("comm_per_step") or {}, b, c, n),
                "seconds": sum(x["seconds"] for x in sims.values()),
                "engine_metrics": {}, "window": (a, b, c),
-               "method": f"extrapolated from n_layer={b},{c}" + (f" (checked at {a})" if verify else "")}
+               "method": f"extrapolated from n_layer={b},{c}" + (f" (checked at {a})" if verify else ""),
+               **_moments(sa, sb, b, c, n)}
         _check_limits(peaks, limits)
         return out
     sim = simulate_rank(cfg, rank, world, limits, backend=backend)

@@ -145,3 +145,24 @@ def test_gradient_buckets_that_fill_up_deeper_are_not_extrapolated():
     assert why["25"] is not None and "groups: 1 at 4, 1 at 6, 1 at 8, 3 at 36 blocks" in why["25"], why
     assert why["100"] is None, why
     assert bucket_layout(typed([*COMMON, "+strategy=zero3"]), 0, 2) is None  # one group per block: nothing to check
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "[zero3,ckpt]"])
+def test_deepspeed_rules_read_the_extrapolated_moments(strategy, monkeypatch):
+    """engine=deepspeed's stage-3 total is taken at the moments the step records (the backward's start,
+    early gradients, recomputations: deepspeed_rules.py); a deep model's extrapolated step carries them,
+    so its plan is the plan from the step simulated block by block (before, the rules fell back to the
+    step's own peak on every extrapolated plan: gpt_10b's DeepSpeed rows)."""
+    from memopt.planner import deepspeed_rules, extrapolate
+
+    cfg = typed([*COMMON, "engine=deepspeed", f"+strategy={strategy}", "model.n_layer=9"])
+    deepspeed_rules._ONE_RANK.clear()
+    got = deepspeed_rules.deepspeed_sim(cfg, 0, 2, None, "gloo", 2, windows=[(3, 4, 5)])
+    assert got["method"].startswith("extrapolated from n_layer="), got["method"]
+    deepspeed_rules._ONE_RANK.clear()
+    monkeypatch.setattr(extrapolate, "sample_depths", lambda cfg: [])
+    full = deepspeed_rules.deepspeed_sim(cfg, 0, 2, None, "gloo", 2)
+    assert full["method"] == "exact"
+    deepspeed_rules._ONE_RANK.clear()
+    for cat, want in full["peaks"]["device"].items():
+        assert got["peaks"]["device"].get(cat, 0) == pytest.approx(want, rel=TOL, abs=1024), cat
