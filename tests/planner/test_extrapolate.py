@@ -147,7 +147,7 @@ def test_gradient_buckets_that_fill_up_deeper_are_not_extrapolated():
     assert bucket_layout(typed([*COMMON, "+strategy=zero3"]), 0, 2) is None  # one group per block: nothing to check
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "[zero3,ckpt]"])
+@pytest.mark.parametrize("strategy", ["zero3", pytest.param("[zero3,ckpt]", marks=pytest.mark.slow)])
 def test_deepspeed_rules_read_the_extrapolated_moments(strategy, monkeypatch):
     """engine=deepspeed's stage-3 total is taken at the moments the step records (the backward's start,
     early gradients, recomputations: deepspeed_rules.py); a deep model's extrapolated step carries them,
