@@ -57,40 +57,36 @@ def module_trace(cfg) -> tuple[list[list[int]], list[int], list[tuple]]:
             return type(x)(each_tensor(v, f) for v in x)
         return x
 
+    class OnBackward(torch.autograd.Function):
+        """Identity whose backward calls ``fn`` (DeepSpeed's hooks on a module's inputs and outputs)."""
+
+        @staticmethod
+        def forward(ctx, x, fn):
+            ctx.fn = fn
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.fn()
+            return g, None
+
     def before_forward(mod, args):
         fetch(mod, "forward_fetch")
         mod._ds_grads_remaining = 0  # as DeepSpeed's post-backward counter: reset at every forward
 
-        class AfterBackward(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.detach()
-
-            @staticmethod
-            def backward(ctx, g):
-                mod._ds_grads_remaining -= 1
-                if mod._ds_grads_remaining == 0:
-                    events.append(("release", own[mod], mid[mod]))
-                return g
+        def after_backward():
+            mod._ds_grads_remaining -= 1
+            if mod._ds_grads_remaining == 0:
+                events.append(("release", own[mod], mid[mod]))
 
         def wrap(x):
             mod._ds_grads_remaining += x.requires_grad
-            return AfterBackward.apply(x)
+            return OnBackward.apply(x, after_backward)
         return each_tensor(args, wrap)
 
     def after_forward(mod, _args, out):
         events.append(("release", own[mod], mid[mod]))
-
-        class BeforeBackward(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.detach()
-
-            @staticmethod
-            def backward(ctx, g):
-                fetch(mod, "backward_fetch")
-                return g
-        return each_tensor(out, BeforeBackward.apply)
+        return each_tensor(out, lambda x: OnBackward.apply(x, lambda: fetch(mod, "backward_fetch")))
 
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(before_forward))

@@ -133,19 +133,22 @@ class PlanTracker(MemoryTracker):
             first = info is None or info.category != "grads"
         super().register(t, category, device)
         if first:
-            live = self.live[self.compute_key]
-            self.grad_ready_nonmodel.append(sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE))
+            self.grad_ready_nonmodel.append(self._compute_bytes(self.compute_key))
             self._recomputing = False
 
     @staticmethod
     def _counted(t: torch.Tensor) -> bool:
         return MemoryTracker._counted(t) or type(t).__name__ == "FakeTensor"
 
+    def _compute_bytes(self, device: str) -> int:
+        """Live bytes on ``device`` outside the model states and the engine's own buffers."""
+        live = self.live[device]
+        return sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE)
+
     def _update_peak(self, device: str) -> None:
         super()._update_peak(device)
         if self.backward_nonmodel is not None:
-            live = self.live[device]
-            b = sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE)
+            b = self._compute_bytes(device)
             if b > self.backward_nonmodel.get(device, 0):
                 self.backward_nonmodel[device] = b
             if self._recomputing and device == self.compute_key:
