@@ -33,7 +33,7 @@ adapter a run swaps in, built on ``meta`` and bound to the memopt layer's own pa
 weight is the router's, the local experts are the memopt expert modules), so memopt's engine partitions
 and reduces the parameters as usual while the layer's activations, temporaries and all-to-all buffers
 are DeepSpeed's (its collectives through ``torch.distributed``, the fake process group, instead of
-DeepSpeed's comm module). The fake step is memopt's zero1 for a stage-2 run (``fake_step_cfg``). The
+DeepSpeed's comm module). The fake step is memopt's zero1 for a stage-2 run (``deepspeed_rules.fake_step_cfg``). The
 gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured capacity factor
 FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``) takes it from the
 largest expert load, a value: the plan takes the worst case, S (``worst_case_capacity``), as memopt's
@@ -116,27 +116,11 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
         else:
             dev["optim"] += 12 * extra
             out["device_total"] += 12 * extra
-            if stage == 2:  # (left out of the total, as the dense rules leave the gradient partition out)
-                dev["grads"] += b * extra
+            dev["grads"] += b * extra  # the gradient partition (counted at the reductions' moments)
+            out["reductions"] = {**out["reductions"], "gip": out["reductions"]["gip"] + b * extra}
     dev = out["device"]
     dev["params"] = max(dev["params"], 4 * (local + layer))  # the fp32 model + one layer's swap
     return out
-
-
-def fake_step_cfg(mcfg):
-    """The memopt config whose fake step gives a DeepSpeed-MoE stage-2 run's compute bytes: memopt's zero1.
-    memopt's zero2 reduces each group from a flat temporary copy of its gradients (``temp``, at its backward's
-    peak: on 2 ranks with ep=1 the expert groups', 4 X / ep bytes), where DeepSpeed reduces through its
-    buckets (in the rules); memopt's zero1 reduces in its gradient buffer (``grads``, not compute bytes)."""
-    from dataclasses import replace
-
-    from memopt.strategies.zero import Zero1Config
-
-    z = mcfg.strategy.zero2
-    if z is None:
-        return mcfg
-    return replace(mcfg, strategy=replace(mcfg.strategy, zero2=None,
-                                          zero1=Zero1Config(bucket_mb=z.bucket_mb, overlap_comm=z.overlap_comm)))
 
 
 def _meta_twin(src, ep_size: int):

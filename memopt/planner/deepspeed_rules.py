@@ -22,7 +22,9 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             so 2 x 25 MiB dominate a small model), and that once per communication dtype: under bf16
             autocast (torch_autocast) Linear parameters' gradients communicate in bf16 and the rest in
             fp32, each in buckets of their own (fp32 buffers, the parameters' dtype), so twice the
-            buckets; stage 2 also the gradient partition part x b
+            buckets; the gradient partition part x b. The total is the larger of the backward (its
+            compute bytes; stage 1 beside every param.grad so far, which it keeps to its reductions)
+            and the reductions after it (``_reductions``), each beside the states and the data
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
             stage 3's buckets are in their communication dtype); activations (the fake step runs
@@ -53,19 +55,8 @@ On one rank the first reduce-scatter's flat copies are a moment too (d_model 256
 + the data, below the step by 8 x the larger group's part: gpt_tiny zero3 9,602,410 B on 2 ranks,
 17,945,450 on 1, whose total peaks at the step), memopt's own gradient flat (one block, fp32 ``temp``) in the one-rank step's
 compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
-compute peak a block later, 1.76% over). Measured (tests/planner/test_accuracy_deepspeed.py), fixed:
-stage 3 + checkpointing on the wider model (2 ranks) peaks in the last block's backward right after its
-recomputation, between two gradients: 7,067,718 B measured, planned 6,830,685 from its first
-reduce-scatter (-3.35%), now 7,069,789 with the recomputation's moment;
-stage 3 had been planned at the end of the forward, 1.4-3.4% under (zero3 + fp16 on the wider model
-5,858,182 B measured, now 5,860,253 planned); zero3 + cpu_offload on one rank peaked at
-``initialize`` (14.87 MB on gpt_tiny) only because the tracker counted DeepSpeed's host buffers under
-the device until their re-tag (``engines/deepspeed.py`` now counts them on the host from their birth);
-zero2 + cpu_offload on gpt_tiny was 3.3% above the plan (2,192,896 B of ``other`` from
-``initialize``: the offload staging buffers above, never re-tagged; now 0.65% under). Stages 0-2 add
-to their states the compute bytes (activations, temp) of memopt's forward and backward
-(``simulate_rank``'s ``backward_nonmodel``): the non-model bytes at memopt's own peak had planned
-zero1 + fp16 on one rank 4-10% over (its optimizer step's fp32 gradient temporaries). engine=deepspeed with MoE: the expert
+compute peak a block later, 1.76% over). Measured, and what was fixed: tests/planner/test_accuracy_deepspeed.py.
+engine=deepspeed with MoE: the expert
 groups' states and DeepSpeed-MoE's own layer code on fake tensors (``deepspeed_moe_rules.py``). Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
@@ -168,7 +159,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         buffers = (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg)
         dev["params"] = P * b
         opt_mem["optim"] = 12 * part
-        dev["grads"] = buffers * bucket * b + (part * b if stage == 2 and not offload else 0)
+        dev["grads"] = buffers * bucket * b
         if offload:
             host["grads"] = 4 * part  # the fp32 gradient partition the host Adam reads
             # the host staging (a b-byte copy of the partition for the updated weights, one gradient of the
@@ -177,6 +168,8 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
             host["params"] = part * b
             host["grads"] += largest * b
             dev["grads"] += largest * b
+        reduce = _reductions(cfg, P, bucket, b, stage, gip=0 if offload else part * b)
+        dev["grads"] += reduce["gip"]
     else:
         block = _block_numel(cfg)
         live = (2 if scfg.prefetch else 1) * block * b  # stage3_max_live_parameters
@@ -190,9 +183,8 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         (host if offload else dev)["grads"] += part * b  # grad_partitions_flat_buffer
         if offload:
             host["grads"] += 4 * part  # the fp32 master partitions' .grad buffers, allocated up front
-    # at the training peak (the backward's reductions) stage 1/2's gradient partition is not yet
-    # counted beside the buckets: it is left out of the total (measured: the totals then agree within 3%)
-    in_total = sum(dev.values()) - (part * b if stage == 2 and not offload else 0)
+    # stage 1/2: the partitions' reduced gradients are counted at their moments (``_reductions``)
+    in_total = sum(dev.values()) - (reduce["gip"] if stage in (1, 2) else 0)
     if stage == 0:  # in the backward: the compute bytes (deepspeed_sim adds them) beside params and optim
         in_total = dev["params"] + dev["optim"]
     if stage == 3 and not offload:  # its step, one optimizer group at a time: DeepSpeed's fp32 copy of the group's
@@ -225,7 +217,27 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
     # stage 3 + cpu_offload on one rank holds less than that later (d_model 256, seq_len 16: 15,480,161 B)
     init = 4 * compose.num_params(cfg) + 2 * 4 * _largest_param(cfg)
     return {"device": dev, "host": host, "device_total": in_total, "init": init, **moments,
-            "live_gathered": live if stage == 3 else 0, "after_backward": after}
+            "live_gathered": live if stage == 3 else 0, "after_backward": after,
+            "reductions": reduce if stage in (1, 2) else None}
+
+
+def _reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
+    """Stage 1/2's reductions (stage_1_and_2.py, contiguous gradients): each gradient is copied into its
+    communication dtype's bucket when reduced; a reduction flattens the bucket's gradients into a new tensor
+    (cast to bf16 for torch_autocast's safe modules: one more copy), then copies this rank's share into the
+    gradient partition (``gip``: allocated at the first reduction, then kept). Stage 2 reduces as a bucket
+    fills; stage 1 keeps every param.grad to its reductions after the backward. ``flat``: what a reduction
+    holds beside the states (stage 1: every gradient, in buckets, flattened or not, and the cast copy);
+    ``many``: a bucket fills before the last reduction, which then holds ``gip`` too (``deepspeed_sim``)."""
+    autocast = _autocast(cfg)
+    groups = [0, 0]  # elements per communication dtype: its own, and bf16 for torch_autocast's safe modules
+    for n, _, safe in _meta_params(cfg):
+        groups[safe and autocast] += n
+    scale = P / max(1, sum(groups))  # DeepSpeed-MoE passes the rank's own parameters
+    first = [min(round(g * scale), bucket) for g in groups]  # elements of each dtype's first reduction
+    cast = first[1] * 2
+    flat = P * b + cast if stage == 1 else max(first[0] * b, first[1] * b + cast)
+    return {"gip": gip, "flat": flat, "many": any(round(g * scale) > bucket for g in groups)}
 
 
 # the last of each, shared by the ranks a plan simulates: the one-rank step, and stage 3's replayed moments
@@ -248,6 +260,20 @@ def _one_rank(mcfg, backend: str, depths: dict) -> dict:
     return _last(_ONE_RANK, repr((mcfg, backend)), lambda: simulate(mcfg, 0, 1, None, backend=backend, **depths))
 
 
+def fake_step_cfg(mcfg):
+    """The memopt config whose fake step gives a DeepSpeed stage-2 run's compute bytes: memopt's zero1.
+    memopt's zero2 reduces each group from a flat temporary copy of its gradients (``temp``, at its
+    backward's peak), where DeepSpeed reduces through its buckets (``_reductions``); memopt's zero1 reduces
+    in its gradient buffer (``grads``, not compute bytes)."""
+    from memopt.strategies.zero import Zero1Config
+
+    z = mcfg.strategy.zero2
+    if z is None:
+        return mcfg
+    return replace(mcfg, strategy=replace(mcfg.strategy, zero2=None,
+                                          zero1=Zero1Config(bucket_mb=z.bucket_mb, overlap_comm=z.overlap_comm)))
+
+
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
@@ -268,15 +294,16 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
                                                   lambda p, w: deepspeed_model_states(cfg, w, p))
     else:
         states = deepspeed_model_states(cfg, world)
-    mcfg = replace(cfg, engine=replace(cfg.engine, name="memopt"))
-    if cfg.strategy.moe is not None:
-        mcfg = deepspeed_moe_rules.fake_step_cfg(mcfg)
+    # the fake step: memopt's own, zero1 for a stage-2 run (``fake_step_cfg``: memopt's zero2 holds its own
+    # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
+    mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
     with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (deepspeed_linear.py)
         sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
         # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
         # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
         # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
         one = sim if stage < 3 or world == 1 else _one_rank(mcfg, backend, depths)
+    data = sim.get("data", 0)  # the run's data and the model's buffers, held throughout
     peaks = {}
     for mem in ("device", "host"):
         measured = sim["peaks"].get(mem, {})
@@ -290,20 +317,26 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         for c, v in states[mem].items():
             cats[c] += v
         non_model = measured.get("total", 0) - sum(measured.get(c, 0) for c in ("params", "grads", "optim", "chunks", "comm"))
-        if mem == "device" and stage < 3 and "device" in sim.get("backward_nonmodel", {}):
-            # stages 0-2 peak in the backward (the reduction buckets): the model's compute bytes (activations,
-            # temp) of memopt's forward and backward, not its non-model bytes at its own peak, which can be its
-            # optimizer step's fp32 gradient temporaries (zero1 + fp16, 1 rank: 4-10% over), nor memopt's own
-            # buffers (``other``: its collectives' scratch), which DeepSpeed's rules replace
-            non_model = sim["backward_nonmodel"]["device"]
         cats["total"] = (states["device_total"] + max(0, non_model) if mem == "device"
                          else sum(states[mem].values()) + cats["activations"])
-        if mem == "device" and states.get("after_backward"):  # stage 0 (and DeepSpeed-MoE's, deepspeed_moe_rules.py):
-            # its all-reduce or step, the activations gone; the run's own ``other`` (its data) still held
-            cats["total"] = max(cats["total"], states["after_backward"] + cats["other"])
-            if stage == 0:  # ... and held in the backward too (memopt's ddp has no scratch of its own there; MoE
-                # ddp ep=2, whose backward is the peak: 471,777 B under without it, the data's 470,373)
-                cats["total"] = max(cats["total"], states["device_total"] + max(0, non_model) + cats["other"])
+        if mem == "device" and stage < 3 and "device" in sim.get("backward_nonmodel", {}):
+            # stages 0-2: the states beside the larger of the backward and what follows it, and the data. The
+            # backward holds the model's compute bytes (activations, temp) of memopt's forward and backward, not
+            # its non-model bytes at its own peak (its optimizer step's fp32 gradient temporaries: zero1 + fp16,
+            # 1 rank, 4-10% over) nor its collectives' scratch; stage 1 also every gradient so far (each
+            # param.grad kept: d_model 256, 2 ranks, 5.4% under without), stage 2 a reduction in the backward
+            # when a bucket fills before its end. After the backward: stage 0's all-reduce or step, stage 1/2's
+            # last reductions (d_model 256, 2 ranks: zero1 15.8%, zero2 6.1% off before)
+            backward = sim["backward_nonmodel"]["device"]
+            after = states["after_backward"]
+            red = states.get("reductions")
+            if red is not None:
+                if stage == 1:
+                    backward = max(backward, sim.get("backward_with_grads", {}).get("device", 0))
+                elif red["many"]:
+                    backward += red["gip"] + red["flat"]
+                after = states["device_total"] + red["flat"] + (red["gip"] if red["many"] else 0)
+            cats["total"] = max(states["device_total"] + backward, after) + data
         if mem == "device" and stage == 3 and "device" in one.get("backward_nonmodel", {}):
             # stage 3 peaks when the backward starts: the partitions and buffers, no block in flight, what
             # DeepSpeed's coordinator still holds gathered, every activation beside the loss's gradient

@@ -102,7 +102,8 @@ def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     each early gradient's arrival, in each early recomputation; DeepSpeed's rules read them), at depth n:
     each grows by the blocks' activations, so by the same line; a list whose length differs between
     the depths is left out (the rules then fall back to the step's own peak)."""
-    out = {"backward_nonmodel": _nested(a.get("backward_nonmodel") or {}, b.get("backward_nonmodel") or {}, n1, n2, n)}
+    out = {k: _nested(a.get(k) or {}, b.get(k) or {}, n1, n2, n) for k in ("backward_nonmodel", "backward_with_grads")}
+    out["data"] = max(0, round(lerp(a.get("data", 0), b.get("data", 0), n1, n2, n)))
     for key in ("grad_ready_nonmodel", "recompute_nonmodel"):
         x, y = a.get(key) or [], b.get(key) or []
         if x and len(x) == len(y):

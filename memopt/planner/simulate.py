@@ -116,6 +116,22 @@ class PlanTracker(MemoryTracker):
         self.recompute_nonmodel: list[int] | None = None  # meanwhile: their peak from the start of each recomputation
         # in the backward to the next gradient's arrival (its block's backward; stage 3 plans it, deepspeed_rules.py)
         self._recomputing = False  # such a window is open (the last entry of ``recompute_nonmodel``)
+        self.backward_with_grads: dict[str, int] | None = None  # meanwhile: the peak of those bytes beside every
+        # gradient autograd has produced so far, each as its own tensor (DeepSpeed's stage 1 keeps each param.grad
+        # until its reductions after the backward; memopt accumulates into a flat buffer allocated whole)
+        self._arrived = 0  # bytes of those gradients
+
+    def register_module(self, module: torch.nn.Module) -> None:
+        super().register_module(module)
+        for p in module.parameters():
+            if p.requires_grad and not getattr(p, "_plan_arrival_hooked", False):
+                p.register_post_accumulate_grad_hook(self._grad_arrived)
+                p._plan_arrival_hooked = True
+
+    def _grad_arrived(self, p: torch.Tensor) -> None:
+        if self.backward_with_grads is not None:
+            self._arrived += p.numel() * p.grad.element_size()
+            self._update_peak(self.compute_key)
 
     @contextlib.contextmanager
     def retained(self, name: str = "activations", transient: str = "_forward"):
@@ -151,6 +167,8 @@ class PlanTracker(MemoryTracker):
             b = self._compute_bytes(device)
             if b > self.backward_nonmodel.get(device, 0):
                 self.backward_nonmodel[device] = b
+            if device == self.compute_key and b + self._arrived > self.backward_with_grads.get(device, 0):
+                self.backward_with_grads[device] = b + self._arrived
             if self._recomputing and device == self.compute_key:
                 self.recompute_nonmodel[-1] = max(self.recompute_nonmodel[-1], b)
         limit = self.limits.get(device)
@@ -353,18 +371,23 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     (offload_copies(tracker) if fsdp2_offload else contextlib.nullcontext()):
                 engine = engines.build_engine(cfg, device, dims, tracker)
                 engine.model.train()
+                data_bytes = 0
                 for step in range(steps):
                     last = step == steps - 1
                     tracker.counting = last
                     tracker.backward_nonmodel = {} if last else None
+                    tracker.backward_with_grads, tracker._arrived = ({} if last else None), 0
                     tracker.grad_ready_nonmodel = [] if last else None
                     tracker.recompute_nonmodel, tracker._recomputing = ([] if last else None), False
                     for micro in range(t.grad_accum):
                         x, y = data.micro_batch(step, micro, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
                         with tracker.category("other"):
                             x, y = x.to(device), y.to(device)
+                        if last and micro == 0:  # the run's data and buffers (DeepSpeed's rules add them to its moments)
+                            data_bytes = tracker.live[tracker.compute_key].get("other", 0)
                         engine.forward_backward(x, y, micro, t.grad_accum)
                     nonmodel, tracker.backward_nonmodel = tracker.backward_nonmodel or {}, None
+                    with_grads, tracker.backward_with_grads = tracker.backward_with_grads or {}, None
                     grad_ready, tracker.grad_ready_nonmodel = tracker.grad_ready_nonmodel or [], None
                     recompute, tracker.recompute_nonmodel = tracker.recompute_nonmodel or [], None
                     with tracker.category("temp"):
@@ -403,7 +426,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
             "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics,
             "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}, "grad_ready_nonmodel": grad_ready,
-            "recompute_nonmodel": recompute}
+            "recompute_nonmodel": recompute, "data": data_bytes, "backward_with_grads": {keymap.get(d, d): v for d, v in with_grads.items()}}
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ COMMON = ["model.seq_len=64", "trainer.micro_batch_size=2", "trainer.max_steps=2
 # order says (measured 110-210 KB on chunk, FSDP2 and MoE cases, passing on re-runs). The slack is the
 # largest single collective payload the run measured (``comm_per_step.max_call_bytes``), on ``temp`` and on
 # the ``total`` it raises as much (FSDP2 zero3 + bf16, gpt_tiny, 2 ranks under load, 1 run in ~15: rank 1's
-# total 497,924 B over the plan, every category exact: likely a forward all-gather's flat buffer, in no category).
+# total 497,924 B over the plan, every category exact: likely a forward all-gather's flat buffer, in no category;
+# DeepSpeed zero1 at d_model 256, rank 1 once: its all-reduce's flat copy beside the gradient partition, 6.5 MB).
 LATE_RELEASE = ("temp", "total")
 
 

@@ -83,7 +83,8 @@ MATRIX = [pytest.param(world, ov, model, id=f"{world}rank-{'+'.join(ov)}-{mid}")
           for world, ov in CASES for model, mid in ((TINY, "tiny"), (WIDE, "tiny_wide"))]
 
 
-def compare_deepspeed(plan: dict, real: dict) -> list[str]:
+def compare_deepspeed(plan: dict, real: dict, slack: dict | None = None) -> list[str]:
+    """As ``compare`` (test_accuracy.py), for ``COMPARED`` only; ``slack`` as there (gloo's late release)."""
     bad = []
     for rank, devs in real.items():
         for dev, cats in devs.items():
@@ -94,14 +95,15 @@ def compare_deepspeed(plan: dict, real: dict) -> list[str]:
                 continue
             for cat in COMPARED:
                 got, want = plan[rank][dev].get(cat, 0), cats.get(cat, 0)
-                if abs(got - want) > max(TOL * want, FLOOR):
+                tol = max(TOL * want, FLOOR)
+                if got - want > tol or want - got > tol + (slack or {}).get(cat, 0):
                     bad.append(f"rank {rank} {dev} {cat}: planned {got}, measured {want}")
     return bad
 
 
 def check_deepspeed(world: int, ov: list[str], tmp_path) -> None:
-    ov = ["engine=deepspeed", *ov]
-    bad = compare_deepspeed(planned(ov, world), measured(ov, world, tmp_path))
+    ov, slack = ["engine=deepspeed", *ov], {}
+    bad = compare_deepspeed(planned(ov, world), measured(ov, world, tmp_path, slack), slack)
     assert not bad, f"{ov} on {world} rank(s):\n" + "\n".join(bad)
 
 
@@ -120,6 +122,21 @@ def test_matrix_deepspeed_zero2_cpu_offload(model, tmp_path):
 
 WIDE256 = ["model=gpt_tiny", "model.d_model=256", "model.n_head=4"]
 SHORT = ["model.seq_len=16", "trainer.micro_batch_size=1"]
+
+
+D256_STAGE12 = [(2, ["+strategy=zero1"]), (2, ["+strategy=zero2"]), (1, ["+strategy=zero2"]),
+                (2, ["+strategy=[zero1,fp16]", HEALTHY]), (2, ["+strategy=[zero2,cpu_offload]"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [[], SHORT], ids=["seq64", "seq16"])
+@pytest.mark.parametrize("world,overrides", D256_STAGE12, ids=[f"{w}rank-{'+'.join(o)}" for w, o in D256_STAGE12])
+def test_matrix_deepspeed_stage12_d256(world, overrides, batch, tmp_path):
+    """Gradients large beside the activations: stage 1 peaks at the end of the backward with every param.grad
+    (d_model 256, 2 ranks: 72,916,865 B measured, 5.4% under before), stage 2 at its reduction after it, the
+    flat copy of every gradient beside both buckets (98,279,805 B measured, 6.1% over while memopt's zero2
+    scratch was counted)."""
+    check_deepspeed(world, [*WIDE256, *batch, *overrides], tmp_path)
 
 
 @pytest.mark.slow

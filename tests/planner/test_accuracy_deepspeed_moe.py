@@ -100,7 +100,8 @@ def test_ddp_with_bf16_weights_is_planned_at_the_unfused_optimizer_step():
     dense parameters and its 2 of 4 experts per MoE layer (L): bf16 weights and gradients (2 + 2 bytes), fp32
     masters and Adam moments (12), the fp32 copy of every gradient (4), and the foreach AdamW's sqrt of the
     largest group's second moments (4 bytes x the dense weight-decay group: embeddings, attention and dense
-    MLP weights, routers), beside the run's data (``other``). Counts from GPT's architecture, written out."""
+    MLP weights, routers), beside the run's data (``other``, whose peak adds the step's few scalars: 8 KiB here).
+    Counts from GPT's architecture, written out."""
     from tests.conftest import typed
 
     ov = [*MOE, "model.seq_len=64"]
@@ -115,4 +116,5 @@ def test_ddp_with_bf16_weights_is_planned_at_the_unfused_optimizer_step():
     plan = planned(["engine=deepspeed", *ov, "+strategy=[ddp,bf16]", BF16_WEIGHTS, "parallel.ep=2"], 2)
     for rank in ("0", "1"):
         dev = plan[rank]["device"]
-        assert abs(dev["total"] - dev["other"] - (20 * local + 4 * decay)) <= 64, dev
+        data = dev["total"] - (20 * local + 4 * decay)
+        assert 0 <= dev["other"] - data <= 16 * 1024, dev
