@@ -102,9 +102,9 @@ moments are created before the first step (both optimizers would create the same
 memopt creates them in its constructor) so they never pass through ``temp``. Gradients that land in ``param.grad`` (stage 0) are tagged ``grads``
 by the module hook. Approximate: what ``initialize`` allocates and frees again is counted as
 ``other``; transient flattening/reduction scratch counts as ``temp`` (backward and step) or as
-forward transients; under zero3 the model is built whole on every rank and partitioned by
-``initialize`` (memopt materialises one group at a time), so the init-time ``params`` peak is the
-full fp32 model.
+forward transients. Under zero3 each parameter is partitioned as it is made, as a DeepSpeed user's
+``zero.Init`` does (``deepspeed_zero_init.py``): the init-time ``params`` peak is the partitions beside
+one parameter whole; stages 0-2 materialise the whole fp32 model on every rank, as DeepSpeed keeps it.
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ import warnings
 import torch
 
 from memopt.compose import materialize, model_on_meta
-from memopt.engines import deepspeed_moe, deepspeed_shm
+from memopt.engines import deepspeed_moe, deepspeed_shm, deepspeed_zero_init
 from memopt.engines.base import Engine, gather_over_ep, rank_key, refuse_unsupported, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.optim.step import StepResult
@@ -266,8 +266,9 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
     import deepspeed
 
     model = model_on_meta(cfg, device, dims, tracker)
-    # the single-process weights on every rank (fp32; DeepSpeed casts to fp16/bf16 itself)
-    materialize(model, device, torch.float32, cfg.seed, tracker)
+    stage3 = s.zero3 is not None
+    if not stage3:  # the single-process weights on every rank (fp32; DeepSpeed casts to fp16/bf16 itself)
+        materialize(model, device, torch.float32, cfg.seed, tracker)
     if s.moe is not None:  # DeepSpeed-MoE layers holding the weights memopt's MoE layers were given
         with tracker.category("params"):
             deepspeed_moe.swap_in(model, dims.ep.size)
@@ -277,11 +278,16 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
     block_numel = max(sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0, root_numel, 1)
     config = ds_config(cfg, dims.dp.size, block_numel)
 
+    if stage3:  # partitioned as made, as under zero.Init: no rank holds the whole model (deepspeed_zero_init.py)
+        with tracker.placed_at_exit():  # offload_param's partitions are host memory from their birth
+            deepspeed_zero_init.partition_at_init(model, config, _ds_param_dtype(cfg), device, cfg.seed, tracker)
+            _retag_partitions(model, tracker, s.cpu_offload is not None and s.cpu_offload.offload_param)
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():  # distinct parameters (the tied head appears once)
         if id(p) not in seen:
             seen.add(id(p))
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            ndim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.ndim  # a ZeRO-3 partition's data is flat
+            (decay if ndim >= 2 else no_decay).append(p)
     o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if s.moe is not None:
@@ -308,6 +314,22 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
         out._prime_optimizer_state()
         out._retag()
     return out
+
+
+def _ds_param_dtype(cfg) -> torch.dtype:
+    """The dtype DeepSpeed keeps the model's parameters in for the translated config."""
+    s = cfg.strategy
+    if s.fp16 is not None:
+        return torch.float16
+    if s.bf16 is not None and s.bf16.params == "bf16":
+        return torch.bfloat16
+    return torch.float32  # fp32, or torch_autocast over fp32 weights
+
+
+def _retag_partitions(model, tracker, on_host: bool) -> None:
+    for p in model.parameters():
+        if getattr(p, "ds_tensor", None) is not None and p.ds_tensor.numel():
+            tracker.register(p.ds_tensor, "params", device="host" if on_host else None)
 
 
 @torch.no_grad()

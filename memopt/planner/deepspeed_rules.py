@@ -47,9 +47,11 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             stage 1/2 also the host staging of the updated weights (part x b) and one gradient of the
             largest parameter on the host and on the device (largest x b each)
 
-The ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises before
-DeepSpeed casts and partitions it; that, the init's two fp32 copies of the largest parameter and the data
-are also a stage-3 total (zero3 + cpu_offload on one rank, d_model 256, seq_len 16: the peak, 15,480,161 B).
+Stages 0-2: the ``params`` peak is at least the whole fp32 model (4 P), which every rank materialises
+before DeepSpeed casts it. Stage 3 partitions each parameter as it is made, as ``deepspeed.zero.Init``
+does (``engines/deepspeed_zero_init.py``): its ``params`` peak is the partitions beside one parameter
+whole, and that build, with the parameter's fp32 draws and the data, is a moment of the total
+(``_partitioned_as_made``).
 On one rank the first reduce-scatter's flat copies are a moment too (d_model 256: 16,776,058 B measured). Not modelled: alignment padding (< 2 W elements per group),
 ``initialize`` (counted as ``other``; it ends at the states before the first step, (2 b + 12) part + block x b
 + the data, below the step by 8 x the larger group's part: gpt_tiny zero3 9,602,410 B on 2 ranks,
@@ -208,15 +210,24 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
                    "activations_held": round(g * moments["activations_held"]),
                    "grads": [(round(g * held), round(b * flat)) for held, flat in moments["grads"]],
                    "recomputations": [round(g * held) for held in moments["recomputations"]]}
-    # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts and
-    # partitions it: the params peak is at least that copy (not in the training total)
-    # (stage 3's gathered blocks are not in it: a run counts them where they are gathered, under
-    # activations or temp)
-    dev["params"] = max(dev["params"] - (live if stage == 3 else 0), 4 * P)
-    # ... and its init: each parameter's values drawn in fp32 and scaled (two copies of the largest);
-    # stage 3 + cpu_offload on one rank holds less than that later (d_model 256, seq_len 16: 15,480,161 B)
-    init = 4 * compose.num_params(cfg) + 2 * 4 * _largest_param(cfg)
+    if stage == 3:  # partitioned as made (engines/deepspeed_zero_init.py): the params peak is the partitions
+        # beside one parameter whole (gathered blocks are counted where a run gathers them: activations, temp)
+        offload_param = offload and cfg.strategy.cpu_offload.offload_param
+        made = _partitioned_as_made(cfg, W, b, offload_param)
+        dev["params"] = max(dev["params"] - live, made["device"])
+        if offload_param:
+            host["params"] = max(host["params"], made["host"])
+        init = made["init"]
+        if offload:  # initialize zeroes an fp32 gradient buffer of the (one) sub-group's partition on the host and
+            # frees it: on a CPU-only machine that is the device, beside the device's partitions (d_model 256, one
+            # rank, seq_len 16: 13,327,714 B measured, the peak); on a GPU it is below the host's training peak
+            init_host_scratch = (0 if offload_param else part * b) + 4 * part
+    else:  # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts it, each
+        # parameter's values drawn in fp32 and scaled (two copies of the largest)
+        dev["params"] = max(dev["params"], 4 * P)
+        init = 4 * compose.num_params(cfg) + 2 * 4 * _largest_param(cfg)
     return {"device": dev, "host": host, "device_total": in_total, "init": init, **moments,
+            "init_host_scratch": init_host_scratch if stage == 3 and offload else 0,
             "live_gathered": live if stage == 3 else 0, "after_backward": after,
             "reductions": reduce if stage in (1, 2) else None}
 
@@ -238,6 +249,34 @@ def _reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
     cast = first[1] * 2
     flat = P * b + cast if stage == 1 else max(first[0] * b, first[1] * b + cast)
     return {"gip": gip, "flat": flat, "many": any(round(g * scale) > bucket for g in groups)}
+
+
+def _partitioned_as_made(cfg, W: int, b: int, on_host: bool) -> dict[str, int]:
+    """Stage 3's build (``deepspeed_zero_init.partition_at_init``), parameter by parameter in the model's
+    order: one made whole in b-byte elements on the device and filled from fp32 draws (two fp32 copies),
+    then its partition (ceil(n / W) elements; on the host with ``on_host``) made beside it. Peaks of the
+    ``params`` on each memory and of the device's total (the parameters and the draws)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt.models import model_class
+
+    with _disable_current_modes(), torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+    seen, kept = set(), 0  # partitions made so far
+    out = {"device": 0, "host": 0, "init": 0}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            n, part = p.numel(), math.ceil(p.numel() / W) * b
+            on_dev = 0 if on_host else kept
+            out["device"] = max(out["device"], on_dev + n * b + (0 if on_host else part))
+            out["host"] = max(out["host"], kept + part if on_host else 0)
+            out["init"] = max(out["init"], on_dev + n * b + max(8 * n, 0 if on_host else part))
+            kept += part
+    return out
 
 
 # the last of each, shared by the ranks a plan simulates: the one-rank step, and stage 3's replayed moments
@@ -354,7 +393,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             grads += [held + compute for held, compute in zip(states["recomputations"], one.get("recompute_nonmodel", []))]
             data = one["peaks"]["device"].get("other", 0)
             cats["total"] = max(states["device_total"] - states["live_gathered"] + max([start, *grads]) + data,
-                                states["after_backward"] + data, states.get("init", 0) + data)
+                                states["after_backward"] + data, states.get("init", 0) + data,
+                                (states["init_host_scratch"] + data) if backend == "gloo" else 0)
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks

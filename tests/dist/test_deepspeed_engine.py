@@ -145,6 +145,29 @@ def test_zero3_gathered_state_dict_matches_memopt(fast):
     assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)  # eval_loss under no_grad, gathered params
 
 
+def test_zero3_never_holds_the_whole_model(fast):
+    """zero3 partitions each parameter as it is made (as under ``deepspeed.zero.Init``): a rank's ``params``
+    peak is its partitions (half the model, fp32) beside at most one parameter whole, never the whole model
+    (which stage 0 holds: the reference)."""
+    import math
+
+    import torch
+
+    from memopt.models import model_class
+
+    cfg = typed([*BASE, "+strategy=zero3"])
+    with torch.device("meta"):
+        params = list({id(p): p for p in model_class(cfg.model)(cfg.model).parameters()}.values())
+    part = sum(math.ceil(p.numel() / 2) for p in params) * 4
+    largest = max(p.numel() for p in params) * 4
+    root, summaries = fast
+    whole = summaries[("ddp", "deepspeed")]["peak_bytes"]["0"]["cpu"]["params"]
+    assert whole >= 4 * sum(p.numel() for p in params)
+    for rank in ("0", "1"):
+        got = summaries[("zero3_checkpoint_saved", "deepspeed")]["peak_bytes"][rank]["cpu"]["params"]
+        assert part <= got <= part + largest < whole
+
+
 @pytest.mark.slow
 def test_cpu_offload_follows_memopt(tmp_path):
     summaries = run_matrix(tmp_path, SLOW)

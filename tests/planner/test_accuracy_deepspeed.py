@@ -144,6 +144,7 @@ def test_matrix_deepspeed_stage12_d256(world, overrides, batch, tmp_path):
 @pytest.mark.parametrize("batch", [[], SHORT], ids=["seq64", "seq16"])
 def test_matrix_deepspeed_zero3_cpu_offload_d256(world, batch, tmp_path):
     """A block large beside its activations: on one rank the peak is the first reduce-scatter (16,776,058 B
-    measured, 15,061,917 planned before), or with a short batch the init's whole fp32 model (15,480,161 B,
-    10,747,806 planned before)."""
+    measured, 15,061,917 planned before), or with a short batch ``initialize``'s fp32 gradient scratch on the
+    host, which is this machine's device (13,327,714 B; the whole fp32 model, 15,480,161 B, before the
+    parameters were partitioned as made)."""
     check_deepspeed(world, [*WIDE256, *batch, "+strategy=[zero3,cpu_offload]"], tmp_path)
