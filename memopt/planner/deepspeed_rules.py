@@ -385,7 +385,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # gradient's moment); or a gradient's arrival up to DeepSpeed's first reduce-scatter: what is held
             # then, the one-rank step's compute bytes at that gradient and, at the reduce, the bucket's flat
             # copy (and gloo's input-sized scratch); or (no offload) its optimizer step
-            ready = one.get("grad_ready_nonmodel") or [0]
+            ready = one.get("grad_ready_nonmodel") or [one["backward_nonmodel"]["device"]]  # (none: the compute peak)
             start = states["held_after_forward"] + (ready[0] if states["recomputed"] else one["backward_nonmodel"]["device"])
             grads = [held + ready[j] + flat * (2 if backend == "gloo" else 1)
                      for j, (held, flat) in enumerate(states["grads"][:len(ready)])]

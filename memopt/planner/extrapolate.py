@@ -100,14 +100,19 @@ def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
 def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     """The compute bytes a step records at its moments (``simulate_rank``: at the backward's start, at
     each early gradient's arrival, in each early recomputation; DeepSpeed's rules read them), at depth n:
-    each grows by the blocks' activations, so by the same line; a list whose length differs between
-    the depths is left out (the rules then fall back to the step's own peak)."""
+    each grows by the blocks' activations, so by the same line. A list holds an entry per gradient or
+    recomputation in the backward's order, the same number per block: its first entries (the blocks
+    both depths have, the last ones first) are extrapolated; those of the root group after them are
+    left out, as is a list whose length does not grow by whole blocks (the rules then take the step's
+    compute peak instead)."""
     out = {k: _nested(a.get(k) or {}, b.get(k) or {}, n1, n2, n) for k in ("backward_nonmodel", "backward_with_grads")}
     out["data"] = max(0, round(lerp(a.get("data", 0), b.get("data", 0), n1, n2, n)))
     for key in ("grad_ready_nonmodel", "recompute_nonmodel"):
         x, y = a.get(key) or [], b.get(key) or []
-        if x and len(x) == len(y):
-            out[key] = [max(0, round(lerp(u, v, n1, n2, n))) for u, v in zip(x, y)]
+        per, rest = divmod(len(y) - len(x), n2 - n1)  # entries per block
+        if x and not rest and per >= 0:
+            k = min(len(x), per * n1) if per else len(x)
+            out[key] = [max(0, round(lerp(u, v, n1, n2, n))) for u, v in zip(x[:k], y[:k])]
     return out
 
 

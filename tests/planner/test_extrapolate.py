@@ -166,3 +166,21 @@ def test_deepspeed_rules_read_the_extrapolated_moments(strategy, monkeypatch):
     deepspeed_rules._ONE_RANK.clear()
     for cat, want in full["peaks"]["device"].items():
         assert got["peaks"]["device"].get(cat, 0) == pytest.approx(want, rel=TOL, abs=1024), cat
+
+
+def test_extrapolated_step_carries_its_early_gradient_moments(monkeypatch):
+    """A step records the compute bytes at each gradient's arrival, a fixed number per block, the last
+    block's first (DeepSpeed's stage-3 rules read the early ones). A deep model's extrapolated step carries
+    the entries of the blocks its sampled depths share, equal to the block-by-block step's; before, lists
+    of different lengths were dropped and gpt_10b's DeepSpeed ZeRO-3-Offload plan (ckpt) fell to 1.9 GiB
+    a device where its step holds 7.6."""
+    from memopt.planner import extrapolate
+
+    cfg = typed([*COMMON, "+strategy=zero3", "model.n_layer=9"])
+    got = extrapolate.simulate(cfg, 0, 1, None, windows=[(3, 4, 5)])
+    assert got["method"].startswith("extrapolated from n_layer="), got["method"]
+    monkeypatch.setattr(extrapolate, "sample_depths", lambda cfg: [])
+    full = extrapolate.simulate(cfg, 0, 1, None)
+    early = got["grad_ready_nonmodel"]
+    assert len(early) >= 3 * (len(full["grad_ready_nonmodel"]) // 9) > 0
+    assert early == pytest.approx(full["grad_ready_nonmodel"][:len(early)], rel=TOL, abs=1024)
