@@ -197,7 +197,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
 
     def probe(n: int):
         t0 = time.perf_counter()
-        cfg = to_dataclass(compose_config([*base, f"{field}={n}"]))
+        cfg = to_dataclass(compose_config(["trainer.mode=plan", *base, f"{field}={n}"]))  # planned, not run here
         validate(cfg)
         try:
             plan = make_plan(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))
