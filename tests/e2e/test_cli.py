@@ -126,6 +126,7 @@ def test_refused_single_run_exits_nonzero_with_message(tmp_path):
         assert json.load(f)["status"] == "refused"
 
 
+@pytest.mark.slow  # 21 s; the default suite's report sweep (tests/report/test_report_sweep.py) checks the group and tags too
 def test_sweep_jobs_share_a_wandb_group(tmp_path):
     from memopt.logging import read_wandb_offline
 

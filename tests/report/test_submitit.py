@@ -13,6 +13,7 @@ ARGS = ["logger=none", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.p
         "trainer.save_checkpoint=false", "trainer.throughput_warmup_steps=1"]
 
 
+@pytest.mark.slow  # 20 s (two jobs through submitit's executor); the default suite checks the SLURM preset's config
 def test_two_job_sweep_with_the_submitit_local_executor(tmp_path):
     sweep = str(tmp_path / "sub")
     proc = run_module("memopt.train", ["-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}", *ARGS,
