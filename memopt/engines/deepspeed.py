@@ -280,7 +280,8 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
 
     if stage3:  # partitioned as made, as under zero.Init: no rank holds the whole model (deepspeed_zero_init.py)
         with tracker.placed_at_exit():  # offload_param's partitions are host memory from their birth
-            deepspeed_zero_init.partition_at_init(model, config, _ds_param_dtype(cfg), device, cfg.seed, tracker)
+            # in DeepSpeed's parameter dtype: the precision's (fp16 keeps fp16 weights: params=fp32 is refused)
+            deepspeed_zero_init.partition_at_init(model, config, Precision.of(cfg).param_dtype, device, cfg.seed, tracker)
             _retag_partitions(model, tracker, s.cpu_offload is not None and s.cpu_offload.offload_param)
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():  # distinct parameters (the tied head appears once)
@@ -314,16 +315,6 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
         out._prime_optimizer_state()
         out._retag()
     return out
-
-
-def _ds_param_dtype(cfg) -> torch.dtype:
-    """The dtype DeepSpeed keeps the model's parameters in for the translated config."""
-    s = cfg.strategy
-    if s.fp16 is not None:
-        return torch.float16
-    if s.bf16 is not None and s.bf16.params == "bf16":
-        return torch.bfloat16
-    return torch.float32  # fp32, or torch_autocast over fp32 weights
 
 
 def _retag_partitions(model, tracker, on_host: bool) -> None:

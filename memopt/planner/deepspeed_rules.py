@@ -73,12 +73,11 @@ from dataclasses import replace
 
 
 def _param_bytes(cfg) -> int:
-    s = cfg.strategy
-    if s.fp16 is not None:
-        return 2  # DeepSpeed's fp16 keeps fp16 weights (params=fp32 is refused)
-    if s.bf16 is not None and s.bf16.params == "bf16":
-        return 2
-    return 4  # fp32, or bf16 autocast over fp32 weights
+    """Bytes of DeepSpeed's parameters: the precision's weights (fp16 keeps fp16: params=fp32 is refused;
+    fp32 under bf16 autocast), as the engine builds them."""
+    from memopt.strategies.precision import Precision
+
+    return Precision.of(cfg).param_dtype.itemsize
 
 
 def _autocast(cfg) -> bool:
@@ -256,26 +255,15 @@ def _partitioned_as_made(cfg, W: int, b: int, on_host: bool) -> dict[str, int]:
     order: one made whole in b-byte elements on the device and filled from fp32 draws (two fp32 copies),
     then its partition (ceil(n / W) elements; on the host with ``on_host``) made beside it. Peaks of the
     ``params`` on each memory and of the device's total (the parameters and the draws)."""
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from memopt.models import model_class
-
-    with _disable_current_modes(), torch.device("meta"):
-        model = model_class(cfg.model)(cfg.model)
-    seen, kept = set(), 0  # partitions made so far
+    kept = 0  # partitions made so far
     out = {"device": 0, "host": 0, "init": 0}
-    for mod in model.modules():
-        for p in mod._parameters.values():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            n, part = p.numel(), math.ceil(p.numel() / W) * b
-            on_dev = 0 if on_host else kept
-            out["device"] = max(out["device"], on_dev + n * b + (0 if on_host else part))
-            out["host"] = max(out["host"], kept + part if on_host else 0)
-            out["init"] = max(out["init"], on_dev + n * b + max(8 * n, 0 if on_host else part))
-            kept += part
+    for n, _, _ in _meta_params(cfg):  # distinct parameters, in the order the engine makes them
+        part = math.ceil(n / W) * b
+        on_dev = 0 if on_host else kept
+        out["device"] = max(out["device"], on_dev + n * b + (0 if on_host else part))
+        out["host"] = max(out["host"], kept + part if on_host else 0)
+        out["init"] = max(out["init"], on_dev + n * b + max(8 * n, 0 if on_host else part))
+        kept += part
     return out
 
 
