@@ -27,13 +27,22 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run_job(overrides: list[str], run_dir: str) -> dict:
-    """Validate and run one job in this process; returns its summary (raises on failure)."""
+    """Validate and run one job in this process; returns its summary (raises on failure). ``+strategy=auto``
+    runs the composition it chooses, as the CLI does."""
     from memopt.config import to_dataclass, validate
+    from memopt.errors import ConfigError
     from memopt.trainer import Trainer
 
     cfg = compose_config(overrides)
     typed = to_dataclass(cfg)
     validate(typed)
+    if "auto" in typed.strategy.selected():
+        from memopt.train import choose_composition
+
+        chosen = choose_composition(typed, cfg, run_dir, overrides)
+        if chosen is None:
+            raise ConfigError("+strategy=auto: no candidate fits (the ranking is in auto.json)")
+        typed, cfg = chosen
     return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
 
 

@@ -202,15 +202,17 @@ def _refused_plan(typed, hw, error: str) -> dict:
             "error": error, "hardware": asdict(hw)}
 
 
-def choose_composition(typed, cfg: DictConfig, run_dir: str):
+def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str] | None = None):
     """``+strategy=auto``: (typed, DictConfig) of the fastest predicted composition that fits, or None
-    (refused summary written) when no candidate fits."""
+    (refused summary written) when no candidate fits. ``overrides``: the command's (default: Hydra's task
+    overrides; ``memopt.api.run_job`` passes its own)."""
     from memopt.api import compose_config
     from memopt.config import to_dataclass, validate
     from memopt.planner.search import ranked_table, search, split_base
 
-    base = split_base(_task_overrides())[0]  # candidates carry the strategies (and MoE's options) they need
-    rows = search(typed, _hardware(typed), _task_overrides())
+    overrides = _task_overrides() if overrides is None else list(overrides)
+    base = split_base(overrides)[0]  # candidates carry the strategies (and MoE's options) they need
+    rows = search(typed, _hardware(typed), overrides)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), rows)

@@ -1,6 +1,6 @@
 """Every failure path writes summary.json with its status, and the process exits with that status's
 code (memopt.errors.EXIT_CODES): here the refusals before allocation (2); a crashing rank (1) is in
-tests/dist/test_launch.py."""
+tests/distributed/test_launch.py."""
 from __future__ import annotations
 
 import json

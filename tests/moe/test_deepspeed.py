@@ -25,7 +25,7 @@ def rel_err(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.slow  # the default suite runs zero2 + moe with ep=2 in tests/dist/test_deepspeed_engine.py
+@pytest.mark.slow  # the default suite runs zero2 + moe with ep=2 in tests/distributed/test_deepspeed_engine.py
 def test_deepspeed_moe_follows_memopt_single_process(tmp_path):
     got = {}
     for engine in ("memopt", "deepspeed"):
