@@ -1,6 +1,9 @@
 """Deep models planned from two shallow ones (``planner/extrapolate.py``) against the simulation of every
 block (the reference: the run's code on fake tensors at the full depth), per rank, memory and category,
-within 1%; FLOPs and link traffic too. Two ranks, so chunk groups, ZeRO shards and their padding are in play."""
+within 1%; FLOPs and link traffic too. Two ranks, so chunk groups, ZeRO shards and their padding are in play.
+Both plans could share a mistake, so each case is also anchored outside the planner: FLOPs against the
+analytic count (6 per parameter and token plus 12 L T C for attention, Narayanan et al. 2021), model states against the
+bytes the shapes give."""
 from __future__ import annotations
 
 import pytest
@@ -12,13 +15,35 @@ COMMON = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "t
           "trainer.save_checkpoint=false", "logger=none", "trainer.nproc_per_node=2"]
 
 
-def check(overrides: list[str], n_layer: int, windows: list[tuple[int, int, int]], expect: str, ranks=(0, 1)) -> None:
+def analytic_flops(cfg) -> float:
+    """Training FLOPs of one rank's micro-batch from the model's shapes (no recomputation)."""
+    m = cfg.model
+    n = sum(p.numel() for p in meta_gpt(cfg).parameters()) - m.seq_len * m.d_model  # position embeddings do no matmul
+    per_token = 6 * n + 12 * m.n_layer * m.seq_len * m.d_model  # weights; attention scores and values (unmasked)
+    return per_token * cfg.trainer.micro_batch_size * m.seq_len
+
+
+def meta_gpt(cfg):
+    import torch
+
+    from memopt.models.gpt import GPT, GPTConfig
+
+    m = cfg.model
+    with torch.device("meta"):
+        return GPT(GPTConfig(name="t", n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model, seq_len=m.seq_len,
+                             vocab_size=m.vocab_size))
+
+
+def check(overrides: list[str], n_layer: int, windows: list[tuple[int, int, int]], expect: str, ranks=(0, 1),
+          anchor=None) -> None:
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import simulate_rank
 
     cfg = typed([*COMMON, *overrides, f"model.n_layer={n_layer}"])
     for rank in ranks:
         got = simulate(cfg, rank, 2, windows=windows)
+        if anchor is not None:
+            anchor(cfg, got)
         assert got["method"].startswith(expect), got["method"]
         full = simulate_rank(cfg, rank, 2)
         bad = []
@@ -42,8 +67,11 @@ def test_hybrid_adam_takes_the_first_pair_whose_chunk_layout_grows_like_the_mode
     # one block's parameters per chunk: on 2 ranks a rank's chunks grow by one every two blocks, so the
     # window (3, 4, 5) does not follow depth 12's layout (odd chunk counts are padded) and (4, 6, 8) does
     # (the last rank: it holds the padding chunk; both ranks in the slow test below)
+    def anchor(cfg, got):
+        assert got["flops"] == pytest.approx(analytic_flops(cfg), rel=0.02)
+
     check(["+strategy=hybrid_adam", "strategy.chunk.chunk_size=198272"], 12, [(3, 4, 5), (4, 6, 8)],
-          "extrapolated from n_layer=6,8 (checked at 4)", ranks=(1,))
+          "extrapolated from n_layer=6,8 (checked at 4)", ranks=(1,), anchor=anchor)
 
 
 @pytest.mark.slow
@@ -54,7 +82,12 @@ def test_hybrid_adam_extrapolates_on_both_ranks():
 
 @pytest.mark.slow
 def test_ddp_ckpt_extrapolates_to_the_full_depth():
-    check(["+strategy=[ddp,ckpt]"], 9, [(3, 4, 5)], "extrapolated from n_layer=4,5 (checked at 3)")
+    def anchor(cfg, got):  # fp32 data parallelism: every rank holds 4 + 4 + 8 bytes per parameter
+        n = sum(p.numel() for p in meta_gpt(cfg).parameters())
+        dev = got["peaks"]["device"]
+        assert (dev["params"], dev["grads"], dev["optim"]) == (4 * n, 4 * n, 8 * n)
+
+    check(["+strategy=[ddp,ckpt]"], 9, [(3, 4, 5)], "extrapolated from n_layer=4,5 (checked at 3)", anchor=anchor)
 
 
 def test_a_window_whose_slope_has_not_settled_is_passed_over():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import typed
+from tests.conftest import train, typed
 
 TINY = ["logger=none", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=2",
         "trainer.eval_every=0", "hardware=v100_patrickstar", "trainer.mode=plan", "data=synthetic",
@@ -58,6 +58,10 @@ def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_pat
     again = make_plan(cand, hw, limits_of(hw, 1))
     assert again["fits"] and "error" not in again
     assert max(f["bytes"] for f in again["fit"].values()) == plan["suggestion"]["peak_bytes"]
+    # the reference is the real engine: the suggested composition trains here to the end
+    run = [o for o in TINY if o not in ("trainer.mode=plan", "hardware=v100_patrickstar")] + ["trainer.max_steps=2"]
+    s = train([*run, *fix], str(tmp_path / "run"))
+    assert s["status"] == "ok" and s["steps"] == 2, s
 
 
 def test_suggestion_applies_the_chunk_engines_fixes_and_the_fix_runs(tmp_path, capsys):
