@@ -513,20 +513,21 @@ def _rel(planned, measured):
 
 
 # ---- tests -----------------------------------------------------------------------------------
-_RESULT_RE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-_RESULT_RE2 = re.compile(r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)")
+_OUTCOMES = r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
+_RESULT_RE = re.compile(r"(\S+::\S+)\s+" + _OUTCOMES + r"\b")  # pytest -v: "tests/a.py::t PASSED [ 5%]"
+_RESULT_RE2 = re.compile(_OUTCOMES + r"\s+(\S+::\S+)")  # pytest -v -n N: "[gw0] [ 5%] PASSED tests/a.py::t"
 
 
 def parse_pytest(text: str) -> dict:
     """Counts per outcome from ``pytest -v -rfE`` output (partial output too), failures' short text."""
     seen: dict[str, str] = {}
     for line in text.splitlines():
-        m = _RESULT_RE.match(line.strip())
+        m = _RESULT_RE.search(line)
         if m:
             seen[m.group(1)] = m.group(2)
             continue
-        m = _RESULT_RE2.match(line.strip())
-        if m and m.group(2) not in seen and not line.startswith(("FAILED ", "ERROR ")):
+        m = _RESULT_RE2.search(line)
+        if m:
             seen[m.group(2)] = m.group(1)
     counts: dict[str, int] = {}
     for v in seen.values():
@@ -554,16 +555,15 @@ def cuda_marked_test_files(root: str = os.path.join(REPO, "tests"), exclude: str
     return out
 
 
-def _pytest_run(check: Check, name: str, args: list[str], env: dict, timeout: float) -> dict:
+def _pytest_run(check: Check, name: str, args: list[str], env: dict, timeout: float, workers: int = 1) -> dict:
+    import importlib.util
+
     log = check.log_path(f"tests_{name}")
     extra = ["-p", "no:cacheprovider"]
-    try:
-        import importlib.util
-
-        if importlib.util.find_spec("pytest_timeout") is not None:
-            extra += ["--timeout", "120"]
-    except Exception:  # noqa: BLE001
-        pass
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        extra += ["--timeout", "120"]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        extra += ["-n", str(workers)]  # Triton compiles in parallel (the tests' timings are not measurements)
     r = run_cmd([sys.executable, "-m", "pytest", "-v", "-rfE", *extra, *args], timeout, log, env=env)
     res = parse_pytest(tail(log, 400_000))
     res.update(rc=r["rc"], seconds=r["seconds"], timed_out=r["timed_out"], args=args)
@@ -577,7 +577,10 @@ def section_tests(check: Check, cap: float, rec: dict) -> dict:
     deadline = time.monotonic() + cap
     res: dict = {}
     env = dict(os.environ, TRITON_INTERPRET="0", MEMOPT_FLASH_NO_AUTOTUNE="1", PYTHONUNBUFFERED="1")
-    res["kernels_compiled"] = _pytest_run(check, "kernels", ["tests/kernels"], env, deadline - time.monotonic() - 15)
+    if "flash" in check.results.get("sections_planned", ()):
+        start_flash_warm(check)  # compiles the autotuned kernels of the flash section meanwhile
+    workers = max(1, min(4, (os.cpu_count() or 1) // 4))
+    res["kernels_compiled"] = _pytest_run(check, "kernels", ["tests/kernels"], env, deadline - time.monotonic() - 15, workers)
     res["kernels_compiled"]["env"] = "TRITON_INTERPRET=0 MEMOPT_FLASH_NO_AUTOTUNE=1 (compiled for the GPU, fixed tiles)"
     files = cuda_marked_test_files()
     if files and deadline - time.monotonic() > 10:
@@ -604,13 +607,48 @@ def causal_flops(b: int, h: int, n: int, d: int) -> tuple[float, float]:
     return fwd, 3.5 * fwd
 
 
+def start_flash_warm(check: Check) -> None:
+    """Compile the autotuned kernels of every (dtype, head dim) in the background (Triton's on-disk
+    cache keeps them for the flash section's process)."""
+    log = check.log_path("flash_warm")
+    f = open(log, "wb")
+    p = subprocess.Popen([sys.executable, "-m", "memopt.gpu_check", "--flash-warm"], stdout=f, stderr=subprocess.STDOUT,
+                         cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    f.close()
+    check.background["flash_warm"] = (p, {"log": log, "t0": time.monotonic()})
+
+
+def flash_warm() -> int:
+    import torch
+
+    from memopt.kernels.flash_attn import flash_attn
+
+    for dt_name, d in FLASH_GROUPS:
+        t0 = time.perf_counter()
+        q, k, v = (torch.randn(1, 8, FLASH_NS[0], d, device="cuda", dtype=getattr(torch, dt_name), requires_grad=True)
+                   for _ in range(3))
+        flash_attn(q, k, v, causal=True).sum().backward()
+        torch.cuda.synchronize()
+        print(f"warm {dt_name} D={d}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
 def section_flash(check: Check, cap: float, rec: dict) -> dict:
     if check.mode != "cuda":
         raise SkipSection("no CUDA device: the Triton kernels are compared with SDPA's flash backend on a GPU only")
+    t_start = time.monotonic()
+    warm = check.background.get("flash_warm")
+    if warm is not None:  # let the compile finish (it saves the time it takes), not past a third of the cap
+        try:
+            warm[0].wait(timeout=max(1.0, cap / 3))
+        except subprocess.TimeoutExpired:
+            _kill_group(warm[0])
+        rec["warm_s"] = round(time.monotonic() - warm[1]["t0"], 1)
     path = os.path.join(check.work, "flash.jsonl")
     if os.path.exists(path):
         os.remove(path)
     log = check.log_path("flash")
+    cap = max(10.0, cap - (time.monotonic() - t_start))
     r = run_cmd([sys.executable, "-m", "memopt.gpu_check", "--flash-worker", path, "--cap", str(cap - 8)], cap, log,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     cases = []
@@ -631,7 +669,9 @@ def section_flash(check: Check, cap: float, rec: dict) -> dict:
     return res
 
 
-def flash_worker(path: str, cap: float) -> int:
+def flash_worker(path: str, cap: float, device: str = "cuda", cases=None, tokens: int = FLASH_TOKENS) -> int:
+    """The flash section's cases, one JSON line each into ``path``. ``device="cpu"`` (with
+    TRITON_INTERPRET=1, tiny fp32 cases) exercises the same code on a CPU for the tests."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -639,7 +679,7 @@ def flash_worker(path: str, cap: float) -> int:
     from memopt.kernels.flash_attn import flash_attn
 
     end = time.monotonic() + cap
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in IEEE fp32
 
     def emit(rec):
@@ -651,12 +691,12 @@ def flash_worker(path: str, cap: float) -> int:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     impls = {"memopt": lambda q, k, v: flash_attn(q, k, v, causal=True), "sdpa": sdpa_flash}
-    for dt_name, d, n in flash_cases():
+    for dt_name, d, n in cases or flash_cases():
         if time.monotonic() > end - 3:
             emit({"dtype": dt_name, "head_dim": d, "n": n, "error": "not run: the section's cap was reached"})
             continue
         dtype = getattr(torch, dt_name)
-        bh = max(1, FLASH_TOKENS // n)
+        bh = max(1, tokens // n)
         h = min(8, bh)
         b = bh // h
         rec = {"dtype": dt_name, "head_dim": d, "n": n, "batch": b, "heads": h, "batch_heads": bh}
@@ -675,7 +715,7 @@ def flash_worker(path: str, cap: float) -> int:
                     o.backward(do[sl].float())
                     ref["out"][sl], ref["dq"][sl], ref["dk"][sl], ref["dv"][sl] = o.detach(), qf.grad, kf.grad, vf.grad
                     del qf, kf, vf, o
-            torch.cuda.empty_cache()
+            _empty_cache(dev)
             rec["ref_max_abs"] = {key: float(t.abs().max()) for key, t in ref.items()}
             fwd_flops, fb_flops = causal_flops(b, h, n, d)
             for name, fn in impls.items():
@@ -689,13 +729,28 @@ def flash_worker(path: str, cap: float) -> int:
         except Exception as exc:  # noqa: BLE001
             rec["error"] = f"{type(exc).__name__}: {exc}"
         emit(rec)
-        torch.cuda.empty_cache()
+        _empty_cache(dev)
     return 0
+
+
+def _empty_cache(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
     import torch
 
+    dev = q.device
     out: dict = {}
     try:
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -708,7 +763,7 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
 
         t0 = time.perf_counter()
         o = fwdbwd()
-        torch.cuda.synchronize()
+        _sync(dev)
         out["first_call_s"] = round(time.perf_counter() - t0, 3)  # compile + autotune included
         out["max_abs_err"] = {
             "out": float((o.detach().float() - ref["out"]).abs().max()),
@@ -719,23 +774,29 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
         del o
         for _ in range(FLASH_WARMUP):
             fwdbwd()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwdbwd()
-        torch.cuda.synchronize()
-        out["peak_bytes"] = torch.cuda.max_memory_allocated()
-        out["peak_over_start_bytes"] = out["peak_bytes"] - base
+        _sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            fwdbwd()
+            torch.cuda.synchronize(dev)
+            out["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+            out["peak_over_start_bytes"] = out["peak_bytes"] - base
 
         def timed(f) -> float:
             ts = []
             for _ in range(FLASH_REPS):
-                a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                f()
-                b_.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b_))
+                if dev.type == "cuda":
+                    a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    f()
+                    b_.record()
+                    torch.cuda.synchronize(dev)
+                    ts.append(a.elapsed_time(b_))
+                else:
+                    t1 = time.perf_counter()
+                    f()
+                    ts.append(1e3 * (time.perf_counter() - t1))
             ts.sort()
             return ts[len(ts) // 2]
 
@@ -863,6 +924,7 @@ def run_check(out: str, budget_s: float = DEFAULT_BUDGET_S, mode: str = "cuda", 
               wheels: dict | None = None, caps: dict | None = None) -> dict:
     check = Check(out, budget_s, mode)
     check.results["wheels"] = wheels
+    check.results["sections_planned"] = list(sections)
     caps = {**CAPS, **(caps or {})}
     try:
         for name in sections:
@@ -892,11 +954,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="run the orchestration on a CPU (tiny model; CUDA sections skipped)")
     ap.add_argument("--no-install", action="store_true", help="do not install the wheels (the packages are importable already)")
     ap.add_argument("--flash-worker", metavar="JSONL", help=argparse.SUPPRESS)
+    ap.add_argument("--flash-warm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=float, default=60.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.flash_worker:
         return flash_worker(args.flash_worker, args.cap)
+    if args.flash_warm:
+        return flash_warm()
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown or not args.out:

@@ -57,14 +57,14 @@ def test_sections_error_skip_budget(tmp_path):
         raise gc.SkipSection("needs a GPU")
 
     def partial(c, cap, rec):
-        clock.t += 45
+        clock.t += 50
         return {"_status": "partial", "_note": "2 of 3 cases", "cases": [1, 2]}
 
     check.run_section("a", ok, cap_s=50)
     check.run_section("b", boom, cap_s=50)
     check.run_section("c", skip, cap_s=50)
     check.run_section("d", partial, cap_s=80)  # cap trimmed by the budget: 100 - 40 - reserve
-    check.run_section("e", ok, cap_s=50)  # 15 s left, minus the reserve: under MIN_SECTION_S
+    check.run_section("e", ok, cap_s=50)  # 10 s left, minus the reserve: under MIN_SECTION_S
     res = check.finish()
     s = res["sections"]
     assert s["a"]["status"] == "ok" and s["a"]["result"]["value"] == 1 and s["a"]["result"]["cap_seen"] == 50
@@ -159,6 +159,9 @@ ERROR tests/kernels/test_b.py::test_four - RuntimeError: CUDA error
     assert r["failures"][0].startswith("FAILED tests/kernels/test_a.py::test_two[64-True] - AssertionError")
     assert len(r["failures"]) == 2
     assert r["last_line"] == "1 failed, 1 passed, 1 skipped, 1 error in 12.34s"
+    xdist = gc.parse_pytest("[gw0] [ 50%] PASSED tests/a.py::t1 \n[gw1] [100%] FAILED tests/a.py::t2[x] \n"
+                            "FAILED tests/a.py::t2[x] - boom")
+    assert xdist["counts"] == {"passed": 1, "failed": 1} and xdist["failures"] == ["FAILED tests/a.py::t2[x] - boom"]
     partial = gc.parse_pytest("\n".join(text.splitlines()[:2]))  # cut off by the cap
     assert partial["counts"] == {"passed": 1, "failed": 1} and partial["last_line"] == ""
 
@@ -215,3 +218,26 @@ def test_wheels_install_into_a_fresh_target_and_import(tmp_path):
                        env={"PYTHONPATH": target, "PATH": os.environ.get("PATH", "")})
     assert p.returncode == 0, p.stderr
     assert all(line.startswith(target) for line in p.stdout.split()), p.stdout
+
+
+def test_flash_worker_on_cpu(tmp_path):
+    """The flash section's worker, run on a CPU under Triton's interpreter (fp32 and fp16, tiny):
+    one JSON line per case, both implementations timed and compared with the fp32 reference."""
+    path = tmp_path / "flash.jsonl"
+    code = ("import os, sys; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from memopt import gpu_check as gc\n"
+            "gc.FLASH_WARMUP, gc.FLASH_REPS = 1, 1\n"
+            "gc.flash_worker(sys.argv[1], 120, device='cpu', cases=[('float32', 16, 32), ('float16', 16, 48)], tokens=64)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["dtype"], r["n"], r["batch_heads"]) for r in recs] == [("float32", 32, 2), ("float16", 48, 1)]
+    for r, tol in zip(recs, (1e-5, 1e-2)):
+        assert "error" not in r, r
+        for impl in ("memopt", "sdpa"):
+            m = r[impl]
+            assert "error" not in m, (impl, m)
+            assert set(m["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(m["max_abs_err"].values()) < tol, m
+            assert m["fwd_ms"] > 0 and m["fwdbwd_ms"] > 0 and m["fwdbwd_tflops"] > 0
+    gc.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
