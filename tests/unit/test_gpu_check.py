@@ -214,8 +214,17 @@ def test_wheels_install_into_a_fresh_target_and_import(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
     code = ("import hydra, omegaconf, antlr4; from omegaconf import OmegaConf; "
             "OmegaConf.create({'a': '${b}', 'b': 1}).a == 1 or exit(3); print(hydra.__file__); print(omegaconf.__file__)")
+    # the GPU machine has pyyaml and packaging (omegaconf's and hydra's other needs): give the fresh
+    # interpreter these two, from this environment, and nothing else
+    import packaging
+    import yaml
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for mod in (yaml, packaging):
+        os.symlink(os.path.dirname(mod.__file__), base / mod.__name__)
     p = subprocess.run([os.path.join(venv, "bin", "python"), "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": target, "PATH": os.environ.get("PATH", "")})
+                       env={"PYTHONPATH": os.pathsep.join([target, str(base)]), "PATH": os.environ.get("PATH", "")})
     assert p.returncode == 0, p.stderr
     assert all(line.startswith(target) for line in p.stdout.split()), p.stdout
 
