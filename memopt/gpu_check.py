@@ -247,7 +247,9 @@ def format_text(results: dict) -> str:
     for key, t in tests.items():
         if isinstance(t, dict) and "counts" in t:
             lines.append(f"tests {key}: " + ", ".join(f"{k} {v}" for k, v in t["counts"].items()) +
-                         (f"  ({t.get('last_line')})" if t.get("last_line") else ""))
+                         (f"  ({t.get('last_line')})" if t.get("last_line") else "") + (" TIMED OUT" if t.get("timed_out") else ""))
+            if "bf16_cuda" in t:
+                lines.append("  test_bf16_cuda: " + (", ".join(f"{k.split('::')[-1]} {v}" for k, v in t["bf16_cuda"].items()) or "not reached"))
             for f in t.get("failures", [])[:10]:
                 lines.append(f"  {f[:160]}")
     flash = ((secs.get("flash") or {}).get("result") or {}).get("cases") or []
@@ -449,6 +451,14 @@ def start_plans(check: Check) -> dict:
         f.close()
         check.background[f"plan_{name}"] = (p, {"dir": d, "log": log, "t0": time.monotonic(), "cmd": cmd})
         started.append(name)
+    # the host Adam's C++ kernel (zero2_offload, the chunk engine) builds once, here, not in a timed run
+    log = check.log_path("cpu_adam_build")
+    f = open(log, "wb")
+    p = subprocess.Popen([sys.executable, "-c", "from memopt.optim.cpu_adam import load_kernel, kernel_error; "
+                          "load_kernel(); print('cpu_adam kernel:', kernel_error() or 'built')"],
+                         stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+    f.close()
+    check.background["cpu_adam_build"] = (p, {"log": log, "t0": time.monotonic()})
     return {"started": started}
 
 
@@ -538,7 +548,7 @@ def parse_pytest(text: str) -> dict:
         if re.search(r"\b(passed|failed|error|skipped|no tests ran|deselected)\b", line) and line.startswith("="):
             last = line.strip("= ").strip()
             break
-    return {"counts": counts, "failures": failures[:40], "last_line": last}
+    return {"counts": counts, "failures": failures[:40], "last_line": last, "outcomes": seen}
 
 
 def cuda_marked_test_files(root: str = os.path.join(REPO, "tests"), exclude: str = "kernels") -> list[str]:
@@ -559,7 +569,7 @@ def _pytest_run(check: Check, name: str, args: list[str], env: dict, timeout: fl
     import importlib.util
 
     log = check.log_path(f"tests_{name}")
-    extra = ["-p", "no:cacheprovider"]
+    extra = []  # (pyproject's addopts: -m 'not slow' -p no:cacheprovider)
     if importlib.util.find_spec("pytest_timeout") is not None:
         extra += ["--timeout", "120"]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
@@ -582,6 +592,7 @@ def section_tests(check: Check, cap: float, rec: dict) -> dict:
     workers = max(1, min(4, (os.cpu_count() or 1) // 4))
     res["kernels_compiled"] = _pytest_run(check, "kernels", ["tests/kernels"], env, deadline - time.monotonic() - 15, workers)
     res["kernels_compiled"]["env"] = "TRITON_INTERPRET=0 MEMOPT_FLASH_NO_AUTOTUNE=1 (compiled for the GPU, fixed tiles)"
+    res["kernels_compiled"]["bf16_cuda"] = {k: v for k, v in res["kernels_compiled"]["outcomes"].items() if "bf16_cuda" in k}
     files = cuda_marked_test_files()
     if files and deadline - time.monotonic() > 10:
         res["cuda_marked"] = _pytest_run(check, "cuda_marked", ["-m", "cuda", *files], dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -878,6 +889,10 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
                  "note": "rel err = (planned - measured) / measured; measured device peak: the tracker's (what the planner "
                          "predicts) and torch.cuda.max_memory_allocated (the caching allocator's); step time: the trainer's "
                          "median after warm-up, with the memory tracker on"}
+    bg = check.background.get("cpu_adam_build")
+    if bg is not None:
+        res["cpu_adam_build"] = (tail(bg[1]["log"], 400).strip().splitlines() or ["(no output)"])[-1] if bg[0].poll() is not None \
+            else "still building"
     zo = next((r for r in runs if r.get("name") == "zero2_offload"), None)
     if zo:
         res["zero_offload"] = {"engine": "memopt", "step_time_s": zo.get("step_time_s"), "optim_step_s": zo.get("optim_step_s"),
