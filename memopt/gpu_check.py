@@ -144,18 +144,36 @@ def add_paths(paths: list[str]) -> None:
 # ----------------------------------------------------------------------------------------------
 # Subprocesses with a timeout (a process group, killed whole on timeout)
 # ----------------------------------------------------------------------------------------------
-def run_cmd(cmd: list[str], timeout: float, log: str, env: dict | None = None, cwd: str = REPO) -> dict:
-    t0 = time.monotonic()
+_LIVE: set = set()  # every subprocess started here and not yet reaped (killed on SIGTERM / SIGINT)
+
+
+def spawn(cmd: list[str], log: str, env: dict | None = None, cwd: str = REPO) -> subprocess.Popen:
+    """A subprocess in its own process group (killed whole at its cap), output into ``log``."""
     with open(log, "wb") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
-        timed_out = False
-        try:
-            rc = p.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(p)
-            rc = p.wait()
+    _LIVE.add(p)
+    return p
+
+
+def run_cmd(cmd: list[str], timeout: float, log: str, env: dict | None = None, cwd: str = REPO) -> dict:
+    t0 = time.monotonic()
+    p = spawn(cmd, log, env, cwd)
+    timed_out = False
+    try:
+        rc = p.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(p)
+        rc = p.wait()
+    _LIVE.discard(p)
     return {"rc": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def kill_all() -> None:
+    for p in list(_LIVE):
+        if p.poll() is None:
+            _kill_group(p)
+        _LIVE.discard(p)
 
 
 def _kill_group(p: subprocess.Popen) -> None:
@@ -313,6 +331,7 @@ class Check:
         self.t0 = clock()
         self.work = work or tempfile.mkdtemp(prefix="memopt-gpu-check-")
         self.results = new_results(self.budget_s, mode)
+        self.results["work_dir"] = self.work  # subprocess logs and run directories (not copied out)
         self.background: dict[str, tuple[subprocess.Popen, dict]] = {}
         self.logs: list[str] = []
         os.makedirs(out, exist_ok=True)
@@ -363,11 +382,12 @@ class Check:
         self.write()
         return rec
 
-    def finish(self) -> dict:
+    def finish(self, status: str = "done") -> dict:
         for key, (p, meta) in list(self.background.items()):
             if p.poll() is None:
                 _kill_group(p)
-        self.results["status"] = "done"
+        kill_all()
+        self.results["status"] = status
         self.results["finished"] = _now()
         self.write()
         self.write_logs()
@@ -446,18 +466,13 @@ def start_plans(check: Check) -> dict:
         cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, ov, check.mode != "cuda"),
                "trainer.mode=plan", f"hydra.run.dir={d}"]
         log = check.log_path(f"plan_{name}")
-        f = open(log, "wb")
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
-        f.close()
+        p = spawn(cmd, log, env)
         check.background[f"plan_{name}"] = (p, {"dir": d, "log": log, "t0": time.monotonic(), "cmd": cmd})
         started.append(name)
     # the host Adam's C++ kernel (zero2_offload, the chunk engine) builds once, here, not in a timed run
     log = check.log_path("cpu_adam_build")
-    f = open(log, "wb")
-    p = subprocess.Popen([sys.executable, "-c", "from memopt.optim.cpu_adam import load_kernel, kernel_error; "
-                          "load_kernel(); print('cpu_adam kernel:', kernel_error() or 'built')"],
-                         stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
-    f.close()
+    p = spawn([sys.executable, "-c", "from memopt.optim.cpu_adam import load_kernel, kernel_error; "
+               "load_kernel(); print('cpu_adam kernel:', kernel_error() or 'built')"], log, env)
     check.background["cpu_adam_build"] = (p, {"log": log, "t0": time.monotonic()})
     return {"started": started}
 
@@ -622,10 +637,7 @@ def start_flash_warm(check: Check) -> None:
     """Compile the autotuned kernels of every (dtype, head dim) in the background (Triton's on-disk
     cache keeps them for the flash section's process)."""
     log = check.log_path("flash_warm")
-    f = open(log, "wb")
-    p = subprocess.Popen([sys.executable, "-m", "memopt.gpu_check", "--flash-warm"], stdout=f, stderr=subprocess.STDOUT,
-                         cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    f.close()
+    p = spawn([sys.executable, "-m", "memopt.gpu_check", "--flash-warm"], log, dict(os.environ, PYTHONUNBUFFERED="1"))
     check.background["flash_warm"] = (p, {"log": log, "t0": time.monotonic()})
 
 
@@ -942,6 +954,17 @@ def run_check(out: str, budget_s: float = DEFAULT_BUDGET_S, mode: str = "cuda", 
               wheels: dict | None = None, caps: dict | None = None) -> dict:
     check = Check(out, budget_s, mode)
     check.results["wheels"] = wheels
+
+    def on_signal(signum, frame):  # a timeout from outside: stop the children, keep what was measured
+        check.finish(status=f"interrupted by signal {signum}")
+        os._exit(130)
+
+    old_handlers = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            old_handlers[sig] = signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread
+            pass
     check.results["sections_planned"] = list(sections)
     caps = {**CAPS, **(caps or {})}
     try:
@@ -957,6 +980,8 @@ def run_check(out: str, budget_s: float = DEFAULT_BUDGET_S, mode: str = "cuda", 
             check.run_section(name, SECTION_FNS[name], caps[name])
     finally:
         check.finish()
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
     return check.results
 
 

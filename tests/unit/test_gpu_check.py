@@ -250,3 +250,35 @@ def test_flash_worker_on_cpu(tmp_path):
             assert set(m["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(m["max_abs_err"].values()) < tol, m
             assert m["fwd_ms"] > 0 and m["fwdbwd_ms"] > 0 and m["fwdbwd_tflops"] > 0
     gc.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
+
+
+def test_sigterm_keeps_the_results_and_stops_the_children(tmp_path):
+    """A timeout from outside (SIGTERM) while sections run: exit 130, the record says so, the plans
+    started in the background are stopped."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "memopt.gpu_check", str(out), "--cpu-dry-run", "--no-install",
+                          "--sections", "env,compositions"], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    rec = {}
+    while time.monotonic() < deadline:
+        try:
+            rec = json.loads((out / "gpu_check.json").read_text())
+        except (OSError, ValueError):
+            rec = {}
+        if (rec.get("sections", {}).get("compositions") or {}).get("status") == "running":
+            break
+        time.sleep(0.2)
+    assert (rec.get("sections", {}).get("compositions") or {}).get("status") == "running", rec
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 130
+    rec = json.loads((out / "gpu_check.json").read_text())
+    assert rec["status"].startswith("interrupted by signal") and rec["sections"]["env"]["status"] == "ok"
+    logs = (out / "gpu_check_logs.txt").read_text()
+    assert "plan_plain_bf16.log" in logs
+    time.sleep(1)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert rec["work_dir"] not in ps, [line for line in ps.splitlines() if rec["work_dir"] in line]
