@@ -16,9 +16,13 @@ from memopt import gpu_check as gc
 REPO = gc.REPO
 
 
+def _pythonpath() -> str:
+    return os.pathsep.join([REPO, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
 def test_no_cuda_prints_one_line_and_exits_0(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=_pythonpath())
     p = subprocess.run([sys.executable, "-m", "memopt.gpu_check", str(out)], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -238,7 +242,7 @@ def test_flash_worker_on_cpu(tmp_path):
             "gc.FLASH_WARMUP, gc.FLASH_REPS = 1, 1\n"
             "gc.flash_worker(sys.argv[1], 120, device='cpu', cases=[('float32', 16, 32), ('float16', 16, 48)], tokens=64)\n")
     p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+                       env=dict(os.environ, PYTHONPATH=_pythonpath()), cwd=REPO)
     assert p.returncode == 0, p.stderr
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["dtype"], r["n"], r["batch_heads"]) for r in recs] == [("float32", 32, 2), ("float16", 48, 1)]
@@ -260,7 +264,7 @@ def test_sigterm_keeps_the_results_and_stops_the_children(tmp_path):
 
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "-m", "memopt.gpu_check", str(out), "--cpu-dry-run", "--no-install",
-                          "--sections", "env,compositions"], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                          "--sections", "env,compositions"], cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     rec = {}
