@@ -616,6 +616,10 @@ def section_tests(check: Check, cap: float, rec: dict) -> dict:
         res["cuda_marked"] = {"note": "no test marked cuda outside tests/kernels"}
     bad = any(isinstance(v, dict) and (v.get("timed_out") or v.get("counts", {}).get("failed") or v.get("counts", {}).get("error")
                                        or v.get("rc") not in (0, 5, None)) for v in res.values())
+    bf16 = res["kernels_compiled"]["bf16_cuda"]
+    if not bf16 or any(v != "PASSED" for v in bf16.values()):
+        bad = True
+        res["_note"] = f"test_bf16_cuda did not pass on the GPU: {bf16 or 'not reached'}"
     if bad:
         res["_status"] = "partial"
     return res
@@ -687,8 +691,10 @@ def section_flash(check: Check, cap: float, rec: dict) -> dict:
     done = [c for c in cases if "memopt" in c]
     if r["rc"] != 0 or r["timed_out"] or len(done) < len(flash_cases()) or any(c.get("error") or (c.get("memopt") or {}).get("error") for c in cases):
         res["_status"] = "partial" if cases else "error"
-        if not cases:
-            res["_note"] = tail(log, 300)
+        errors = [c.get("error") or (c.get("memopt") or {}).get("error") or (c.get("sdpa") or {}).get("error") for c in cases]
+        errors = [e for e in errors if e]
+        res["_note"] = (f"{len(done)} of {len(flash_cases())} cases measured; {len(errors)} with an error"
+                        + (f", the first: {errors[0][:200]}" if errors else "")) if cases else tail(log, 300)
     return res
 
 
