@@ -605,10 +605,11 @@ def section_tests(check: Check, cap: float, rec: dict) -> dict:
     if "flash" in check.results.get("sections_planned", ()):
         start_flash_warm(check)  # compiles the autotuned kernels of the flash section meanwhile
     workers = max(1, min(4, (os.cpu_count() or 1) // 4))
-    res["kernels_compiled"] = _pytest_run(check, "kernels", ["tests/kernels"], env, deadline - time.monotonic() - 15, workers)
+    files = cuda_marked_test_files()
+    res["kernels_compiled"] = _pytest_run(check, "kernels", ["tests/kernels"], env,
+                                          deadline - time.monotonic() - (15 if files else 0), workers)
     res["kernels_compiled"]["env"] = "TRITON_INTERPRET=0 MEMOPT_FLASH_NO_AUTOTUNE=1 (compiled for the GPU, fixed tiles)"
     res["kernels_compiled"]["bf16_cuda"] = {k: v for k, v in res["kernels_compiled"]["outcomes"].items() if "bf16_cuda" in k}
-    files = cuda_marked_test_files()
     if files and deadline - time.monotonic() > 10:
         res["cuda_marked"] = _pytest_run(check, "cuda_marked", ["-m", "cuda", *files], dict(os.environ, PYTHONUNBUFFERED="1"),
                                          deadline - time.monotonic())
