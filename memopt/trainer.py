@@ -222,12 +222,14 @@ class Trainer:
         mine = {"peaks": tracker.peaks() if tracker.enabled else None, "rss": peak_rss_bytes()}
         if self.device.type == "cuda":
             mine["cuda"] = torch.cuda.max_memory_allocated(self.device)
+            mine["cuda_reserved"] = torch.cuda.max_memory_reserved(self.device)
         everyone = self.dims.world.gather_objects(mine)
         if tracker.enabled:
             self.summary["peak_bytes"] = {str(r): o["peaks"] for r, o in enumerate(everyone)}
         self.summary["peak_rss_bytes"] = {str(r): o["rss"] for r, o in enumerate(everyone)}
         if self.device.type == "cuda":
             self.summary["cuda_allocator_peak"] = {str(r): o.get("cuda") for r, o in enumerate(everyone)}
+            self.summary["cuda_allocator_reserved_peak"] = {str(r): o.get("cuda_reserved") for r, o in enumerate(everyone)}
 
     # ---- resumable checkpoints, divergence and signals (memopt.checkpoint, memopt.guards) ---------
     def _identity(self) -> dict:

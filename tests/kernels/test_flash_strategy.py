@@ -18,11 +18,23 @@ TINY = ["model.n_layer=2", "model.seq_len=32", "model.d_model=64", "model.n_head
         "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0", "optim.lr=3e-3"]
 
 
+def _kernel_device() -> str:
+    """Where the kernels run in this session: the CPU under Triton's interpreter (the default,
+    conftest.py), CUDA when compiled (``TRITON_INTERPRET=0`` on a GPU machine); skip otherwise."""
+    from memopt.kernels import flash_attn as fa
+
+    if fa._kernels_interpreted():
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("triton compiles the kernels (TRITON_INTERPRET=0) and no CUDA device is present")
+    return "cuda"
+
+
 def test_flash_follows_sdpa_trajectory(tmp_path):
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    dev = [f"trainer.device={_kernel_device()}"]
     a, b = str(tmp_path / "sdpa"), str(tmp_path / "flash")
-    train(TINY, a)
-    s = train(TINY + ["+strategy=flash_attn"], b)
+    train(TINY + dev, a)
+    s = train(TINY + dev + ["+strategy=flash_attn"], b)
     assert s["strategy"] == ["flash_attn"]
     la, lb = losses(a), losses(b)
     # both are fp32 attention; they differ only in summation order (~1e-6 relative per op)
@@ -34,15 +46,17 @@ def test_tracker_sees_linear_attention_activations(impl, lo, hi):
     """Retained bytes of one attention core at N=64 and N=256 (head dim 32): x4 for the kernel,
     between x6 and x16 for the explicit score matrix (its O(N) terms weigh at N=64)."""
     core = FlashCore() if impl == "flash" else AttentionCore(impl, 0.0)
+    dev = torch.device(_kernel_device() if impl == "flash" else "cpu")
+    key = "cpu" if dev.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
 
     def retained(n: int) -> int:
         g = torch.Generator().manual_seed(n)
-        q, k, v = (torch.randn(1, 2, n, 32, generator=g, requires_grad=True) for _ in range(3))
-        tr = MemoryTracker("cpu")
+        q, k, v = (torch.randn(1, 2, n, 32, generator=g).to(dev).requires_grad_() for _ in range(3))
+        tr = MemoryTracker(dev)
         with tr:
             with tr.retained("activations"):
                 out = core(q, k, v)
-            kept = tr.live["cpu"]["activations"]
+            kept = tr.live[key]["activations"]
         del out
         return kept
 

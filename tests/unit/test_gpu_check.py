@@ -1,0 +1,288 @@
+"""The GPU check's orchestration on a CPU (memopt/gpu_check.py): the no-CUDA exit, the writers, the
+budget and the error handling of sections, the pytest parser and the wheel install (slow: it may
+need the network to fill .whl/ with `make gpu-wheels`)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memopt import gpu_check as gc
+
+REPO = gc.REPO
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join([REPO, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
+def test_no_cuda_prints_one_line_and_exits_0(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=_pythonpath())
+    p = subprocess.run([sys.executable, "-m", "memopt.gpu_check", str(out)], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], p.stdout
+    assert not out.exists()  # nothing installed, nothing written
+
+
+def test_bad_arguments_exit_2():
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--sections", "nope", "x"])
+    assert e.value.code == 2
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_sections_error_skip_budget(tmp_path):
+    clock = FakeClock()
+    check = gc.Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "work"), clock=clock)
+
+    def ok(c, cap, rec):
+        clock.t += 30
+        return {"value": 1, "cap_seen": cap}
+
+    def boom(c, cap, rec):
+        clock.t += 10
+        raise RuntimeError("section exploded")
+
+    def skip(c, cap, rec):
+        raise gc.SkipSection("needs a GPU")
+
+    def partial(c, cap, rec):
+        clock.t += 50
+        return {"_status": "partial", "_note": "2 of 3 cases", "cases": [1, 2]}
+
+    check.run_section("a", ok, cap_s=50)
+    check.run_section("b", boom, cap_s=50)
+    check.run_section("c", skip, cap_s=50)
+    check.run_section("d", partial, cap_s=80)  # cap trimmed by the budget: 100 - 40 - reserve
+    check.run_section("e", ok, cap_s=50)  # 10 s left, minus the reserve: under MIN_SECTION_S
+    res = check.finish()
+    s = res["sections"]
+    assert s["a"]["status"] == "ok" and s["a"]["result"]["value"] == 1 and s["a"]["result"]["cap_seen"] == 50
+    assert s["b"]["status"] == "error" and "section exploded" in s["b"]["error"] and "traceback" in s["b"]
+    assert s["c"]["status"] == "skipped" and s["c"]["reason"] == "needs a GPU"
+    assert s["d"]["status"] == "partial" and s["d"]["note"] == "2 of 3 cases" and s["d"]["cap_s"] == 100 - 40 - gc.RESERVE_S
+    assert s["e"]["status"] == "skipped" and "global budget spent" in s["e"]["reason"]
+    on_disk = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert on_disk["status"] == "done" and list(on_disk["sections"]) == ["a", "b", "c", "d", "e"]
+    assert (tmp_path / "gpu_check_logs.txt").exists()
+
+
+def test_results_written_after_every_section(tmp_path):
+    """A section that never returns (killed with the process) still leaves the earlier ones on disk."""
+    check = gc.Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "w"))
+    check.run_section("first", lambda c, cap, rec: {"x": 1}, cap_s=20)
+
+    def running(c, cap, rec):
+        on_disk = json.loads((tmp_path / "gpu_check.json").read_text())
+        assert on_disk["sections"]["first"]["status"] == "ok"
+        assert on_disk["sections"]["second"]["status"] == "running"
+        return {}
+
+    check.run_section("second", running, cap_s=20)
+    assert check.results["sections"]["second"]["status"] == "ok"
+
+
+FAKE = {
+    "schema": 1, "tool": "memopt.gpu_check", "mode": "cuda", "started": "2026-11-26T14:05:00+00:00", "finished": None,
+    "budget_s": 360.0, "elapsed_s": 300.0, "status": "done",
+    "sections": {
+        "env": {"status": "ok", "seconds": 3.0, "result": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130",
+                                                             "triton": "3.6.0", "python": "3.12.3", "import_memopt_train": "ok"}},
+        "tests": {"status": "partial", "seconds": 80.0, "result": {"kernels_compiled": {
+            "counts": {"passed": 90, "failed": 1, "skipped": 2}, "failures": ["FAILED tests/kernels/x.py::t - AssertionError: boom"],
+            "last_line": "1 failed, 90 passed, 2 skipped in 70.00s", "rc": 1}}},
+        "flash": {"status": "ok", "seconds": 60.0, "result": {"cases": [
+            {"dtype": "bfloat16", "head_dim": 128, "n": 4096, "batch_heads": 32,
+             "memopt": {"fwd_ms": 1.0, "fwdbwd_ms": 3.0, "fwdbwd_tflops": 200.0, "peak_bytes": 2**27,
+                        "max_abs_err": {"out": 1e-3, "dq": 2e-3, "dk": 2e-3, "dv": 1e-3}},
+             "sdpa": {"fwd_ms": 0.8, "fwdbwd_ms": 2.5, "fwdbwd_tflops": 250.0, "peak_bytes": 2**27,
+                      "max_abs_err": {"out": 1e-3, "dq": 2e-3, "dk": 2e-3, "dv": 1e-3}}},
+            {"dtype": "float16", "head_dim": 64, "n": 16384, "error": "not run: the section's cap was reached"}]}},
+        "compositions": {"status": "ok", "seconds": 100.0, "result": {"runs": [
+            {"name": "plain_bf16", "status": "ok", "planned_device_bytes": 11 * 2**30, "tracker_device_bytes": 10.9 * 2**30,
+             "rel_err_tracker": 0.009, "allocator_peak_bytes": 11.5 * 2**30, "rel_err_allocator": -0.04,
+             "planned_step_s": 0.017, "step_time_s": 0.05, "rel_err_step_time": -0.66, "tokens_per_s": 160000, "mfu": 0.3}],
+            "zero_offload": {"engine": "memopt", "step_time_s": 0.4, "optim_step_s": 0.3, "note": "memopt alone"}}},
+        "throughput": {"status": "skipped", "seconds": 0.0, "reason": "global budget spent"},
+    },
+}
+
+
+def test_writers_documented_structure(tmp_path):
+    gc.write_results(str(tmp_path), FAKE)
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data == json.loads(json.dumps(FAKE))
+    assert set(data) >= {"schema", "mode", "started", "finished", "budget_s", "elapsed_s", "status", "sections"}
+    for s in data["sections"].values():
+        assert s["status"] in ("ok", "partial", "error", "timeout", "skipped", "running") and "seconds" in s
+    txt = (tmp_path / "gpu_check.txt").read_text()
+    for needle in ("env", "tests", "flash", "compositions", "throughput", "global budget spent", "NVIDIA H100",
+                   "passed 90", "FAILED tests/kernels/x.py::t", "bfloat16", "memopt", "sdpa", "not run",
+                   "plain_bf16", "+0.9%", "-4.0%", "-66.0%", "ZeRO-Offload", "memopt alone"):
+        assert needle in txt, needle
+    assert os.listdir(tmp_path) == ["gpu_check.json", "gpu_check.txt"] or sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.txt"]
+    gc.format_text(gc.new_results(10, "cuda"))  # an empty record formats too
+
+
+def test_cpu_dry_run_skips_the_cuda_sections_with_a_reason(tmp_path):
+    res = gc.run_check(str(tmp_path), budget_s=60, mode="cpu-dry-run", sections=("tests", "flash"))
+    for name in ("tests", "flash"):
+        s = res["sections"][name]
+        assert s["status"] == "skipped" and "no CUDA device" in s["reason"], s
+    assert res["status"] == "done" and res["finished"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["flash"]["status"] == "skipped"
+
+
+def test_parse_pytest_output():
+    text = """\
+tests/kernels/test_a.py::test_one PASSED                                [ 25%]
+tests/kernels/test_a.py::test_two[64-True] FAILED                       [ 50%]
+tests/kernels/test_a.py::test_three SKIPPED (no gpu)                    [ 75%]
+tests/kernels/test_b.py::test_four ERROR                                [100%]
+=========================== short test summary info ============================
+FAILED tests/kernels/test_a.py::test_two[64-True] - AssertionError: Tensor-likes are not close!
+ERROR tests/kernels/test_b.py::test_four - RuntimeError: CUDA error
+============= 1 failed, 1 passed, 1 skipped, 1 error in 12.34s =============
+"""
+    r = gc.parse_pytest(text)
+    assert r["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
+    assert r["failures"][0].startswith("FAILED tests/kernels/test_a.py::test_two[64-True] - AssertionError")
+    assert len(r["failures"]) == 2
+    assert r["last_line"] == "1 failed, 1 passed, 1 skipped, 1 error in 12.34s"
+    xdist = gc.parse_pytest("[gw0] [ 50%] PASSED tests/a.py::t1 \n[gw1] [100%] FAILED tests/a.py::t2[x] \n"
+                            "FAILED tests/a.py::t2[x] - boom")
+    assert xdist["counts"] == {"passed": 1, "failed": 1} and xdist["failures"] == ["FAILED tests/a.py::t2[x] - boom"]
+    partial = gc.parse_pytest("\n".join(text.splitlines()[:2]))  # cut off by the cap
+    assert partial["counts"] == {"passed": 1, "failed": 1} and partial["last_line"] == ""
+
+
+def test_cuda_marked_tests_are_found():
+    # today every test marked cuda lives in tests/kernels (which the check runs whole)
+    assert gc.cuda_marked_test_files(exclude="nothing-excluded") == ["tests/kernels/test_flash_attn.py"]
+
+
+def test_flash_cases_and_flops():
+    cases = gc.flash_cases()
+    assert len(cases) == 12 and {c[0] for c in cases} == {"float16", "bfloat16"} and {c[1] for c in cases} == {64, 128}
+    assert {c[2] for c in cases} == {1024, 4096, 16384}
+    fwd, fb = gc.causal_flops(1, 1, 1024, 64)
+    assert fwd == 2 * 1024 * 1024 * 64 and fb == 3.5 * fwd
+
+
+def test_compositions_compose():
+    """Every composition the check trains composes and validates (as the CLI would, on this machine)."""
+    from memopt.config import to_dataclass, validate
+    from tests.conftest import compose
+
+    for dry in (False, True):
+        for name, ov in gc.COMPOSITIONS:
+            args = [a for a in gc.composition_args(name, ov, dry)]
+            validate(to_dataclass(compose(args)))
+
+
+@pytest.mark.slow
+def test_wheels_install_into_a_fresh_target_and_import(tmp_path):
+    """The dry run of the install on a GPU machine: .whl/ (made by `make gpu-wheels`, which needs the
+    network the first time) installed with --no-index into a fresh target, then hydra and omegaconf
+    imported from there by a fresh interpreter that has no packages of its own."""
+    wheel_dir = os.path.join(REPO, ".whl")
+    if not glob.glob(os.path.join(wheel_dir, "*.whl")):
+        subprocess.run(["make", "gpu-wheels", f"PYTHON={sys.executable}"], cwd=REPO, check=True, timeout=600)
+    target = str(tmp_path / "site")
+    saved = (list(sys.path), os.environ.get("PYTHONPATH"))
+    try:
+        rec = gc.install_wheels(wheel_dir, target)
+    finally:
+        sys.path[:] = saved[0]
+        if saved[1] is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved[1]
+    assert rec["rc"] == 0, rec
+    assert any(w.startswith("hydra_core") for w in rec["wheels"]) and any(w.startswith("antlr4") for w in rec["wheels"])
+    venv = str(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    code = ("import hydra, omegaconf, antlr4; from omegaconf import OmegaConf; "
+            "OmegaConf.create({'a': '${b}', 'b': 1}).a == 1 or exit(3); print(hydra.__file__); print(omegaconf.__file__)")
+    # the GPU machine has pyyaml and packaging (omegaconf's and hydra's other needs): give the fresh
+    # interpreter these two, from this environment, and nothing else
+    import packaging
+    import yaml
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for mod in (yaml, packaging):
+        os.symlink(os.path.dirname(mod.__file__), base / mod.__name__)
+    p = subprocess.run([os.path.join(venv, "bin", "python"), "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": os.pathsep.join([target, str(base)]), "PATH": os.environ.get("PATH", "")})
+    assert p.returncode == 0, p.stderr
+    assert all(line.startswith(target) for line in p.stdout.split()), p.stdout
+
+
+def test_flash_worker_on_cpu(tmp_path):
+    """The flash section's worker, run on a CPU under Triton's interpreter (fp32 and fp16, tiny):
+    one JSON line per case, both implementations timed and compared with the fp32 reference."""
+    path = tmp_path / "flash.jsonl"
+    code = ("import os, sys; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from memopt import gpu_check as gc\n"
+            "gc.FLASH_WARMUP, gc.FLASH_REPS = 1, 1\n"
+            "gc.flash_worker(sys.argv[1], 120, device='cpu', cases=[('float32', 16, 32), ('float16', 16, 48)], tokens=64)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=_pythonpath()), cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["dtype"], r["n"], r["batch_heads"]) for r in recs] == [("float32", 32, 2), ("float16", 48, 1)]
+    for r, tol in zip(recs, (1e-5, 1e-2)):
+        assert "error" not in r, r
+        for impl in ("memopt", "sdpa"):
+            m = r[impl]
+            assert "error" not in m, (impl, m)
+            assert set(m["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(m["max_abs_err"].values()) < tol, m
+            assert m["fwd_ms"] > 0 and m["fwdbwd_ms"] > 0 and m["fwdbwd_tflops"] > 0
+    gc.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
+
+
+def test_sigterm_keeps_the_results_and_stops_the_children(tmp_path):
+    """A timeout from outside (SIGTERM) while sections run: exit 130, the record says so, the plans
+    started in the background are stopped."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "memopt.gpu_check", str(out), "--cpu-dry-run", "--no-install",
+                          "--sections", "env,compositions"], cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    rec = {}
+    while time.monotonic() < deadline:
+        try:
+            rec = json.loads((out / "gpu_check.json").read_text())
+        except (OSError, ValueError):
+            rec = {}
+        if (rec.get("sections", {}).get("compositions") or {}).get("status") == "running":
+            break
+        time.sleep(0.2)
+    assert (rec.get("sections", {}).get("compositions") or {}).get("status") == "running", rec
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 130
+    rec = json.loads((out / "gpu_check.json").read_text())
+    assert rec["status"].startswith("interrupted by signal") and rec["sections"]["env"]["status"] == "ok"
+    logs = (out / "gpu_check_logs.txt").read_text()
+    assert "plan_plain_bf16.log" in logs
+    time.sleep(1)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert rec["work_dir"] not in ps, [line for line in ps.splitlines() if rec["work_dir"] in line]
