@@ -77,6 +77,7 @@ inputs the matmuls are asked for IEEE fp32 precision (``input_precision=
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -703,8 +704,36 @@ def flash_attn_available(device: torch.device | str) -> tuple[bool, str]:
                 "Triton is in compiled (GPU) mode for this process; set TRITON_INTERPRET=1 in the "
                 "environment before triton (or memopt) is first imported"
             )
-        return True, ""
+        return _interpreter_runs_tile_loops()
     return False, f"FlashAttention kernel does not support device type {device.type!r}. " + _NEEDS_CUDA_MSG
+
+
+@triton.jit
+def _loop_probe_kernel(Out, N):
+    hi = tl.program_id(0) + N  # a loop bound computed from the program id, as the tile loops' are
+    acc = 0
+    for _ in range(0, hi, 1):
+        acc += 1
+    tl.store(Out, acc)
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_runs_tile_loops() -> tuple[bool, str]:
+    """Some Triton interpreters cannot loop to a bound computed in the kernel (Triton 3.6's with
+    numpy 2.4: a one-element array is no longer an index); say so instead of failing mid-kernel."""
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        _loop_probe_kernel[(1,)](out, 3)
+    except Exception as e:  # noqa: BLE001 - any failure means the kernels cannot run here
+        import numpy
+
+        return False, (f"Triton {triton.__version__}'s interpreter cannot run the kernel's tile loops with numpy "
+                       f"{numpy.__version__} ({type(e).__name__}: {str(e)[:120]}); use the project's pinned "
+                       "triton, or run on a CUDA device")
+    if int(out.item()) != 3:
+        return False, f"Triton {triton.__version__}'s interpreter ran a 3-step loop {int(out.item())} times"
+    return True, ""
+
 
 
 def _validate(q, k, v, causal, softmax_scale) -> float:

@@ -457,6 +457,9 @@ if late:
         assert "before triton" in str(e), e
         print("refused")
     sys.exit(0)
+if not ok and "tile loops" in why:  # an interpreter that cannot run the kernels here (an unpinned triton)
+    print("unsupported:", why)
+    sys.exit(0)
 assert (ok, why) == (True, ""), why
 o = flash_attn(q, k, v, causal=True)
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -481,5 +484,7 @@ def test_import_order(order):
     res = subprocess.run(
         [sys.executable, "-c", _ORDER_SCRIPT, order], env=env, capture_output=True, text=True, timeout=300
     )
+    if "unsupported:" in res.stdout:
+        pytest.skip(res.stdout.split("unsupported:", 1)[1].strip())
     want = "refused" if order == "late" else "ok"
     assert res.returncode == 0 and res.stdout.strip().endswith(want), res.stdout[-3000:] + res.stderr[-3000:]
