@@ -44,3 +44,17 @@ def losses(run_dir: str) -> list[float]:
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+def selected(request, param: str = "name") -> set:
+    """Values of ``param`` among the tests of this module that the session runs (after ``-m``/``-k``):
+    a module fixture that runs a matrix in one launch runs only the cases that will be checked."""
+    return {item.callspec.params[param] for item in request.session.items
+            if item.module is request.module and hasattr(item, "callspec") and param in item.callspec.params}
+
+
+def cases(matrix: dict, slow: set) -> list:
+    """``matrix``'s names as parameters, those in ``slow`` marked slow."""
+    unknown = slow - set(matrix)
+    assert not unknown, unknown
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in matrix]

@@ -90,7 +90,7 @@ MUTATIONS = [
              '        for attr, w in ():\n            self._drop(attr, w)\n',
              ("tests/chunk/test_chunk_dist.py",)),
     Mutation("static_partition", "memopt/engines/chunk/engine.py",
-             "static = cfg.strategy.static_partition is not None", "static = False",
+             "s.static_partition is not None, tracer)", "False, tracer)",
              (effect("static_partition"),)),
 ]
 
