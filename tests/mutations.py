@@ -88,7 +88,7 @@ MUTATIONS = [
              '        for attr, w in (("dev", DEVICE), ("host", HOST), ("grad_dev", DEVICE), ("grad_host", HOST)):\n'
              "            self._drop(attr, w)\n",
              '        for attr, w in ():\n            self._drop(attr, w)\n',
-             ("tests/chunk/test_chunk_dist.py",)),
+             (effect2("chunk.two_ranks"), "tests/chunk/test_chunk_dist.py")),
     Mutation("static_partition", "memopt/engines/chunk/engine.py",
              "s.static_partition is not None, tracer)", "False, tracer)",
              (effect("static_partition"),)),

@@ -197,6 +197,7 @@ TWO_RANK = {
     "zero3_offload": ["+strategy=[zero3,cpu_offload]"],
     "zero3_offload_no_param": ["+strategy=[zero3,cpu_offload]", "strategy.cpu_offload.offload_param=false"],
     "tp": ["+strategy=tp", "parallel.tp=2"],
+    "chunk": ["+strategy=chunk"],
 }
 
 
@@ -206,8 +207,9 @@ def two(tmp_path_factory):
     out = run_jobs_on_ranks(2, [(BASE + RUN2 + extra, str(root / n)) for n, extra in TWO_RANK.items()])
     assert all(s["status"] == "ok" for s in out), out
     one = train(BASE, str(root / "one_process"))  # tp=2 sees the same micro-batch as one process
-    assert one["status"] == "ok"
-    return {"one_process": (one, losses(str(root / "one_process"))),
+    chunk = train(BASE + ["+strategy=chunk"], str(root / "chunk_one_process"))
+    assert one["status"] == "ok" and chunk["status"] == "ok"
+    return {"one_process": (one, losses(str(root / "one_process"))), "chunk_one_process": (chunk, None),
             **{n: (s, losses(str(root / n))) for n, s in zip(TWO_RANK, out)}}
 
 
@@ -261,12 +263,22 @@ def check_tp(two):
     assert rel(lt, two["one_process"][1]) < 1e-5
 
 
+def check_chunk_two_ranks(two):
+    """Each rank owns half of the chunks and frees the other rank's after using them: its device holds
+    its own chunks and the communication group being used, its host half of the optimizer chunks."""
+    one, two_ = two["chunk_one_process"][0], two["chunk"][0]
+    for rank in ("0", "1"):
+        assert peak(two_, "chunks", rank=rank) <= 0.75 * peak(one, "chunks")
+        assert peak(two_, "chunks", "host", rank=rank) <= 0.6 * peak(one, "chunks", "host")
+    assert comm(two_, "all_gather") > 0 and comm(two_, "reduce_scatter") > 0
+
+
 ONE_RANK = {"ckpt": check_ckpt, "act_offload": check_act_offload, "chunked_loss": check_chunked_loss,
             "flash_attn": check_flash_attn, "moe": check_moe, "fp16": check_fp16, "bf16": check_bf16,
             "chunk": check_chunk, "static_partition": check_static_partition, "hybrid_adam": check_hybrid_adam,
             "cpu_offload": check_cpu_offload, "auto": check_auto}
 TWO = {"ddp": check_ddp, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
-       "cpu_offload.offload_param": check_offload_param}
+       "cpu_offload.offload_param": check_offload_param, "chunk.two_ranks": check_chunk_two_ranks}
 
 
 def test_every_registered_strategy_has_an_effect_check():
