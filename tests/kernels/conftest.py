@@ -1,12 +1,14 @@
-"""Kernel tests run under Triton's interpreter unless told otherwise.
+"""Kernel tests run under Triton's interpreter on a machine without CUDA, compiled on one with CUDA.
 
-``triton.jit`` decides at decoration (import) time whether a kernel is
-interpreted, so ``TRITON_INTERPRET`` must be set before any test module imports
-triton or ``memopt.kernels``.  ``setdefault`` keeps an explicit choice: on a GPU
-machine run ``TRITON_INTERPRET=0 pytest tests/kernels`` to test the compiled
-kernels on CUDA (that also enables the bf16 test).
+``triton.jit`` decides at decoration (import) time whether a kernel is interpreted, so
+``TRITON_INTERPRET`` must be set before any test module imports triton or ``memopt.kernels``
+(``import torch`` does not import triton). ``setdefault`` keeps an explicit choice:
+``TRITON_INTERPRET=1 pytest tests/kernels`` interprets them on a GPU machine too.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

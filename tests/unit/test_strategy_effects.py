@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # flash_attn runs under the interpreter on CPU (set before triton loads)
+import torch
+
+if not torch.cuda.is_available():  # flash_attn runs under the interpreter on CPU (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from memopt.api import run_jobs_on_ranks  # noqa: E402
 from memopt.models.gpt import GPT, GPTConfig  # noqa: E402
