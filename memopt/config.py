@@ -183,5 +183,27 @@ def _cuda_available() -> bool:
 
 
 def to_dataclass(cfg: DictConfig) -> TrainConfig:
-    """The composed DictConfig as the typed TrainConfig object."""
+    """The composed DictConfig as the typed TrainConfig object; a key the schema does not have (added with
+    ``+``, as Hydra's own error message suggests for a typo) is refused, naming the nearest field."""
+    _refuse_unknown_keys(cfg, "")
     return OmegaConf.to_object(cfg)
+
+
+def _refuse_unknown_keys(node, path: str) -> None:
+    import dataclasses
+    import difflib
+
+    kind = OmegaConf.get_type(node)
+    if not (isinstance(node, DictConfig) and dataclasses.is_dataclass(kind)):
+        return
+    fields = {f.name for f in dataclasses.fields(kind)}
+    for key in node.keys():
+        name = f"{path}{key}"
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f"did you mean {path}{near[0]}?" if near else f"the fields of {path.rstrip('.') or 'the config'} are: " + ", ".join(sorted(fields))
+            raise ConfigError(f"{name} is not a field of the configuration ({hint}); a '+' override adds a key "
+                              f"only where the schema has a place for it")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _refuse_unknown_keys(child, f"{name}.")

@@ -134,3 +134,18 @@ def test_oversubscribed_cpu_ranks_warn_only_when_they_run():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         typed([ranks, "trainer.device=cpu", "trainer.mode=plan", "hardware=a100_80g"])
+
+
+@pytest.mark.parametrize("overrides, name, near", [
+    (["+trainer.max_step=5"], "trainer.max_step", "trainer.max_steps"),
+    (["+strategy=ckpt", "+strategy.ckpt.polcy=every_k"], "strategy.ckpt.polcy", "strategy.ckpt.policy"),
+    (["+max_steps=5"], "max_steps", "trainer"),
+])
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(overrides, name, near):
+    """Hydra suggests '+key=value' for a typo, which adds the key silently (10 steps ran for max_step=5)."""
+    from memopt.config import to_dataclass
+    from memopt.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        to_dataclass(compose(overrides))
+    assert f"{name} is not a field" in str(e.value) and near in str(e.value)
