@@ -16,6 +16,8 @@ import time
 from memopt.errors import ConfigError
 
 RECORDS = ("metrics.jsonl", "summary.json", "model.pt", "checkpoints")  # what a run leaves in its directory
+HYDRA_DIR = ".hydra"  # Hydra writes the job's config here before memopt runs, also for a run it will refuse
+KEPT_HYDRA = os.path.join(".memopt", "hydra")  # the owning run's copy, put back when a later run is refused
 
 
 class RunDirInUse(ConfigError):
@@ -37,13 +39,16 @@ def claim_run_dir(run_dir: str, resume: str | None, overwrite: bool) -> None:
     (then the old records are removed here, before anything is written)."""
     prior = prior_records(run_dir)
     if not prior:
+        _keep_hydra_record(run_dir)
         return
     if resume:
         from memopt.checkpoint import complete
 
         if complete(run_dir):  # the new attempt continues this directory's own run
+            _keep_hydra_record(run_dir)
             return
         if not overwrite:
+            _restore_hydra_record(run_dir)
             raise RunDirInUse(
                 f"trainer.resume={resume} into run directory {run_dir}, which holds a run ({', '.join(prior)}) but no "
                 "complete checkpoint of it to continue: its records would mix with a run from another start; "
@@ -52,7 +57,26 @@ def claim_run_dir(run_dir: str, resume: str | None, overwrite: bool) -> None:
         for name in prior:
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        _keep_hydra_record(run_dir)
         return
+    _restore_hydra_record(run_dir)
     raise RunDirInUse(
         f"run directory {run_dir} already holds a run ({', '.join(prior)}); resume it with trainer.resume=auto, "
         "replace it with trainer.overwrite=true, or give another directory (hydra.run.dir=...)")
+
+
+def _keep_hydra_record(run_dir: str) -> None:
+    """Copy the job's ``.hydra/`` files (what this run was asked to run) beside its records."""
+    src, dst = os.path.join(run_dir, HYDRA_DIR), os.path.join(run_dir, KEPT_HYDRA)
+    if os.path.isdir(src):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+
+
+def _restore_hydra_record(run_dir: str) -> None:
+    """A refused run: Hydra has already rewritten ``.hydra/`` with the refused command; put the owning
+    run's files back, so that the directory (and the report's labels) still describe the run it holds."""
+    kept, live = os.path.join(run_dir, KEPT_HYDRA), os.path.join(run_dir, HYDRA_DIR)
+    if os.path.isdir(kept):
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.copytree(kept, live)

@@ -156,7 +156,7 @@ def find_run_dirs(root: str) -> list[str]:
         return [root]
     found = []
     for dirpath, dirnames, _ in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in ("wandb", "figures", ".submitit", ".hydra")]
+        dirnames[:] = [d for d in dirnames if d not in ("wandb", "figures", ".submitit", ".hydra", ".memopt")]
         if dirpath != root and _is_run_dir(dirpath):
             found.append(dirpath)
             dirnames[:] = []

@@ -198,3 +198,23 @@ def test_resuming_a_finished_run_is_a_no_op_and_a_refused_resume_keeps_the_recor
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and "cannot resume this run" in s["error"] and "strategy" in s["error"], s
     assert s["previous"] == json.loads(first) and (d / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_refused_run_leaves_the_directorys_hydra_record_as_it_was(tmp_path):
+    """Hydra writes ``.hydra/`` before memopt can refuse the directory: the owning run's files are put
+    back, so the directory (and a report's labels) still describe the run it holds."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    d = tmp_path / "run"
+    cmd = [sys.executable, "-m", "memopt.train", *QUICK, "trainer.max_steps=1", f"hydra.run.dir={d}"]
+    assert subprocess.run([*cmd, "seed=0"], cwd=REPO, capture_output=True).returncode == 0
+    before = {f: (d / ".hydra" / f).read_text() for f in ("config.yaml", "overrides.yaml")}
+    out = subprocess.run([*cmd, "seed=7", "optim.lr=5e-4"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2 and "already holds a run" in out.stderr
+    assert {f: (d / ".hydra" / f).read_text() for f in before} == before
+    assert "seed=0" in yaml.safe_load(before["overrides.yaml"])
