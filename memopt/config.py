@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from memopt import engines
 from memopt.data import BYTE_VOCAB, DataConfig
 from memopt.errors import ConfigError
-from memopt.memory.hardware import HardwareConfig
+from memopt.memory.hardware import HardwareConfig, check_hardware
 from memopt.models import ModelConfig, model_class
 from memopt.parallel.dims import ParallelConfig
 from memopt.strategies.base import schema
@@ -171,6 +171,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte-level vocabulary of "
                           f"data={cfg.data.name} ({BYTE_VOCAB} token ids); use model.vocab_size>={BYTE_VOCAB}")
     _one_of("logger.name", cfg.logger.name, ("wandb", "none"))
+    check_hardware(cfg.hardware)
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     validate_strategies(cfg)
     engines.validate(cfg)

@@ -498,7 +498,8 @@ def wait_plan(check: Check, name: str, deadline: float) -> dict:
     out["planned_host_bytes"] = (host or {}).get("total")
     st = plan.get("step_time") or {}
     out["planned_step_s"] = st.get("total_s")
-    out["planned_step_terms"] = {k: st.get(k) for k in ("compute_s", "offload_s", "comm_s", "dominant", "peak_tflops")}
+    out["planned_step_terms"] = {k: st.get(k) for k in ("compute_s", "offload_s", "comm_s", "optimizer_s", "dominant", "peak_tflops",
+                                                       "compute_efficiency", "host_optim_params")}
     if plan.get("suggestion"):
         out["plan_suggestion"] = plan.get("suggestion")
     return out

@@ -26,6 +26,29 @@ class HardwareConfig:
     device_device_gbps: float | None = None  # intra-node collective bandwidth (GB/s)
     devices_per_node: int | None = None  # accelerators per node; None: read it here (CUDA count, or 1 CPU)
     device_is_host: bool = False  # set for a CPU-only machine: the "device" is the host's RAM (one memory)
+    # The fraction of the datasheet peak that dense training reaches end to end (the planner's counted
+    # FLOPs per step / (peak x measured step time) of a plain run): the planner's compute term divides by
+    # peak x compute_efficiency. MFU keeps dividing by the datasheet peak. 1.0 where nothing was measured,
+    # and on a CPU, whose peak is measured already (``resolve_hardware``). In (0, 1].
+    compute_efficiency: float = 1.0
+    # Billions of parameter updates per second of the node's host AdamW (``CPUAdamW``: ZeRO's cpu_offload,
+    # the chunk engine's host optimizer groups), shared by the node's ranks: the planner's optimizer term is
+    # (host-stepped parameters per rank x ranks per node) / this. None: not measured, the term is not estimated.
+    host_adam_gparams_s: float | None = None
+
+
+def check_hardware(hw: HardwareConfig) -> None:
+    """Refuse rates the step-time estimate would divide by (naming the field)."""
+    from memopt.errors import ConfigError
+
+    eff = hw.compute_efficiency
+    if eff is None or not 0 < eff <= 1:
+        raise ConfigError(f"hardware.compute_efficiency={eff} must be in (0, 1]: the fraction of the datasheet peak "
+                          "FLOP/s that dense training reaches (1.0 where it was not measured)")
+    rate = hw.host_adam_gparams_s
+    if rate is not None and not rate > 0:
+        raise ConfigError(f"hardware.host_adam_gparams_s={rate} must be > 0 (billions of parameter updates per second "
+                          "of the node's host Adam), or null when it was not measured")
 
 
 def host_memory_bytes() -> int:

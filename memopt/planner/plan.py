@@ -8,9 +8,14 @@ Fit rules (one node; every node of a data-parallel run holds the same):
   CPU-only (``device_is_host``): device and host are one RAM, so the node's ranks' device + host
            bytes + runtime <= host memory, and that is the only limit.
 
-Step time = compute + offload + communication, not overlapped (an upper estimate; the plan says which
-term dominates): FLOPs counted on the simulated step / peak FLOP/s of the compute dtype, host<->device
-bytes / ``host_device_gbps``, collective bus bytes / ``device_device_gbps``.
+Step time = compute + offload + communication + optimizer, not overlapped (an upper estimate; the plan
+says which term dominates): FLOPs counted on the simulated step / (peak FLOP/s of the compute dtype x
+``compute_efficiency``, the fraction of the datasheet peak dense training reaches), host<->device bytes /
+``host_device_gbps``, collective bus bytes / ``device_device_gbps``, and the parameters whose AdamW step
+runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk engine's host optimizer groups;
+per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. Measured on one H100 on
+2026-11-26 (``experiments/planner/README.md``): without the last two fields the estimate was 66-96% under
+the measured step.
 """
 from __future__ import annotations
 
@@ -87,7 +92,7 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         fits = {"host": _fit(node, hw.host_memory_gb * GiB)}
     else:
         fits = {"device": _fit(dev_total, hw.device_memory_gb * GiB), "host": _fit(host_node, hw.host_memory_gb * GiB)}
-    time_est = step_time(cfg, hw, worst)
+    time_est = step_time(cfg, hw, worst, local)
     plan = {
         "model": cfg.model.name, "params": compose.num_params(cfg), "engine": cfg.engine.name,
         "strategy": cfg.strategy.selected(), "world_size": world, "nodes": max(1, world // local),
@@ -106,23 +111,30 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     return plan
 
 
-def step_time(cfg, hw, sim: dict) -> dict:
-    """Seconds per optimizer step on ``hw``: compute, offload and communication terms, which dominates."""
-    from memopt.memory.hardware import peak_tflops_for
+def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
+    """Seconds per optimizer step on ``hw``: compute, offload, communication and host-optimizer terms,
+    which dominates. ``ranks_per_node``: the ranks whose host optimizer steps share the node's host."""
+    from memopt.memory.hardware import check_hardware, peak_tflops_for
     from memopt.strategies.precision import Precision
 
+    check_hardware(hw)
     dtype = Precision.of(cfg).name
     peak = peak_tflops_for(hw, dtype)
+    eff = hw.compute_efficiency
+    host_params = sim["traffic"].get("host_optim_params", 0)
+    rate = hw.host_adam_gparams_s
     terms = {
-        "compute_s": sim["flops"] / (peak * 1e12) if peak else None,
+        "compute_s": sim["flops"] / (peak * eff * 1e12) if peak else None,
         "offload_s": sim["traffic"].get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
         "comm_s": sim["traffic"].get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None,
+        "optimizer_s": 0.0 if not host_params else host_params * ranks_per_node / (rate * 1e9) if rate else None,
     }
     known = {k: v for k, v in terms.items() if v is not None}
     total = sum(known.values()) if terms["compute_s"] is not None else None  # comm alone would rank wrongly
     tokens = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * cfg.model.seq_len
     return {**terms, "total_s": total, "dominant": max(known, key=known.get)[:-2] if known else None,
-            "compute_dtype": dtype, "peak_tflops": peak,
+            "compute_dtype": dtype, "peak_tflops": peak, "compute_efficiency": eff,
+            "host_optim_params": host_params, "host_adam_gparams_s": rate,
             "tokens_per_s_per_device": tokens / total if total else None}
 
 
@@ -201,9 +213,13 @@ def plan_table(plan: dict) -> str:
     if not st["peak_tflops"]:
         lines.append(f"  step time: not estimated (hardware {hw['name']} has no {st['compute_dtype']} peak FLOP/s)")
     elif st["total_s"]:
+        eff = st.get("compute_efficiency", 1.0)
+        peak = f"{st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s" + (f" x efficiency {eff:.3g}" if eff != 1.0 else "")
+        opt = st.get("optimizer_s", 0.0)
+        untimed = "; host Adam not timed: no hardware.host_adam_gparams_s" if opt is None else ""
         lines.append(f"  step time (estimate, terms not overlapped): {st['total_s']:.3g} s = compute "
-                     f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])}; "
-                     f"{st['dominant']} dominates ({st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s)")
+                     f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])} + "
+                     f"optimizer {_s(opt)}; {st['dominant']} dominates ({peak}{untimed})")
     methods = list(plan.get("method", {}).items())  # rank 0's says what was checked; the others reuse its depths
     how = methods[0][1] if methods else "exact"
     how += "".join(f"; rank {r}: {m}" for r, m in methods[1:] if m.split()[0] != how.split()[0])

@@ -20,6 +20,7 @@ as nccl-tests define them), both the ProcessGroup ones behind ``dist.*`` (flat g
 and the functional ones DTensor's tensor-parallel layers issue (``_c10d_functional.*``, group named),
 and copies between the compute device and the host. Per kind it also keeps calls and payload bytes
 in ``memopt.parallel.comm``'s convention, so a plan compares with a run's ``trainer.count_comm``.
+It counts the parameters the host's AdamW updates in that step as well (``host_adam_updates``).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ class PlanTracker(MemoryTracker):
         super().__init__(compute_device)
         self.limits = dict(limits or {})
         self.counting = False
-        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes (counting windows only)
+        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes, host_optim_params (counting windows only)
         self.comm_ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0, "bus_bytes": 0})
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
         self.backward_nonmodel: dict[str, int] | None = None  # set to {}: the peak of the bytes outside the model
@@ -333,6 +334,34 @@ def gloo_scratch():
             setattr(mod, n, f)
 
 
+@contextlib.contextmanager
+def host_adam_updates(tracker: PlanTracker):
+    """Count, in the counting step, the parameters whose AdamW update runs on the host: every ``CPUAdamW``
+    step (ZeRO's cpu_offload: the rank's owned partition; the chunk engine: its optimizer groups left on the
+    host) adds the elements it updates to ``traffic["host_optim_params"]``, the step-time estimate's
+    optimizer term (``plan.step_time``). FSDP2's offloaded step (``torch.optim.AdamW`` on host shards) is not
+    ``CPUAdamW`` and is not counted."""
+    from memopt.optim.cpu_adam import CPUAdamW
+
+    step, views = CPUAdamW.step, CPUAdamW.step_views
+
+    def counted_step(self, grads, *args, **kwargs):
+        if tracker.counting:
+            tracker.traffic["host_optim_params"] += sum(p.numel() for p, g in zip(self.params, grads) if g is not None)
+        return step(self, grads, *args, **kwargs)
+
+    def counted_views(self, ps, *args, **kwargs):
+        if tracker.counting:
+            tracker.traffic["host_optim_params"] += sum(p.numel() for p in ps)
+        return views(self, ps, *args, **kwargs)
+
+    CPUAdamW.step, CPUAdamW.step_views = counted_step, counted_views
+    try:
+        yield
+    finally:
+        CPUAdamW.step, CPUAdamW.step_views = step, views
+
+
 def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = None, steps: int = 2,
                   backend: str = "gloo") -> dict:
     """Peaks {"device"|"host": {category: bytes, "total": bytes}}, the steady step's traffic and its
@@ -368,7 +397,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
             data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
             with FakeTensorMode(allow_non_fake_inputs=True), planned_routing(), \
                     (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()), \
-                    (offload_copies(tracker) if fsdp2_offload else contextlib.nullcontext()):
+                    (offload_copies(tracker) if fsdp2_offload else contextlib.nullcontext()), host_adam_updates(tracker):
                 engine = engines.build_engine(cfg, device, dims, tracker)
                 engine.model.train()
                 data_bytes = 0
