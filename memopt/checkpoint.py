@@ -78,8 +78,17 @@ def resolve(resume: str | None, run_dir: str) -> str | None:
 
 
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        return json.load(f)
+    """The checkpoint's ``meta.json``; one that is not the JSON object a save writes is refused, naming it."""
+    file = os.path.join(path, META)
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {path}: {file} is not a readable checkpoint record ({type(e).__name__}: "
+                          f"{str(e)[:80]}); the checkpoint is damaged: resume from another one") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise ConfigError(f"checkpoint {path}: {file} holds no step; the checkpoint is damaged: resume from another one")
+    return meta
 
 
 def check_compatible(meta: dict, identity: dict, path: str) -> None:

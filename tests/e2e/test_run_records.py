@@ -218,3 +218,14 @@ def test_a_refused_run_leaves_the_directorys_hydra_record_as_it_was(tmp_path):
     assert out.returncode == 2 and "already holds a run" in out.stderr
     assert {f: (d / ".hydra" / f).read_text() for f in before} == before
     assert "seed=0" in yaml.safe_load(before["overrides.yaml"])
+
+
+def test_a_damaged_checkpoint_is_refused_naming_its_file_without_a_traceback(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "meta.json").write_bytes(bytes(range(256)))  # not UTF-8, not JSON
+    d = tmp_path / "run"
+    assert cli_run(d, [f"trainer.resume={ck}"]) == EXIT_CODES["refused"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "refused" and str(ck / "meta.json") in s["error"] and "damaged" in s["error"]
+    assert "Traceback" not in capsys.readouterr().err
