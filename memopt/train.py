@@ -356,11 +356,20 @@ def _shared_run_dir(typed, run_dir: str) -> str:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     from memopt.cluster import adopt_submitit_ranks
 
     adopt_submitit_ranks()  # a multi-task submitit (SLURM) job: one rank per task, as under torchrun
     run(cfg)
+
+
+def main() -> None:
+    """The CLI: a command Hydra cannot compose (an unknown key, group option or a wrong type) is refused
+    like any bad input (summary.json, exit 2) before Hydra's own exit 1 without a record."""
+    from memopt.cli_gate import refuse_uncomposable
+
+    refuse_uncomposable(sys.argv[1:])
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -47,3 +47,16 @@ def test_an_empty_data_file_is_refused(tmp_path):
     p, s = run(tmp_path, ["data=text_file", f"data.path={empty}"])
     assert p.returncode == 2 and s["status"] == "refused" and "empty" in s["error"]
 
+
+
+@pytest.mark.parametrize("args, words", [
+    (["trainer.max_step=5"], ["trainer.max_step", "did you mean trainer.max_steps?"]),
+    (["model=gpt_huge"], ["model/gpt_huge", "gpt_tiny"]),
+    (["trainer.max_steps=abc"], ["trainer.max_steps=abc", "Integer"]),
+])
+def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args, words):
+    """Hydra's own composition errors exited 1 without summary.json; they are refusals (exit 2)."""
+    p, s = run(tmp_path, args)
+    assert p.returncode == EXIT_CODES["refused"], p.stderr[-2000:]
+    assert s["status"] == "refused" and all(w in s["error"] for w in words), s["error"]
+    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1].endswith("summary.json")

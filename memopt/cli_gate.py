@@ -1,0 +1,110 @@
+"""A command line Hydra cannot compose is refused with a record, like every other bad input.
+
+Hydra composes the config before memopt runs; when that fails (an unknown key without ``+``, an
+unknown option of a config group, a value of the wrong type) it prints its error and exits 1, and the
+run directory gets no ``summary.json``. Here the same composition is tried first for a single run
+(a sweep's values are lists Hydra expands itself; each job is then checked by ``memopt.train.run``):
+a failure writes a ``refused`` summary into the directory the run would have used and exits 2.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import time
+
+from memopt.errors import EXIT_CODES
+
+_HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--version",
+                "-p", "--package", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun", "--resolve")
+
+
+def refuse_uncomposable(argv: list[str]) -> None:
+    if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # sweeps, help and config printing: Hydra's own
+        return
+    job = [a for a in argv if not a.lstrip("+~").startswith("hydra.") and not a.lstrip("+~").startswith("hydra/")]
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from memopt.api import compose_config
+
+    try:
+        compose_config(job)
+    except (HydraException, OmegaConfBaseException) as e:
+        message = _message(e)
+        hint = _nearest_key(job)
+        error = f"the command does not compose: {message}" + (f" ({hint})" if hint else "")
+        run_dir = _run_dir(argv)
+        _write_refusal(run_dir, error)
+        print(f"memopt: configuration refused: {error}\nmemopt: summary in {run_dir}/summary.json", file=sys.stderr)
+        raise SystemExit(EXIT_CODES["refused"]) from None
+    finally:
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+
+
+def _message(e: BaseException) -> str:
+    """Hydra's error on one line, with its cause (the type a value failed to convert to), without the
+    config search path and without the advice to add the key with '+' (the schema has no place for it)."""
+    text = " ".join(str(e).split("Config search path:")[0].split())
+    text = text.split(" To append to your config use")[0]
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        text = f"{text}: {str(cause).splitlines()[0]}"
+    return " ".join(text.split())
+
+
+def _nearest_key(job: list[str]) -> str:
+    """'did you mean K?' for the first ``key=value`` whose key the default config lacks."""
+    from omegaconf import OmegaConf
+
+    from memopt.api import compose_config
+
+    try:
+        keys = _dotted(OmegaConf.to_container(compose_config([a for a in job if a.startswith("+strategy=")])))
+    except Exception:  # noqa: BLE001 - a hint only
+        return ""
+    for a in job:
+        if "=" not in a or a.startswith(("+", "~")):
+            continue
+        key = a.split("=", 1)[0]
+        if "/" in key or key in keys or any(k.startswith(key + ".") for k in keys):
+            continue
+        near = difflib.get_close_matches(key, sorted(keys), n=1)
+        if near:
+            return f"did you mean {near[0]}?"
+    return ""
+
+
+def _dotted(node, prefix: str = "") -> set[str]:
+    out = set()
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.add(f"{prefix}{k}")
+            out |= _dotted(v, f"{prefix}{k}.")
+    return out
+
+
+def _run_dir(argv: list[str]) -> str:
+    """``hydra.run.dir`` as given, or the default pattern of ``conf/train.yaml`` at this second."""
+    for a in argv:
+        if a.startswith("hydra.run.dir="):
+            value = a.split("=", 1)[1]
+            if "${" in value:
+                from omegaconf import OmegaConf
+
+                value = OmegaConf.create({"d": value}).d  # Hydra registered the now: resolver on import
+            return value
+    return os.path.join("outputs", "runs", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
+
+
+def _write_refusal(run_dir: str, error: str) -> None:
+    from memopt.records import prior_records
+    from memopt.logging import write_json
+
+    if prior_records(run_dir):  # the directory holds a run: its records stay as they are
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    write_json(os.path.join(run_dir, "summary.json"), {"status": "refused", "error": error})
