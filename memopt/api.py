@@ -5,25 +5,10 @@ configuration path of ``python -m memopt.train``.
 """
 from __future__ import annotations
 
-import os
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The DictConfig that ``python -m memopt.train <overrides>`` would run."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from memopt.config import register_configs
-
-    register_configs()
-    if GlobalHydra.instance().is_initialized():  # inside the CLI (the planner composes candidates there)
-        return compose(config_name="train", overrides=list(overrides or []))
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides or []))
+X
 
 
 def run_job(overrides: list[str], run_dir: str) -> dict:

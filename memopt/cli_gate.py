@@ -27,7 +27,7 @@ def refuse_uncomposable(argv: list[str]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from memopt.api import compose_config
+    from memopt.config import compose_config
 
     try:
         compose_config(job)
@@ -60,7 +60,7 @@ def _nearest_key(job: list[str]) -> str:
     """'did you mean K?' for the first ``key=value`` whose key the default config lacks."""
     from omegaconf import OmegaConf
 
-    from memopt.api import compose_config
+    from memopt.config import compose_config
 
     try:
         keys = _dotted(OmegaConf.to_container(compose_config([a for a in job if a.startswith("+strategy=")])))

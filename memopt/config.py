@@ -183,6 +183,21 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The DictConfig that ``python -m memopt.train <overrides>`` would run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():  # inside the CLI (the planner composes candidates there)
+        return compose(config_name="train", overrides=list(overrides or []))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides or []))
+
+
 def to_dataclass(cfg: DictConfig) -> TrainConfig:
     """The composed DictConfig as the typed TrainConfig object; a key the schema does not have (added with
     ``+``, as Hydra's own error message suggests for a typo) is refused, naming the nearest field."""

@@ -207,7 +207,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
     """``+strategy=auto``: (typed, DictConfig) of the fastest predicted composition that fits, or None
     (refused summary written) when no candidate fits. ``overrides``: the command's (default: Hydra's task
     overrides; ``memopt.api.run_job`` passes its own)."""
-    from memopt.api import compose_config
+    from memopt.config import compose_config
     from memopt.config import to_dataclass, validate
     from memopt.planner.search import ranked_table, search, split_base
 

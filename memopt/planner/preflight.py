@@ -146,7 +146,7 @@ def plan_with_fixes(ov: list[str], fixes: list[str], hw, limits) -> tuple[dict |
     moment and names fixes (the chunk engine's warm-up budget: ``ChunkOutOfMemoryError.fixes``), the
     first one not applied yet is added (replacing an earlier value of the same option) and the plan
     repeated, at most ``MAX_FIXES`` times."""
-    from memopt.api import compose_config
+    from memopt.config import compose_config
     from memopt.config import to_dataclass, validate
 
     fixes = list(fixes)

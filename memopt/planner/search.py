@@ -190,7 +190,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
     Returns (value, its plan, [(value, fits, seconds)] tried); value lo - 1 when none fits."""
     import time
 
-    from memopt.api import compose_config
+    from memopt.config import compose_config
     from memopt.config import to_dataclass, validate
 
     tried, best, best_plan = [], lo - 1, None
