@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-X
+from memopt.config import compose_config  # noqa: F401 - part of the programmatic entry points
 
 
 def run_job(overrides: list[str], run_dir: str) -> dict:
