@@ -13,8 +13,8 @@ The fp16 loss-scale trajectory (skips, hysteresis, back-off) must be identical, 
 
 cpu_offload uses DeepSpeedCPUAdam, whose C++ op compiles on first use (about a minute), so those
 cases are marked slow, with the hydra sweep of both engines. The default suite keeps one case per
-translated feature (ddp, zero2 buckets, zero3 with checkpoint and eval, bf16 weights, fp16 scaling and
-overflow, MoE with ep=2); accumulation, zero1 and the other precision pairings are slow cases.
+translated feature (ddp, zero2 buckets, zero3 with checkpoint and eval, fp16 scaling and overflow, MoE
+with ep=2); accumulation, zero1, bf16 and the other precision pairings are slow cases.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def run_matrix(root, matrix):
     return dict(zip(keys, run_jobs_on_ranks(2, jobs)))
 
 
-SLOW_CASES = {"zero1", "zero2_accum", "zero3_ckpt_accum", "ddp_bf16_params", "zero3_bf16_autocast", "zero3_fp16"}
+SLOW_CASES = {"zero1", "zero2_accum", "zero3_ckpt_accum", "ddp_bf16_params", "zero3_bf16_autocast", "zero3_fp16",
+              "zero1_fp16", "zero2_bf16_params"}
 
 
 @pytest.fixture(scope="module")

@@ -53,8 +53,9 @@ def records(run_dir):
         return [json.loads(line) for line in f]
 
 
-# the default suite keeps zero2, zero3 with checkpoint and eval, checkpointing, bf16 weights, fp16 overflow and HSDP
-SLOW_CASES = {"zero3_accum", "zero2_ckpt_selective", "zero3_bf16_autocast", "zero2_fp16_autocast", "zero3_fp16"}
+# the default suite keeps zero2, zero3 with checkpoint and eval, fp16 overflow and HSDP
+SLOW_CASES = {"zero3_accum", "zero2_ckpt_selective", "zero3_bf16_autocast", "zero2_fp16_autocast", "zero3_fp16",
+              "zero3_ckpt_act_offload", "zero2_bf16_params"}
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 QUICK = ["logger=none", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.progress_bar=false", "trainer.micro_batch_size=2"]
@@ -46,6 +48,7 @@ def test_runs_unchanged_under_torchrun(tmp_path):
     assert s["status"] == "ok" and s["world_size"] == 2 and set(s["peak_bytes"]) == {"0", "1"}
 
 
+@pytest.mark.slow  # 25 s; the default suite sweeps single-rank jobs (tests/report) and launches 2 ranks here
 def test_multirun_sweep_of_two_rank_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     p = run(["-m", f"hydra.sweep.dir={sweep}", "trainer.nproc_per_node=2", "+strategy=zero1,zero3", *QUICK], str(tmp_path))
@@ -55,11 +58,11 @@ def test_multirun_sweep_of_two_rank_jobs(tmp_path):
     assert all(s["status"] == "ok" and s["world_size"] == 2 for s in summaries)
 
 
+@pytest.mark.slow  # 13 s; the warning itself is raised in the default suite (test_strategy_effects: cpu_offload)
 def test_zero_stage_on_one_rank_degrades_as_documented(tmp_path):
     from tests.conftest import losses, train
 
     base = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "trainer.micro_batch_size=4"]
-    import pytest
 
     with pytest.warns(UserWarning, match="zero2 on one rank partitions nothing"):
         train(base + ["+strategy=zero2"], str(tmp_path / "a"))

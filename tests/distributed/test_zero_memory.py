@@ -1,11 +1,16 @@
 """Per-rank memory of each ZeRO stage on gpt_small with 2 ranks, measured by the tracker and
 checked against the ZeRO paper's accounting (Rajbhandari et al. 2020, section 5) computed here
 from the model's shapes: n parameters, W=2 ranks, fp32 Adam (K=8 bytes of states per parameter,
-no separate master copy in fp32). Padding to a multiple of W adds at most W-1 elements per group."""
+no separate master copy in fp32). Padding to a multiple of W adds at most W-1 elements per group.
+
+Slow (6 two-rank jobs on gpt_small): the default suite checks each stage's bytes on gpt_tiny
+(tests/unit/test_strategy_effects.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
+
+pytestmark = pytest.mark.slow
 
 from memopt.api import run_jobs_on_ranks
 from memopt.models.gpt import GPT, GPTConfig, count_params

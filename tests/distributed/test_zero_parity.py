@@ -42,7 +42,7 @@ def rel_err(a, b):
 
 
 # the default suite keeps each stage, one mixed precision with checkpointing, offload and accumulation
-SLOW_CASES = {"zero1_fp16", "zero2_bf16", "zero3_ckpt_offload_act", "zero2_accum", "zero1_cpu_offload",
+SLOW_CASES = {"ddp", "zero1_fp16", "zero2_bf16", "zero3_ckpt_offload_act", "zero2_accum", "zero1_cpu_offload",
               "zero2_cpu_offload_bf16", "zero3_cpu_offload"}
 
 
