@@ -38,8 +38,19 @@ class HardwareConfig:
 
 
 def check_hardware(hw: HardwareConfig) -> None:
-    """Refuse rates the step-time estimate would divide by (naming the field)."""
+    """Refuse sizes and rates the plan would use (naming the field) before anything is planned or run."""
     from memopt.errors import ConfigError
+
+    for name in ("device_memory_gb", "host_memory_gb", "host_device_gbps", "device_device_gbps"):
+        value = getattr(hw, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"hardware.{name}={value} must be > 0, or null to read it from this machine")
+    if hw.devices_per_node is not None and hw.devices_per_node < 1:
+        raise ConfigError(f"hardware.devices_per_node={hw.devices_per_node} must be >= 1, or null to read it here")
+    bad = {k: v for k, v in (hw.peak_tflops or {}).items() if not v > 0}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise ConfigError(f"hardware.peak_tflops.{k}={v} must be > 0 (TFLOP/s); leave the dtype out to measure it here")
 
     eff = hw.compute_efficiency
     if eff is None or not 0 < eff <= 1:

@@ -1,6 +1,7 @@
 """``hardware=auto`` on a CPU: a peak per dtype, never zero, and a plan that prints without one."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memopt.memory import hardware
@@ -64,3 +65,19 @@ def _timed(a, b, time) -> float:
     t0 = time.perf_counter()
     a @ b
     return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("override, field", [
+    ("hardware.device_memory_gb=-1", "hardware.device_memory_gb=-1"),
+    ("hardware.host_memory_gb=0", "hardware.host_memory_gb=0"),
+    ("hardware.devices_per_node=0", "hardware.devices_per_node=0"),
+    ("+hardware.peak_tflops.bf16=-5", "hardware.peak_tflops.bf16=-5"),
+])
+def test_a_nonsense_hardware_size_is_refused_as_a_field(override, field):
+    """It was refused by the preflight as a 'share of device (-1.00 GiB)', after planning."""
+    from memopt.errors import ConfigError
+    from tests.conftest import typed
+
+    with pytest.raises(ConfigError) as e:
+        typed([override])
+    assert field in str(e.value)
