@@ -171,22 +171,56 @@ def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         return None
-    with _quiet():
-        dcp.save(state, checkpoint_id=tmp)
-    del state
-    engine.save_files(tmp)
-    _maybe_kill_inside_save(step, rank)
-    _barrier()  # every rank's files are in place
-    if rank == 0:
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
-        if os.path.isdir(final):  # the same step written again (a run resumed from an older checkpoint)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for _, old in complete(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        with _quiet():
+            dcp.save(state, checkpoint_id=tmp)
+        del state
+        engine.save_files(tmp)
+        _maybe_kill_inside_save(step, rank)
+        _barrier()  # every rank's files are in place
+        if rank == 0:
+            with open(os.path.join(tmp, META), "w") as f:
+                json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
+            if os.path.isdir(final):  # the same step written again (a run resumed from an older checkpoint)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in complete(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:
+        reason = _io_reason(e)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial files would keep the disk full
+        from memopt.logging import free_space
+
+        last = complete(run_dir)
+        raise CheckpointWriteError(
+            f"checkpoint step {step} could not be written to {tmp}: {reason} ({free_space(base)} free there); its "
+            f"partial files were removed and the last complete checkpoint ({last[-1][1] if last else 'none'}) is "
+            "intact: free space and continue with trainer.resume=auto") from None
     _barrier()
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint save failed on I/O (a full disk, a read-only or vanished directory)."""
+
+
+def _io_reason(e: BaseException) -> str | None:
+    """The OSError behind ``e`` (DCP wraps each rank's write failures), as 'strerror: file'; None if none."""
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return f"{x.strerror or x}" + (f": {x.filename}" if getattr(x, "filename", None) else "")
+        stack += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
 
 
 def load(path: str, engine, rank: int, device: torch.device) -> int:

@@ -19,11 +19,31 @@ from typing import Any
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write ``path`` so that readers see the old file or the complete new one, never a torn one."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or a vanished directory: no torn or empty file left behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def free_space(path: str) -> str:
+    """Free bytes on the file system holding ``path`` (the nearest existing parent), for messages."""
+    import shutil
+
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path or ".").free
+    except OSError:
+        return "unknown"
+    return f"{free / 2**20:.1f} MiB"
 
 
 def _jsonable(x: Any) -> Any:
@@ -94,7 +114,13 @@ class RunLogger:
     def finish(self, summary: dict) -> None:
         if not self.enabled:
             return
-        write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        path = os.path.join(self.run_dir, "summary.json")
+        try:
+            write_json(path, summary)
+        except OSError as e:  # the run's status still reaches the user, with why the record is missing
+            print(f"memopt: summary.json could not be written to {path}: {e.strerror or e} "
+                  f"({free_space(self.run_dir)} free there); the run ended with status {summary.get('status')}",
+                  file=sys.stderr)
         self._metrics.close()
         if self._wandb is not None:
             self._log_peak_table(summary)

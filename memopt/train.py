@@ -115,10 +115,11 @@ def run(cfg: DictConfig) -> dict:
     except Exception as e:
         import traceback
 
+        from memopt.checkpoint import CheckpointWriteError
         from memopt.errors import RunStopped
 
-        # a refusal's one-line reason is the message (HYDRA_FULL_ERROR=1 shows its traceback too)
-        if not isinstance(e, (RunStopped, ConfigError)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        # a refusal's or a failed save's one-line reason is the message (HYDRA_FULL_ERROR=1 shows the traceback)
+        if not isinstance(e, (RunStopped, ConfigError, CheckpointWriteError)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             traceback.print_exc()
         status = _recorded_status(run_dir)
         print(f"memopt: run {status} ({type(e).__name__}: {e}); summary in {run_dir}/summary.json", file=sys.stderr)

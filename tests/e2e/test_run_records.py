@@ -229,3 +229,37 @@ def test_a_damaged_checkpoint_is_refused_naming_its_file_without_a_traceback(tmp
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and str(ck / "meta.json") in s["error"] and "damaged" in s["error"]
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_full_disk_during_a_checkpoint_save_leaves_a_true_record(tmp_path, capsys, monkeypatch):
+    """ENOSPC at the second save's write (simulated at DCP's write call): status failed, a one-line reason
+    naming the checkpoint and the free space, the partial files removed, the first checkpoint intact and
+    resumable, summary.json written."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from memopt import checkpoint
+
+    real, calls = dcp.save, []
+
+    def full_disk(state, checkpoint_id):
+        calls.append(checkpoint_id)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(str(checkpoint_id), "__0_0.distcp"))
+        return real(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    d = tmp_path / "run"
+    assert cli_run(d, ["trainer.checkpoint_every=1", "trainer.max_steps=3"]) == EXIT_CODES["failed"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "failed" and "checkpoint step 2" in s["error"] and "No space left" in s["error"]
+    assert "free there" in s["error"] and "step_1" in s["error"]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "checkpoint step 2 could not be written" in err
+    assert sorted(os.listdir(d / "checkpoints")) == ["step_1"]  # no .tmp-step_2 left filling the disk
+    assert not [f for f in os.listdir(d) if ".tmp-" in f]
+    assert [c for c, _ in checkpoint.complete(str(d))] == [1]
+    monkeypatch.setattr(dcp, "save", real)  # space freed: the run continues from step 1
+    assert cli_run(d, ["trainer.checkpoint_every=1", "trainer.max_steps=3", "trainer.resume=auto"]) == 0
+    assert json.loads((d / "summary.json").read_text())["status"] == "ok"
