@@ -257,7 +257,7 @@ def merge(path: str, out: str) -> str:
     try:
         with _quiet():
             dcp_to_torch_save(path, tmp)
-        full = torch.load(tmp, map_location="cpu", weights_only=False)
+        full = torch.load(tmp, map_location="cpu", weights_only=True)  # tensors and plain containers only
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
