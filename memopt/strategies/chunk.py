@@ -51,6 +51,9 @@ class ChunkConfig:
     release_after_init: bool = False  # every rank fills every chunk, then frees the remote ones (PatrickStar's serial init)
     res_check: bool = False  # after init, gather every chunk and compare it bit for bit with the serial init
     cpu_adam_impl: str = "auto"  # CPUAdamW implementation for host-side updates: auto | cpp | torch
+    # gradients written over their parameters in the chunks when trainer.grad_accum == 1 (PatrickStar's
+    # reuse: no gradient bytes of their own); false, or accumulation: a gradient companion chunk
+    grad_reuse: bool = True
 
 
 @dataclass
