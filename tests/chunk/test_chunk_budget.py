@@ -100,7 +100,7 @@ def test_step_metrics_report_placement(runs):
 def test_too_small_budget_is_an_oom_with_a_diagnosis(tmp_path):
     d = str(tmp_path / "oom")
     with pytest.raises(torch.OutOfMemoryError) as e:
-        train(BASE + ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.001"], d)
+        train(BASE + ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.001", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.1"], d)
     msg = str(e.value)
     assert "out of memory" in msg and "forward of wte" in msg  # the moment: the first module's forward
     assert "104857" in msg or "107374" in msg  # the budget in bytes (0.1 x 1 MiB-ish)

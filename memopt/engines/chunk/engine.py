@@ -19,6 +19,7 @@ from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.moe import Expert
 from memopt.optim.step import StepResult
+from memopt.engines.chunk import defaults
 from memopt.engines.chunk.chunk import DEVICE, HOST, shaped_view
 from memopt.engines.chunk.comm import ChunkComm
 from memopt.engines.chunk.hooks import ChunkHooks
@@ -54,18 +55,24 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     ccfg = s.chunk
     capacity = device_capacity_bytes(cfg, device)
     budget = int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(capacity * ccfg.overall_gpu_mem_ratio)
-    warmup = int(budget * ccfg.warmup_gpu_chunk_mem_ratio)
 
     named, experts = distinct_params(model)
     chunk_size = resolve_chunk_size(ccfg, named, experts)
+    reuse = grad_reuse(cfg)
+    # the options left to the engine (null), chosen before anything is allocated (defaults.py)
+    chunk_bytes, gf = chunk_size * precision.param_dtype.itemsize, 1 if reuse else 2
+    world = dims.dp_shard.size if dims.dp_shard.enabled else 1
+    mem_saving = defaults.comm_form(ccfg, world, budget, chunk_bytes, gf)
+    unit = world if world > 1 and not mem_saving else 1
+    warmup = int(budget * defaults.warmup_share(ccfg, budget, unit, chunk_bytes, gf))
     materialize_params(model, device, precision.param_dtype)
     named = [(name, model.get_parameter(name), shape, aliases) for name, _, shape, aliases in named]
 
     tracer = MemTracer(device, tracker, async_monitor=ccfg.async_mem_monitor, interval_ms=ccfg.monitor_interval_ms)
     mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer,
-                       reuse=grad_reuse(cfg))
+                       reuse=reuse)
     if dims.dp_shard.enabled:
-        mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, tracker)
+        mgr.comm = ChunkComm(dims.dp_shard, mem_saving, ccfg.mem_cache, tracker)
     else:
         idle = [n for n in ("mem_saving_comm", "release_after_init", "res_check") if getattr(ccfg, n)]
         if idle:
@@ -151,8 +158,8 @@ def chunk_layout(cfg, model, dims, params: tuple | None = None) -> dict:
     size = resolve_chunk_size(ccfg, named, experts)
     cpu, null = torch.device("cpu"), NullTracker()
     mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null), reuse=grad_reuse(cfg))
-    if dims.dp_shard.enabled:
-        mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, null)
+    if dims.dp_shard.enabled:  # the unit form does not change the layout's counts: no device budget needed to choose it
+        mgr.comm = ChunkComm(dims.dp_shard, bool(ccfg.mem_saving_comm), ccfg.mem_cache, null)
     mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
     check_host_budget(cfg, mgr)
     local = mgr.local_chunks
