@@ -140,7 +140,7 @@ def check_host_budget(cfg, mgr: ChunkManager) -> None:
     host_need = sum(mgr.state_bytes(c) for c in mgr.local_chunks) + 12 * n_train
     if host_need > host_budget:
         raise ConfigError(
-            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grads, fp32 "
+            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grad companions if any, fp32 "
             f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
             "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
 
