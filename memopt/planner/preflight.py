@@ -21,7 +21,9 @@ from memopt.errors import ConfigError
 from memopt.planner.plan import GiB, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
-STATE_BYTES_PER_PARAM = 16
+# the least any composition holds: the chunk engine with gradients written over the fp16 parameter
+# chunks, 2 + 12 (fp32 master, momentum, variance); ZeRO's mixed precision needs 16
+STATE_BYTES_PER_PARAM = 14
 
 
 class PreflightRefusal(ConfigError):
@@ -127,7 +129,8 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
             label = f"+strategy=[{','.join(names)}]{''.join(' ' + o for o in [*opts, *fixes])} micro-batch {mb}"
             if plan is not None and plan["fits"]:
                 peak = max(f["bytes"] for f in plan["fit"].values())
-                chosen = [*ov[len(base):], *fixes]
+                fixed = {f.split("=")[0] for f in fixes}  # a fix replaces the command's value of its option
+                chosen = [o for o in ov[len(base):] if o.split("=")[0] not in fixed] + fixes
                 return {"overrides": chosen, "peak_bytes": peak, "tried": tried,
                         "text": f"this fits: {' '.join(chosen)} (predicted peak {fmt(peak)})"}
             tried.append(label)

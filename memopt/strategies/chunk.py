@@ -11,7 +11,8 @@ Budgets, in the order they are derived:
 * device budget ``D`` = ``device_budget_gb`` when set, else ``C * overall_gpu_mem_ratio``. Everything
   the engine places on the compute device (chunks) plus what the run allocates there besides them
   (activations, temporaries: "non-model" memory) should fit in ``D``.
-* warm-up chunk budget ``W`` = ``warmup_gpu_chunk_mem_ratio * D``: the most chunk bytes on the device
+* warm-up chunk budget ``W`` = ``warmup_gpu_chunk_mem_ratio * D`` (null: 0.1, raised to hold two
+  communication units, ``engines/chunk/defaults.py``): the most chunk bytes on the device
   during the warm-up iteration (the first optimizer step, all micro-steps included), while the
   tracer records the non-model memory at every moment. With ``static_partition`` it is the budget
   for the whole run.
@@ -39,18 +40,25 @@ class ChunkConfig:
 
     chunk_size: int | None = None  # elements per chunk; null/0: search (see manager.search_chunk_size)
     device_budget_gb: float | None = None  # null: hardware.device_memory_gb * overall_gpu_mem_ratio
-    warmup_gpu_chunk_mem_ratio: float = 0.1  # chunk bytes on the device during warm-up / D
+    # chunk bytes on the device during warm-up / D; null: 0.1 raised to hold two communication units
+    # (engines/chunk/defaults.py)
+    warmup_gpu_chunk_mem_ratio: float | None = None
     overall_gpu_mem_ratio: float = 0.8  # D / device capacity (when device_budget_gb is null)
     overall_cpu_mem_ratio: float = 0.8  # host budget / host RAM
     margin_use_ratio: float = 0.8  # Hybrid Adam: share of the device margin given to optimizer chunks
     async_mem_monitor: bool = False  # sample non-model memory in a thread (matters without a tracker; see tracer.py)
     monitor_interval_ms: float = 1.0  # sampling period of the async monitor
     # distributed options (2+ ranks; see comm.py)
-    mem_saving_comm: bool = False  # units of one chunk: N broadcasts / N reduces instead of group all-gather / reduce-scatter
+    # units of one chunk: N broadcasts / N reduces instead of group all-gather / reduce-scatter; null: the
+    # group when two fit 0.1 of D, else one chunk (engines/chunk/defaults.py)
+    mem_saving_comm: bool | None = None
     mem_cache: int = 2  # released units whose remote buffers stay allocated for reuse (FIFO); 0: off
     release_after_init: bool = False  # every rank fills every chunk, then frees the remote ones (PatrickStar's serial init)
     res_check: bool = False  # after init, gather every chunk and compare it bit for bit with the serial init
     cpu_adam_impl: str = "auto"  # CPUAdamW implementation for host-side updates: auto | cpp | torch
+    # gradients written over their parameters in the chunks when trainer.grad_accum == 1 (PatrickStar's
+    # reuse: no gradient bytes of their own); false, or accumulation: a gradient companion chunk
+    grad_reuse: bool = True
 
 
 @dataclass
@@ -84,8 +92,10 @@ class Chunk(Strategy):
             raise ConfigError(f"strategy.chunk.device_budget_gb={chunk.device_budget_gb} must be > 0 (or null)")
         for name in ("warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio", "overall_cpu_mem_ratio", "margin_use_ratio"):
             v = getattr(chunk, name)
-            if not 0 < v <= 1:
-                raise ConfigError(f"strategy.chunk.{name}={v} must be in (0, 1]")
+            if v is not None and not 0 < v <= 1:
+                auto = " or null (the engine picks the smallest share >= 0.1 that holds two communication units)" \
+                    if name == "warmup_gpu_chunk_mem_ratio" else ""
+                raise ConfigError(f"strategy.chunk.{name}={v} must be in (0, 1]{auto}")
         if chunk.mem_cache < 0:
             raise ConfigError(f"strategy.chunk.mem_cache={chunk.mem_cache} must be >= 0")
         if chunk.monitor_interval_ms <= 0:

@@ -65,20 +65,23 @@ def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_pat
 
 
 def test_suggestion_applies_the_chunk_engines_fixes_and_the_fix_runs(tmp_path, capsys):
-    """On 2 ranks with a small device budget the chunk engine's warm-up check refuses gpt_tiny (its 2
-    chunks gathered by one all-gather exceed the warm-up budget). Plan mode's suggestion keeps the
-    command's composition and adds the fixes the engine names (mem_saving_comm, a warm-up ratio); the
-    reference is the real engine: the suggested command trains on 2 ranks (gloo) to the end."""
+    """On 2 ranks with a small device budget and PatrickStar's fixed options (group all-gather, warm-up
+    share 0.1; left null the engine would choose units of one chunk here) the chunk engine's warm-up
+    check refuses gpt_tiny (its 2 chunks gathered by one all-gather exceed the warm-up budget). Plan
+    mode's suggestion keeps the command's composition and adds the fixes the engine names
+    (mem_saving_comm, a warm-up ratio), replacing the command's values of those options; the reference
+    is the real engine: the suggested command trains on 2 ranks (gloo) to the end."""
     from memopt.api import run_jobs_on_ranks
 
-    cmd = ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.008", "trainer.nproc_per_node=2"]
+    cmd = ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.004", "trainer.nproc_per_node=2",
+           "strategy.chunk.mem_saving_comm=false", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.1"]
     d = tmp_path / "plan"
     assert cli_main([*TINY, *cmd, f"hydra.run.dir={d}"]) == 0
     out = capsys.readouterr().out
     assert "warm-up chunk budget" in out and "suggestion: this fits:" in out, out
     fix = json.loads((d / "plan.json").read_text())["suggestion"]["overrides"]
-    assert "+strategy=[chunk]" in fix and "strategy.chunk.device_budget_gb=0.008" in fix  # the command's own composition
-    assert "strategy.chunk.mem_saving_comm=true" in fix
+    assert "+strategy=[chunk]" in fix and "strategy.chunk.device_budget_gb=0.004" in fix  # the command's own composition
+    assert "strategy.chunk.mem_saving_comm=true" in fix and "strategy.chunk.mem_saving_comm=false" not in fix
     run = [o for o in TINY if o not in ("trainer.mode=plan", "hardware=v100_patrickstar")] + ["trainer.max_steps=2"]
     summary = run_jobs_on_ranks(2, [([*run, *fix], str(tmp_path / "run"))])[0]
     assert summary["status"] == "ok" and summary["steps"] == 2, summary

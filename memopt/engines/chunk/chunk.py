@@ -11,10 +11,15 @@ device *whole*. It has two storages, one per place, and at most one of them is a
 * ``host``: a CPU tensor (counted under ``tracker.host_scope()``, so on a CPU-only machine host and
   device bytes are told apart even though both live in RAM).
 
-Parameter chunks have a gradient companion (same dtype, same layout, same place) allocated at the
-first gradient of a step and freed after the optimizer step (PatrickStar instead overwrites the
-fp16 parameters with their gradients; that breaks gradient accumulation and fp32 mode, so memopt
-keeps a separate companion).
+Gradients live in one of two places (``ChunkManager.reuse`` decides, per run):
+
+* reuse (``trainer.grad_accum`` == 1, PatrickStar's scheme): a tensor's gradient is written over its
+  own slice of the payload when autograd has finished it, i.e. when the backward no longer needs
+  that parameter (``grad_in_payload``); the optimizer step reads the payload as the gradient and
+  writes the parameters back from the fp32 master. No gradient bytes of their own.
+* companion (accumulation over micro-steps needs the parameters again in the next micro-step): a
+  gradient buffer of the same dtype, layout and place, allocated at the first gradient of a step
+  and freed after the optimizer step.
 
 Every byte a chunk allocates is counted under the tracker's ``chunks`` category, optimizer chunks
 (fp32 master, momentum, variance) included: a chunk buffer is a chunk buffer, whatever it holds.
@@ -77,7 +82,8 @@ class Chunk:
         self.grad_dev: torch.Tensor | None = None
         self.grad_host: torch.Tensor | None = None
         self.where: str | None = None  # DEVICE | HOST | None (no payload)
-        self.has_grad = False
+        self.has_grad = False  # the gradient companion is allocated
+        self.grad_in_payload = False  # reuse: the payload holds gradients (of the tensors whose gradient came)
         self.moves = 0
         self.bound = False
         self._grad_views: dict[tuple[str, int], torch.Tensor] = {}
@@ -195,7 +201,7 @@ class Chunk:
         """Free the payload (and gradient) wherever it is (a remote chunk in distributed runs)."""
         for attr, w in (("dev", DEVICE), ("host", HOST), ("grad_dev", DEVICE), ("grad_host", HOST)):
             self._drop(attr, w)
-        self.where, self.has_grad = None, False
+        self.where, self.has_grad, self.grad_in_payload = None, False, False
 
     @property
     def data(self) -> torch.Tensor:
@@ -203,10 +209,31 @@ class Chunk:
         return self.dev if self.where == DEVICE else self.host
 
     @property
+    def holds_grad(self) -> bool:
+        """Some gradient of this step is in the chunk (its companion or, under reuse, its payload)."""
+        return self.has_grad or self.grad_in_payload
+
+    @property
     def grad(self) -> torch.Tensor | None:
+        """Where the chunk's gradient is: the payload under reuse, else the companion (None: no gradient)."""
+        if self.grad_in_payload:
+            return self.data
         if not self.has_grad:
             return None
         return self.grad_dev if self.where == DEVICE else self.grad_host
+
+    def write_grad(self, info: TensorInfo, g: torch.Tensor) -> None:
+        """Reuse: ``info``'s finished gradient over its parameters in the payload (the chunk is resident)."""
+        self.payload_view(info).copy_(g)
+        self.grad_in_payload = True
+
+    def seal_grads(self) -> None:
+        """Reuse, before a reduce or the step reads the payload as a gradient: the slices of tensors that
+        got no gradient this step still hold parameters and become zeros (a companion starts at zero)."""
+        for t in self.tensors:
+            if not t.grad_ready:
+                self.payload_view(t).zero_()
+        self.grad_in_payload = True
 
     def alloc_grad(self) -> torch.Tensor:
         """The gradient companion (zero-filled at allocation) where the chunk is."""
@@ -219,7 +246,7 @@ class Chunk:
     def free_grad(self) -> None:
         self._drop("grad_dev", DEVICE)
         self._drop("grad_host", HOST)
-        self.has_grad = False
+        self.has_grad = self.grad_in_payload = False
 
     def view_of(self, info: TensorInfo, grad: bool = False) -> torch.Tensor:
         buf = self.grad if grad else self.data
@@ -230,6 +257,14 @@ class Chunk:
         and kept, like the parameters' views of the payload: a companion's storage is resized, never
         replaced, so the view stays valid (one op per gradient instead of three: each costs ~0.3 ms in a plan)."""
         attr = "grad_dev" if self.where == DEVICE else "grad_host"
+        v = self._grad_views.get((attr, info.offset))
+        if v is None:
+            v = self._grad_views[(attr, info.offset)] = shaped_view(getattr(self, attr), info)
+        return v
+
+    def payload_view(self, info: TensorInfo) -> torch.Tensor:
+        """``info``'s slice of the payload where the chunk is, in its shape (kept per place, as ``grad_view``)."""
+        attr = "dev" if self.where == DEVICE else "host"
         v = self._grad_views.get((attr, info.offset))
         if v is None:
             v = self._grad_views[(attr, info.offset)] = shaped_view(getattr(self, attr), info)

@@ -19,6 +19,7 @@ from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.moe import Expert
 from memopt.optim.step import StepResult
+from memopt.engines.chunk import defaults
 from memopt.engines.chunk.chunk import DEVICE, HOST, shaped_view
 from memopt.engines.chunk.comm import ChunkComm
 from memopt.engines.chunk.hooks import ChunkHooks
@@ -54,17 +55,24 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     ccfg = s.chunk
     capacity = device_capacity_bytes(cfg, device)
     budget = int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(capacity * ccfg.overall_gpu_mem_ratio)
-    warmup = int(budget * ccfg.warmup_gpu_chunk_mem_ratio)
 
     named, experts = distinct_params(model)
     chunk_size = resolve_chunk_size(ccfg, named, experts)
+    reuse = grad_reuse(cfg)
+    # the options left to the engine (null), chosen before anything is allocated (defaults.py)
+    chunk_bytes, gf = chunk_size * precision.param_dtype.itemsize, 1 if reuse else 2
+    world = dims.dp_shard.size if dims.dp_shard.enabled else 1
+    mem_saving = defaults.comm_form(ccfg, world, budget, chunk_bytes, gf)
+    unit = world if world > 1 and not mem_saving else 1
+    warmup = int(budget * defaults.warmup_share(ccfg, budget, unit, chunk_bytes, gf))
     materialize_params(model, device, precision.param_dtype)
     named = [(name, model.get_parameter(name), shape, aliases) for name, _, shape, aliases in named]
 
     tracer = MemTracer(device, tracker, async_monitor=ccfg.async_mem_monitor, interval_ms=ccfg.monitor_interval_ms)
-    mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer)
+    mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer,
+                       reuse=reuse)
     if dims.dp_shard.enabled:
-        mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, tracker)
+        mgr.comm = ChunkComm(dims.dp_shard, mem_saving, ccfg.mem_cache, tracker)
     else:
         idle = [n for n in ("mem_saving_comm", "release_after_init", "res_check") if getattr(ccfg, n)]
         if idle:
@@ -86,6 +94,13 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     optimizer = ChunkAdam(mgr, cfg.optim, precision, dims.dp_shard, tracker, hybrid=s.hybrid_adam, margin_use_ratio=ccfg.margin_use_ratio,
                           cpu_impl=ccfg.cpu_adam_impl)
     return ChunkEngine(model, mgr, hooks, optimizer, precision, device, dims, tracker)
+
+
+def grad_reuse(cfg) -> bool:
+    """Gradients are written over their parameters in the chunks (PatrickStar's reuse) when one
+    micro-step makes them (``trainer.grad_accum`` == 1) and ``strategy.chunk.grad_reuse`` is on; with
+    accumulation the next micro-step needs the parameters, so a gradient companion holds the sum."""
+    return bool(cfg.strategy.chunk.grad_reuse) and cfg.trainer.grad_accum == 1
 
 
 def distinct_params(model) -> tuple[list, set[str]]:
@@ -122,10 +137,10 @@ def check_host_budget(cfg, mgr: ChunkManager) -> None:
     host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes())
                       * ccfg.overall_cpu_mem_ratio)
     n_train = sum(c.numel for c in mgr.trainable_chunks if c.tensors)
-    host_need = sum(2 * c.payload_bytes if c.trainable else c.payload_bytes for c in mgr.local_chunks) + 12 * n_train
+    host_need = sum(mgr.state_bytes(c) for c in mgr.local_chunks) + 12 * n_train
     if host_need > host_budget:
         raise ConfigError(
-            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grads, fp32 "
+            f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grad companions if any, fp32 "
             f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
             "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
 
@@ -142,9 +157,9 @@ def chunk_layout(cfg, model, dims, params: tuple | None = None) -> dict:
     named, experts = params if params is not None else distinct_params(model)
     size = resolve_chunk_size(ccfg, named, experts)
     cpu, null = torch.device("cpu"), NullTracker()
-    mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null))
-    if dims.dp_shard.enabled:
-        mgr.comm = ChunkComm(dims.dp_shard, ccfg.mem_saving_comm, ccfg.mem_cache, null)
+    mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null), reuse=grad_reuse(cfg))
+    if dims.dp_shard.enabled:  # the unit form does not change the layout's counts: no device budget needed to choose it
+        mgr.comm = ChunkComm(dims.dp_shard, bool(ccfg.mem_saving_comm), ccfg.mem_cache, null)
     mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
     check_host_budget(cfg, mgr)
     local = mgr.local_chunks
@@ -242,12 +257,11 @@ class ChunkEngine(PrecisionEngine):
         W ranks, this rank's own chunks plus the remote chunks of the units that can be gathered at
         once (the one computing, the next one, and the ``mem_cache`` queue)."""
         mgr = self.mgr
-        own = sum(c.payload_bytes * (2 if c.trainable else 1) for c in mgr.local_chunks)
+        own = sum(mgr.state_bytes(c) for c in mgr.local_chunks)
         if mgr.comm is None:
             return own
-        per_unit = max((sum(c.payload_bytes * (2 if c.trainable else 1) for c in u.chunks if not c.local)
-                        for u in mgr.comm.units), default=0)
-        remote = sum(c.payload_bytes * (2 if c.trainable else 1) for c in mgr.chunks if not c.local)
+        per_unit = max((sum(mgr.state_bytes(c) for c in u.chunks if not c.local) for u in mgr.comm.units), default=0)
+        remote = sum(mgr.state_bytes(c) for c in mgr.chunks if not c.local)
         return own + min(remote, (2 + mgr.comm.cache_size) * per_unit)
 
     def _metrics(self, res: StepResult) -> dict:

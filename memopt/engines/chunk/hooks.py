@@ -10,8 +10,10 @@ Every module with parameters of its own (Linear, LayerNorm, Embedding, ...) gets
 * forward hook: tensors -> HOLD_AFTER_FWD; the output is wrapped in ``_PreBackward``, an identity
   whose backward runs just before the module's backward: tensors -> COMPUTE again.
 * ``_PostBackward``: tensors -> HOLD_AFTER_BWD.
-* a post-accumulate-grad hook per trainable parameter: the gradient is added into the chunk's
-  gradient companion (allocated at the first one of a step) and ``p.grad`` is dropped; the tensor
+* a post-accumulate-grad hook per trainable parameter: autograd has finished the gradient, so no
+  later backward op reads the parameter (a tied one's hook fires after its last use); the gradient
+  is written over the parameter's slice of its chunk (reuse) or added into the chunk's gradient
+  companion (allocated at the first one of a step), and ``p.grad`` is dropped; the tensor
   is then HOLD_AFTER_BWD whatever the module hooks said. With 2+ ranks the manager reduces the
   chunk's unit when this was the unit's last missing gradient (comm.py).
 
@@ -104,10 +106,9 @@ class ChunkHooks:
         c = info.chunk
         if mgr.comm is not None and not c.unit.gathered:  # e.g. an embedding: its backward never reads the weight
             mgr.gather([c.unit], ("grad", info.name))
-        extra = 0 if c.has_grad else c.payload_bytes
+        extra = 0 if c.has_grad or mgr.reuse else c.payload_bytes
         mgr.ensure([c], ("grad", info.name), extra=extra)
-        c.alloc_grad()
-        c.grad_view(info).add_(p.grad)
+        mgr.take_grad(info, p.grad)
         p.grad = None
         info.users, info.state = 0, TensorState.HOLD_AFTER_BWD
         mgr.grad_arrived(info)  # with 2+ ranks: reduce the unit once all its gradients are in

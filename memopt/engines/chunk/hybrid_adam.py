@@ -1,8 +1,8 @@
 """The chunk engine's optimizer: AdamW over chunk lists, on the host or (Hybrid Adam) on the device.
 
 For every trainable parameter chunk there is a group of three fp32 optimizer chunks of the same
-size: master weights, momentum, variance (in fp32 mode too: the master then equals the parameters,
-which costs 4 B/param of host memory but keeps one code path). They start on the host. With
+size: master weights, momentum, variance (in fp32 mode too: under gradient reuse the payload holds
+the gradients after the backward, and the parameters come back from the master). They start on the host. With
 ``hybrid_adam``, at the end of warm-up ``place_on_device(margin)`` moves as many groups to the device
 as ``margin_use_ratio * margin`` holds (capped by ``hybrid_adam.max_device_chunks``); those are
 updated there (``torch._fused_adamw_``), the rest on the host by ``CPUAdamW``. Without it every
@@ -15,9 +15,10 @@ step, as in the memopt engine.
 The step is ``ShardedAdamW``'s math in the same order, so the trajectories match the memopt engine's:
 overflow check (fp16) -> unscale -> global-norm clip -> decoupled weight decay on matrices and
 embeddings (ndim >= 2) -> Adam -> write the master back into the parameter chunk, wherever that
-chunk is (no chunk is moved for the step). Gradients are read from the parameter chunk's gradient
-companion and converted to fp32 where the group lives (a temporary of one chunk on the device, all
-of them on the host); the companions are freed afterwards.
+chunk is (no chunk is moved for the step). Gradients are read from the parameter chunk (its payload
+under reuse, else its companion) and converted to fp32 where the group lives, one chunk at a time in
+two streaming passes (``step``): the step's ``temp`` is one fp32 chunk on each side, never a rank's
+whole gradient. The companions are freed afterwards.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ class ChunkAdam:
     def _fp32_grad(self, c: Chunk, dev: torch.device, host: bool) -> torch.Tensor:
         """The chunk's gradient in fp32 where its optimizer group lives (zeros if it got none)."""
         with self._cat("temp", host=host):
-            if c.has_grad:
+            if c.holds_grad:
                 x = torch.empty(c.numel, dtype=torch.float32, device=dev)
                 x.copy_(c.grad)
             else:  # no gradient this step (an unused parameter): zeros keep Adam's math uniform
@@ -104,74 +105,85 @@ class ChunkAdam:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        """Two streaming passes over the groups, one fp32 gradient chunk alive at a time wherever the
+        group lives: (1) overflow vote and squared norm, (2) unscale, clip, decay, Adam, write back.
+        Each pass converts the chunk's low-precision gradient again (a conversion is cheaper than
+        keeping a rank's whole fp32 gradient, 4 B/param, for the second pass)."""
         comm = self.mgr.comm
         # gradients are sums over ranks: mean, and unscale, in one factor
         seq = StepSequence(self.precision, self.cfg.grad_clip, self.dim, summed_over=self.dim.size, device=self.mgr.device)
-        # the step is a traced moment: room for one fp32 chunk (+ its square) per device-side group
+        # the step is a traced moment: room for one fp32 chunk per device-side group
         dev_groups = [g for g in self.groups if g[1].where == DEVICE]
-        extra = 2 * self.groups[0][1].payload_bytes if dev_groups else 0
+        extra = self.groups[0][1].payload_bytes if dev_groups else 0
         self.mgr.ensure([], ("step", "adam"), extra=extra)
-        inv = seq.inv
-        # pass 1: overflow check and squared norm (host groups keep their fp32 gradient; device
-        # groups recompute it in pass 2 so that one chunk-sized temporary exists at a time)
-        host_grads: dict[int, torch.Tensor] = {}
-        overflow = False
-        sq = torch.zeros((), dtype=torch.float32)
-        for i, (c, master, _, _) in enumerate(self.groups):
-            if not c.has_grad:
-                continue
-            on_dev = master.where == DEVICE
-            x = self._fp32_grad(c, master.data.device, host=not on_dev)
-            if self.precision.scaler is not None and not bool(torch.isfinite(x).all()):
-                overflow = True
-                break
-            if inv != 1.0:
-                x.mul_(inv)
-            with self._cat("temp", host=not on_dev):
-                sq = sq + x.pow(2).sum().cpu()
-            if not on_dev:
-                host_grads[i] = x
-            del x
+        overflow, sq = self._norm_pass(seq.inv)
         if seq.skip(overflow):  # every rank owns part of the gradient: the vote and the norm are global
-            host_grads.clear()
+            self._refresh_params(only_reused=True)
             self.zero_grad()
             return seq.skipped()
         norm, coef = seq.clip(sq, sharded=comm is not None)
         self.step_count += 1
-        wd = self.cfg.weight_decay
-        b1, b2 = self.cfg.betas
-        host_p, host_g, host_m, host_v = [], [], [], []
-        for i, ((c, master, m, v), segs) in enumerate(zip(self.groups, self.decay)):
-            on_dev = master.where == DEVICE
-            x = host_grads.pop(i, None)
-            if x is None:
-                x = self._fp32_grad(c, master.data.device, host=not on_dev)
-                if inv != 1.0 and c.has_grad:
-                    x.mul_(inv)
-            if coef is not None:
-                x.mul_(coef)
-            p = master.data
-            if wd:
-                for a, b in segs:
-                    p[a:b].mul_(1 - lr * wd)
-            if on_dev:
-                step_t = torch.tensor(float(self.step_count), device=p.device)
-                torch._fused_adamw_([p], [x], [m.data], [v.data], [], [step_t], lr=lr, beta1=b1, beta2=b2,
-                                    weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
-                del x
-            else:
-                host_p.append(p), host_g.append(x), host_m.append(m.data), host_v.append(v.data)
-        if host_p:
-            ca = self._cpu_adam
-            ca.params, ca.exp_avg, ca.exp_avg_sq = host_p, host_m, host_v
-            ca.step_count = self.step_count - 1
-            ca.step(host_g, lr=lr)
-            ca.params = ca.exp_avg = ca.exp_avg_sq = []
-        del host_g
-        for c, master, _, _ in self.groups:
-            c.data.copy_(master.data)
+        for group, segs in zip(self.groups, self.decay):
+            self._apply(group, segs, seq.inv, coef, lr)
         self.zero_grad()
         return seq.done(norm)
+
+    def _norm_pass(self, inv: float) -> tuple[bool, torch.Tensor]:
+        """(overflow, squared norm of the unscaled gradients) of this rank's chunks, one chunk at a time.
+        The square is taken in place (``pow_``: the same values as ``pow``), so a pass holds one fp32
+        chunk. Overflow: a chunk whose sum of squares is not finite, i.e. one holding an inf or a NaN,
+        found without a chunk-sized boolean temporary (finite fp16 gradients are at most 65504; unscaled
+        by ``inv`` = 1 / (loss scale x W) their squares summed over a chunk of 1e9 elements stay below
+        fp32's maximum for any loss scale above 1e-5)."""
+        sq = torch.zeros((), dtype=torch.float32)
+        for c, master, _, _ in self.groups:
+            if not c.holds_grad:
+                continue
+            on_dev = master.where == DEVICE
+            x = self._fp32_grad(c, master.data.device, host=not on_dev)
+            if inv != 1.0:
+                x.mul_(inv)
+            with self._cat("temp", host=not on_dev):
+                part = x.pow_(2).sum().cpu()
+            del x
+            if self.precision.scaler is not None and not bool(torch.isfinite(part)):
+                return True, sq
+            sq = sq + part
+        return False, sq
+
+    def _apply(self, group, segs, inv: float, coef: float | None, lr: float) -> None:
+        """One group's update where it lives (device: ``torch._fused_adamw_``, host: ``CPUAdamW``), then
+        its parameters are written back from the master into the parameter chunk, wherever that is
+        (with gradient reuse this overwrites the gradients the step has just consumed)."""
+        c, master, m, v = group
+        on_dev = master.where == DEVICE
+        wd = self.cfg.weight_decay
+        b1, b2 = self.cfg.betas
+        x = self._fp32_grad(c, master.data.device, host=not on_dev)
+        if inv != 1.0 and c.holds_grad:
+            x.mul_(inv)
+        if coef is not None:
+            x.mul_(coef)
+        p = master.data
+        if wd:
+            for a, b in segs:
+                p[a:b].mul_(1 - lr * wd)
+        if on_dev:
+            step_t = torch.tensor(float(self.step_count), device=p.device)
+            torch._fused_adamw_([p], [x], [m.data], [v.data], [], [step_t], lr=lr, beta1=b1, beta2=b2,
+                                weight_decay=0.0, eps=self.cfg.eps, amsgrad=False, maximize=False)
+        else:  # element-wise kernel: the same bits per element whether called per chunk or for all at once
+            ca = self._cpu_adam
+            ca.step_count = self.step_count - 1
+            ca.step_views([p], [x], [m.data], [v.data], [0.0], lr=lr)
+        del x
+        c.data.copy_(master.data)
+
+    def _refresh_params(self, only_reused: bool) -> None:
+        """Parameters from the master (a skipped step under gradient reuse: the payloads hold gradients)."""
+        for c, master, _, _ in self.groups:
+            if c.grad_in_payload or not only_reused:
+                c.data.copy_(master.data)
 
     def zero_grad(self) -> None:
         for c in self.mgr.chunks:

@@ -56,29 +56,49 @@ def pack_sizes(numels: list[int], chunk_size: int) -> int:
     return n
 
 
-def search_chunk_size(groups: list[list[int]], max_candidates: int = 64) -> int:
+def search_chunk_size(groups: list[list[int]]) -> int:
     """chunk_size=null/0: the multiple of ``ALIGN`` in [m, 4m] (m = the largest tensor, rounded up)
-    that minimises the padding of the greedy packing of every group (trainable, frozen); ties go to
-    the smaller size (finer placement). Candidates are evenly spaced when the range is wide."""
+    that minimises the padding of the greedy packing of every group (trainable, expert, frozen); ties
+    go to the smaller size (finer placement).
+
+    Exact over every aligned size, not a sample of them: the greedy in-order packing never uses more
+    chunks with a larger chunk (by induction, each chunk starts at or after the tensor it starts at
+    with a smaller one), so for each chunk count n the least padding is at the smallest size that
+    packs into n chunks, and those sizes are found by bisection, one per count (a few hundred packings
+    for gpt_10b). A grid of 64 sizes had left gpt_small's chunks 7.1% padding where 2.6% is possible."""
     sizes = [k for g in groups for k in g]
     if not sizes:
         return ALIGN
     lo = math.ceil(max(sizes) / ALIGN) * ALIGN
     hi = 4 * lo
-    step = max(ALIGN, (hi - lo) // max_candidates // ALIGN * ALIGN)
-    best, best_waste = lo, None
     total = sum(sizes)
-    for c in range(lo, hi + 1, step):
-        waste = sum(pack_sizes(g, c) for g in groups if g) * c - total
+
+    def count(c: int) -> int:
+        return sum(pack_sizes(g, c) for g in groups if g)
+
+    best, best_waste = lo, None
+    c = lo
+    while c <= hi:
+        n = count(c)
+        waste = n * c - total
         if best_waste is None or waste < best_waste:
             best, best_waste = c, waste
+        a, b = c // ALIGN + 1, hi // ALIGN + 1  # the smallest aligned size with fewer than n chunks, in [a, b)
+        while a < b:
+            mid = (a + b) // 2
+            if count(mid * ALIGN) < n:
+                b = mid
+            else:
+                a = mid + 1
+        c = a * ALIGN
     return best
 
 
 class ChunkManager:
     def __init__(self, device: torch.device, tracker, dtype: torch.dtype, chunk_size: int, device_budget: int,
-                 warmup_budget: int, static: bool, tracer: MemTracer):
+                 warmup_budget: int, static: bool, tracer: MemTracer, reuse: bool = False):
         self.device, self.tracker, self.dtype, self.chunk_size = device, tracker, dtype, chunk_size
+        self.reuse = reuse  # gradients written over their parameters in the payload (chunk.py), no companion
         self.device_budget, self.warmup_budget, self.static, self.tracer = device_budget, warmup_budget, static, tracer
         self.chunks: list[Chunk] = []
         self.infos: dict[int, TensorInfo] = {}
@@ -125,6 +145,15 @@ class ChunkManager:
 
     def info(self, p: torch.nn.Parameter) -> TensorInfo:
         return self.infos[id(p)]
+
+    @property
+    def grad_factor(self) -> int:
+        """Payloads a trainable chunk occupies while its gradient exists: 1 under reuse, 2 with a companion."""
+        return 1 if self.reuse else 2
+
+    def state_bytes(self, c: Chunk) -> int:
+        """The most bytes chunk ``c`` holds in a step (its payload, and its gradient companion if any)."""
+        return c.payload_bytes * (self.grad_factor if c.trainable else 1)
 
     @property
     def trainable_chunks(self) -> list[Chunk]:
@@ -186,8 +215,18 @@ class ChunkManager:
             return False
         return all(t.state is want for t in u.tensors)
 
+    def take_grad(self, info: TensorInfo, g: torch.Tensor) -> None:
+        """``info``'s gradient ``g`` (finished by autograd) into its chunk, which is resident: over the
+        parameter's own slice of the payload (reuse), or added into the companion."""
+        c = info.chunk
+        if self.reuse:
+            c.write_grad(info, g)
+        else:
+            c.alloc_grad()
+            c.grad_view(info).add_(g)
+
     def grad_arrived(self, info: TensorInfo) -> None:
-        """``info``'s gradient is in its chunk's companion: reduce its unit once it is complete."""
+        """``info``'s gradient is in its chunk: reduce its unit once it is complete."""
         info.grad_ready = True
         if self.comm is None:
             return
@@ -196,10 +235,10 @@ class ChunkManager:
             self.reduce(u)
 
     def reduce(self, u) -> None:
-        missing = sum(c.payload_bytes for c in u.chunks if not c.has_grad)
+        missing = 0 if self.reuse else sum(c.payload_bytes for c in u.chunks if not c.has_grad)
         self.ensure(u.chunks, ("reduce", repr(u)), extra=missing)
         for c in u.chunks:
-            c.alloc_grad()
+            c.seal_grads() if self.reuse else c.alloc_grad()
         self.comm.reduce(u)
 
     def ensure(self, chunks: list[Chunk], key: tuple[str, str], extra: int = 0) -> None:
@@ -300,6 +339,10 @@ class ChunkManager:
         for t in self.infos.values():
             if t.users:
                 t.users, t.state = 0, TensorState.HOLD_AFTER_BWD
+        if self.reuse and self.comm is None:  # one rank: no reduce seals them
+            for c in self.chunks:
+                if c.grad_in_payload:
+                    c.seal_grads()
         self.settle(reduce=True)
 
     def settle(self, reduce: bool) -> None:

@@ -1,0 +1,87 @@
+"""Host bytes per parameter of the chunk engine, measured by the tracker through the run as the CLI builds it.
+
+The reference is a formula from the model's shapes, not the engine's accounting: P parameters, packed
+greedily in registration order into chunks of the run's chunk size (a tensor never spans two chunks;
+re-derived here from the shapes), give C chunk elements, C - P of them padding (at most 5% of P:
+the stated slack). Model states
+(``chunks`` on the host: parameter payloads, gradients, fp32 master / momentum / variance):
+
+* fp16, ``grad_accum`` = 1: gradients are written over the parameters (PatrickStar's reuse), so
+  2 B (parameters, then gradients) + 12 B (optimizer) per chunk element: <= 14 C;
+* fp16 with accumulation: a gradient companion of 2 B more: <= 16 C;
+* fp32: the 4 B payload is parameters, then gradients, beside the 12 B of master / momentum /
+  variance (the master is what the parameters are refreshed from): <= 16 C.
+
+The device budget is below one step's chunks, so the optimizer chunks all stay on the host (12 C is
+also a lower bound) and the host step streams: its ``temp`` is at most one fp32 chunk (4 B per chunk
+element: the chunk's gradient converted, unscaled and clipped) plus scalars, not a rank's gradient.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.chunk.helpers import records
+from tests.conftest import train
+
+BASE = ["model=gpt_tiny", "model.seq_len=32", "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.eval_every=0",
+        "strategy.chunk.device_budget_gb=0.004", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.5"]
+SCALARS = 64 * 1024  # the step's 0-dim tensors and the norm's partial sums
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def packed_elements(shapes: list[tuple[int, ...]], chunk: int) -> int:
+    """Chunk elements of the greedy in-order packing of ``shapes`` into chunks of ``chunk`` elements."""
+    n, used = 0, chunk
+    for s in shapes:
+        k = numel(s)
+        if used + k > chunk:
+            n, used = n + 1, 0
+        used += k
+    return n * chunk
+
+
+def model_shapes(overrides: list[str]) -> list[tuple[int, ...]]:
+    """The distinct parameters' shapes in registration order (tied weights once), from a meta model."""
+    import torch
+
+    from memopt.models import model_class
+    from tests.conftest import typed
+
+    cfg = typed(overrides).model
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+CASES = {  # name -> (overrides, model-state bytes per chunk element)
+    "fp16": (["+strategy=hybrid_adam", "strategy.fp16.init_scale=1024"], 14),
+    "fp16_accum": (["+strategy=hybrid_adam", "strategy.fp16.init_scale=1024", "trainer.grad_accum=2",
+                    "trainer.micro_batch_size=1"], 16),
+    "bf16": (["+strategy=hybrid_adam_bf16"], 14),
+    "fp32": (["+strategy=hybrid_adam_fp32"], 16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_host_model_states_meet_the_formula(tmp_path, name):
+    extra, per_element = CASES[name]
+    summary = train([*BASE, *extra], str(tmp_path / name))
+    assert summary["status"] == "ok"
+    chunk = records(str(tmp_path / name))[-1]["chunk"]["chunk_size"]
+    host = summary["peak_bytes"]["0"]["host"]
+    P = summary["params"]
+    shapes = model_shapes([*BASE, *extra])
+    assert sum(numel(s) for s in shapes) == P
+    C = packed_elements(shapes, chunk)
+    assert C <= 1.05 * P  # the stated slack: the searched chunk size pads this gpt_tiny (seq_len 32) by 4.2%
+    assert host["chunks"] <= per_element * C, (host["chunks"] / P, per_element * C / P)
+    assert host["chunks"] >= 12 * P  # the optimizer states all live on the host under this budget
+    assert host["params"] == host["grads"] == host["optim"] == 0  # model states are chunks, nothing else
+    assert host["temp"] <= 4 * chunk + SCALARS, f"host temp {host['temp']} B > one fp32 chunk ({4 * chunk} B)"
+
