@@ -23,7 +23,7 @@ KINDS = {
     "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
-    "broadcast": "broadcast", "broadcast_": "broadcast",
+    "broadcast": "broadcast", "broadcast_": "broadcast", "reduce_": "reduce",
 }
 
 

@@ -236,7 +236,7 @@ class PlanTracker(MemoryTracker):
         if kind is None:  # wait_tensor, barrier, ...: nothing of their own crosses a link
             return
         payload = _bytes(_payload(func.namespace, kind, args, out))
-        factor = 2 * (n - 1) / n if kind == "all_reduce" else 1.0 if kind == "broadcast" else (n - 1) / n
+        factor = 2 * (n - 1) / n if kind == "all_reduce" else 1.0 if kind in ("broadcast", "reduce") else (n - 1) / n
         bus = int(payload * factor)
         self.traffic["comm_bytes"] += bus
         rec = self.comm_ops[kind]
