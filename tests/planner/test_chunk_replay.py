@@ -40,6 +40,13 @@ def test_layout_that_no_shallow_window_follows_is_replayed_exactly():
     assert _layout_inconsistency(lays, 0, (3, 4, 5, 8)) is not None  # what extrapolation gave up on
     method, = same_as_full_depth(overrides, 2, ranks=(0,), verify=False)
     assert method == "replayed at n_layer=8 from a recorded n_layer=5 step", method
+    # both sides above run the planner; the replay is also anchored outside it: the FLOPs of a rank's
+    # step against the analytic count from the shapes (test_extrapolate.analytic_flops)
+    from memopt.planner.extrapolate import simulate
+    from tests.planner.test_extrapolate import analytic_flops
+
+    got = simulate(cfg, 0, 2, replay=5, verify=False)
+    assert got["flops"] == pytest.approx(analytic_flops(cfg), rel=0.02)
 
 
 def test_a_recording_does_not_depend_on_the_chunk_engines_options():
