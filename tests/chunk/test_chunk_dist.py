@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from memopt.api import run_jobs_on_ranks
-from tests.conftest import losses, train
+from tests.conftest import cases, losses, selected, train
 
 STEPS = 5
 BASE = ["model=gpt_tiny", "model.seq_len=64", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0",
@@ -52,6 +52,9 @@ CASES = {
     "hybrid_adam_bf16_msc": (["+strategy=hybrid_adam_bf16", MSC], "bf16"),
 }
 REFS = {"fp32": [], "fp16": ["+strategy=fp16", *FP16], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"]}
+# the default suite keeps each communication form, cache setting, budget kind, accumulation and precision once
+SLOW_CASES = {"chunk_ckpt_act_offload_msc_accum_tight", "static_partition_msc_tight", "hybrid_adam_msc_ckpt_accum_tight",
+              "hybrid_adam_act_offload_nocache"}
 
 
 def rel_err(a, b):
@@ -64,22 +67,25 @@ def records(run_dir: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("chunk_dist")
-    jobs = [(BASE + ["trainer.micro_batch_size=4", *extra], str(root / name)) for name, (extra, _) in CASES.items()]
+    run = {n: v for n, v in CASES.items() if n in selected(request) | {"chunk", "chunk_msc_nocache"}}
+    jobs = [(BASE + ["trainer.micro_batch_size=4", *extra], str(root / name)) for name, (extra, _) in run.items()]
     summaries = run_jobs_on_ranks(2, jobs)
     refs = {}
     for dtype, extra in REFS.items():
+        if not any(d == dtype for _, d in run.values()):
+            continue
         d = str(root / f"ref_{dtype}")
         assert train(BASE + ["trainer.micro_batch_size=8", *extra], d)["status"] == "ok"
         refs[dtype] = losses(d)
     one = str(root / "one_rank_chunk")
     one_summary = train(BASE + ["trainer.micro_batch_size=8", "+strategy=chunk"], one)
-    out = {name: (s, str(root / name)) for name, s in zip(CASES, summaries)}
+    out = {name: (s, str(root / name)) for name, s in zip(run, summaries)}
     return out, refs, (one_summary, one)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", cases(CASES, SLOW_CASES))
 def test_two_ranks_follow_the_memopt_trajectory(runs, name):
     out, refs, _ = runs
     summary, run_dir = out[name]
@@ -91,7 +97,7 @@ def test_two_ranks_follow_the_memopt_trajectory(runs, name):
     assert err <= TOL[dtype], f"{name}: max relative loss error {err:.2e} > {TOL[dtype]:.0e}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", cases(CASES, SLOW_CASES))
 def test_every_unit_is_reduced_once_per_micro_step(runs, name):
     """Communication follows the units: one gradient reduction per unit (a group of 2 chunks: a
     reduce-scatter; or one chunk with mem_saving_comm: a reduce to its owner) per micro-step, at least
@@ -110,7 +116,8 @@ def test_every_unit_is_reduced_once_per_micro_step(runs, name):
     assert ops[gather]["count"] >= accum * units, ops
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("tight")])
+@pytest.mark.parametrize("name", cases({n: v for n, v in CASES.items() if n.endswith("tight")},
+                                       {n for n in SLOW_CASES if n.endswith("tight")}))
 def test_budget_holds_on_every_rank_and_chunks_move(runs, name):
     out, _, _ = runs
     summary, run_dir = out[name]
