@@ -90,7 +90,7 @@ MUTATIONS = [
              '        for attr, w in ():\n            self._drop(attr, w)\n',
              (effect2("chunk.two_ranks"), "tests/chunk/test_chunk_dist.py")),
     Mutation("static_partition", "memopt/engines/chunk/engine.py",
-             "s.static_partition is not None, tracer)", "False, tracer)",
+             "warmup, s.static_partition is not None, tracer", "warmup, False, tracer",
              (effect("static_partition"),)),
 ]
 

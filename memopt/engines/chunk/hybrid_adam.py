@@ -23,6 +23,7 @@ whole gradient. The companions are freed afterwards.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -146,7 +147,9 @@ class ChunkAdam:
             with self._cat("temp", host=not on_dev):
                 part = x.pow_(2).sum().cpu()
             del x
-            if self.precision.scaler is not None and not bool(torch.isfinite(part)):
+            # .item(), not bool(): the planner's fake step answers .item() (no overflow there), where a
+            # fake bool read as an overflow and every fp16 plan skipped its step (no host Adam counted)
+            if self.precision.scaler is not None and not math.isfinite(part.item()):
                 return True, sq
             sq = sq + part
         return False, sq
