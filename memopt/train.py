@@ -148,7 +148,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     host budget there), the preflight's suggestion is added: the first composition of its list whose
     plan fits (``planner.preflight.suggestion``), or why none can."""
     from memopt.planner.figure import plan_figure
-    from memopt.planner.plan import fmt_params, make_plan, plan_table
+    from memopt.planner.plan import fmt, fmt_params, make_plan, plan_table
     from memopt.planner.preflight import suggestion
     from memopt.planner.simulate import PlanUnsupported
     from memopt.sweep import job_identity
@@ -156,7 +156,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     hw = _hardware(typed)
     try:
-        plan = make_plan(typed, hw)
+        plan = _placed_before_step0(typed, hw, make_plan(typed, hw))
     except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)
         refused = _record_refusal(run_dir, cfg, str(e), mode="plan")
         print(f"memopt: plan refused: {e}", file=sys.stderr)
@@ -187,8 +187,26 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     write_json(os.path.join(run_dir, "summary.json"), summary)
     plan_figure(plan, os.path.join(run_dir, "plan.png"))
     hint = f"\n  suggestion: {plan['suggestion']['text']}" if "suggestion" in plan else ""
+    if "placement" in plan:
+        p = plan["placement"]
+        hint = (f"\n  Hybrid Adam: {p['device_groups']} optimizer group(s) per rank on the device from step 0 "
+                f"(strategy.hybrid_adam.device_groups={p['device_groups']}, this plan's warm-up decision); node host "
+                f"{fmt(p['node_host_bytes_warmup_placed'])} if placed after the warm-up") + hint
     print(plan_table(plan) + hint + f"\n  plan.json, plan.png in {run_dir}")
     return summary
+
+
+def _placed_before_step0(typed, hw, plan: dict) -> dict:
+    """Plan mode: the plan again with Hybrid Adam's warm-up decision made before step 0 (planner/placement.py)."""
+    from memopt.planner.placement import planned_device_groups, with_device_groups
+    from memopt.planner.plan import make_plan
+
+    n = planned_device_groups(typed, plan)
+    if n is None:
+        return plan
+    placed = make_plan(with_device_groups(typed, n), hw)
+    placed["placement"] = {"device_groups": n, "node_host_bytes_warmup_placed": plan["node_host_bytes"]}
+    return placed
 
 
 def _refused_plan(typed, hw, error: str) -> dict:
@@ -234,7 +252,7 @@ def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
     from memopt.planner.preflight import PreflightRefusal, preflight
 
     try:
-        preflight(typed, _hardware(typed), _task_overrides())
+        plan = preflight(typed, _hardware(typed), _task_overrides())
     except PreflightRefusal as e:
         extra = {}
         if e.plan is not None:
@@ -244,6 +262,14 @@ def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
         refused = _record_refusal(run_dir, cfg, str(e), **extra)
         print(f"memopt: {e}", file=sys.stderr)
         return refused
+    from memopt.planner.placement import planned_device_groups
+
+    n = planned_device_groups(typed, plan)
+    if n is not None:  # Hybrid Adam's placement, decided by the plan before step 0 (planner/placement.py)
+        typed.strategy.hybrid_adam.device_groups = n
+        cfg.strategy.hybrid_adam.device_groups = n
+        print(f"memopt: preflight: strategy.hybrid_adam.device_groups={n} (optimizer groups on the device from step 0, "
+              "as the plan's warm-up placed them)", file=sys.stderr)
     return None
 
 

@@ -53,6 +53,12 @@ def limits_of(hw, local_ranks: int) -> dict[str, int]:
     return {"device": int(hw.device_memory_gb * GiB), "host": host}
 
 
+def _placement(sims: list) -> dict:
+    """Hybrid Adam's optimizer groups on the device after each simulated rank's warm-up (planner/placement.py)."""
+    got = {str(s["rank"]): s.get("engine_metrics", {}).get("optim_chunks_on_device") for s in sims}
+    return {"optim_groups_on_device": got} if any(v is not None for v in got.values()) else {}
+
+
 def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile)."""
     from memopt import compose
@@ -103,6 +109,7 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         "overflow": _overflow(fits, worst["peaks"], hw),
         "rules": worst.get("rules", "the run's code on fake tensors"),
         "method": {str(s["rank"]): s.get("method", "exact") for s in sims},
+        **_placement(sims),
         "traffic": worst["traffic"], "comm_per_step": worst.get("comm_per_step"), "flops_per_step": worst["flops"],
         "step_time": time_est,
         "plan_seconds": time.perf_counter() - t0,

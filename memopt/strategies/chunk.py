@@ -76,6 +76,10 @@ class HybridAdamConfig:
     device at once (all of them, or the static budget)."""
 
     max_device_chunks: int | None = None  # optional cap on the optimizer chunk groups kept on the device
+    # optimizer groups made on the device at build, before step 0 (a plan's decision: the warm-up step
+    # checks it and moves back, with a warning naming the bytes, what its measured margin cannot hold);
+    # null: none before step 0, the warm-up decides (PatrickStar)
+    device_groups: int | None = None
 
 
 @register
@@ -119,5 +123,7 @@ class HybridAdam(Strategy):
     requires, requires_why = ("chunk",), "the chunk engine; or the +strategy=hybrid_adam preset"
 
     def validate(self, hybrid: HybridAdamConfig, cfg) -> None:
+        if hybrid.device_groups is not None and hybrid.device_groups < 0:
+            raise ConfigError(f"strategy.hybrid_adam.device_groups={hybrid.device_groups} must be >= 0 (or null)")
         if hybrid.max_device_chunks is not None and hybrid.max_device_chunks < 0:
             raise ConfigError(f"strategy.hybrid_adam.max_device_chunks={hybrid.max_device_chunks} must be >= 0 (or null)")

@@ -85,3 +85,26 @@ def test_host_model_states_meet_the_formula(tmp_path, name):
     assert host["params"] == host["grads"] == host["optim"] == 0  # model states are chunks, nothing else
     assert host["temp"] <= 4 * chunk + SCALARS, f"host temp {host['temp']} B > one fp32 chunk ({4 * chunk} B)"
 
+
+
+def test_each_of_two_ranks_holds_its_own_chunks_formula(tmp_path):
+    """2 ranks: the chunks are padded to a multiple of 2 and dealt in groups of 2 (rank r owns the r-th
+    chunk of every group), so rank r's host holds, at most, its own payloads (2 B per element in fp16,
+    4 in fp32; the padding chunk's too) and 12 B per element of its own chunks that hold tensors."""
+    from memopt.api import run_jobs_on_ranks
+
+    cases = {"fp16": (CASES["fp16"][0], 2), "fp32": (CASES["fp32"][0], 4)}
+    common = ["logger=none", "trainer.progress_bar=false", "trainer.save_checkpoint=false"]
+    jobs = [([*BASE, *extra, *common], str(tmp_path / name)) for name, (extra, _) in cases.items()]
+    for (name, (extra, payload)), summary, (_, run_dir) in zip(cases.items(), run_jobs_on_ranks(2, jobs), jobs):
+        assert summary["status"] == "ok", name
+        chunk = records(run_dir)[-1]["chunk"]["chunk_size"]
+        shapes = model_shapes([*BASE, *extra])
+        real = packed_elements(shapes, chunk) // chunk
+        total = real + real % 2  # padded to whole groups of 2
+        for r in (0, 1):
+            own = len(range(r, total, 2))
+            own_real = len(range(r, real, 2))
+            host = summary["peak_bytes"][str(r)]["host"]
+            assert 12 * own_real * chunk <= host["chunks"] <= (payload * own + 12 * own_real) * chunk, (name, r, host)
+            assert host["temp"] <= 4 * chunk + SCALARS, (name, r, host["temp"])

@@ -110,6 +110,7 @@ ONE = [[], ["+strategy=fp16", HEALTHY], ["+strategy=bf16"], ["+strategy=ckpt"], 
        ["+strategy=ckpt", "strategy.ckpt.policy=selective"], ["+strategy=[ckpt,act_offload]"], ["+strategy=cpu_offload"],
        ["+strategy=[fp16,cpu_offload]", HEALTHY], ["+strategy=chunk"], ["+strategy=static_partition"], ["+strategy=hybrid_adam", HEALTHY],
        ["+strategy=hybrid_adam", "strategy.chunk.device_budget_gb=0.02", HEALTHY],
+       ["+strategy=hybrid_adam", "strategy.chunk.device_budget_gb=0.02", "strategy.hybrid_adam.device_groups=2", HEALTHY],
        ["+strategy=chunk", "strategy.chunk.device_budget_gb=0.015"], ["+strategy=chunked_loss"],
        ["+strategy=[bf16,ckpt,act_offload]"], ["engine=fsdp2", "+strategy=zero3"]]
 # engine=fsdp2's compositions that run on a CPU (cpu_offload is refused there; tp needs dp_shard >= 2: TP4)

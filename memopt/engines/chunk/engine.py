@@ -86,6 +86,7 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_host_budget(cfg, mgr)
+    check_device_groups(cfg, mgr, budget)
     init = lambda name, shape: model.init_tensor(name, shape, cfg.seed)  # noqa: E731
     init_chunks(mgr, init, tracker, everything=ccfg.release_after_init)
     if ccfg.res_check and mgr.comm is not None:
@@ -143,6 +144,20 @@ def check_host_budget(cfg, mgr: ChunkManager) -> None:
             f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grad companions if any, fp32 "
             f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
             "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
+
+
+def check_device_groups(cfg, mgr: ChunkManager, budget: int) -> None:
+    """Refuse, before any chunk is allocated, optimizer groups placed before step 0
+    (``strategy.hybrid_adam.device_groups``) that alone exceed the device budget."""
+    hybrid = cfg.strategy.hybrid_adam
+    n = hybrid.device_groups if hybrid is not None else None
+    if not n:
+        return
+    group = 12 * mgr.chunk_size  # fp32 master, momentum, variance of one chunk
+    if n * group > budget:
+        raise ConfigError(f"strategy.hybrid_adam.device_groups={n}: {n} optimizer groups of {group} B exceed the device "
+                          f"budget of {budget} B by themselves; set at most {budget // group} (null: decided by the "
+                          "warm-up step)")
 
 
 def chunk_layout(cfg, model, dims, params: tuple | None = None) -> dict:
@@ -246,7 +261,15 @@ class ChunkEngine(PrecisionEngine):
                 used = min(used, mgr.warmup_budget)
             margin = mgr.device_budget - mgr.tracer.max_nonmodel - used
             self.placement_margin = margin
-            self.optimizer.place_on_device(margin)
+            placed = self.optimizer.device_groups
+            n = self.optimizer.place_on_device(margin)
+            if n < placed:  # the decision made before step 0 held more than the measured moments allow
+                import warnings
+
+                short = placed * self.optimizer.group_bytes - int(self.optimizer.margin_use_ratio * max(margin, 0))
+                warnings.warn(f"strategy.hybrid_adam.device_groups={placed}: the warm-up measured a device margin of "
+                              f"{margin} B (non-model peak {mgr.tracer.max_nonmodel} B), {short} B short of those groups; "
+                              f"{placed - n} moved back to the host (set device_groups={n} or leave it null)", stacklevel=2)
             mgr.make_room(mgr.device_budget - mgr.tracer.max_nonmodel - mgr.os_device_bytes if not mgr.static else mgr.warmup_budget)
         self._last = self._metrics(res)
         self.history.append(self._last)
@@ -276,6 +299,7 @@ class ChunkEngine(PrecisionEngine):
             + sum(o.nbytes for g in self.optimizer.groups for o in g[1:] if o.where == HOST),
             "chunk_peak_bytes_device": mgr.peak_device_bytes,
             "optim_chunks_on_device": self.optimizer.device_groups,
+            "optim_chunks_at_start": self.optimizer.at_start,  # placed before step 0 (device_groups)
             "evictions": mgr.evictions,
             "fetches": mgr.fetches,
             "chunk_size": mgr.chunk_size,
@@ -400,7 +424,7 @@ class ChunkEngine(PrecisionEngine):
         # step (a warm-up, before placement is decided again) updates them with the same kernel as the
         # uninterrupted run did (the device and host Adam kernels round differently)
         n = int(mine["device_groups"])
-        for _, *opt in o.groups[:n]:
+        for i, (_, *opt) in enumerate(o.groups):
             for chunk in opt:
-                chunk.move(DEVICE)
+                chunk.move(DEVICE if i < n else HOST)
         self.mgr.os_device_bytes = n * o.group_bytes

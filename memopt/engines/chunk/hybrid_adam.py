@@ -23,7 +23,6 @@ whole gradient. The companions are freed afterwards.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -51,18 +50,22 @@ class ChunkAdam:
         self.step_count = 0
         self.groups: list[tuple[Chunk, Chunk, Chunk, Chunk]] = []  # (param, master, exp_avg, exp_avg_sq)
         self.decay: list[list[tuple[int, int]]] = []
-        for c in mgr.trainable_chunks:  # this rank's own chunks; padding chunks (no tensors) need no state
-            if not c.tensors:
-                continue
+        # Hybrid Adam's placement decided before step 0 (strategy.hybrid_adam.device_groups): those groups
+        # are made on the device, so no host memory ever holds them; the warm-up checks the decision
+        owned = [c for c in mgr.trainable_chunks if c.tensors]  # padding chunks (no tensors) need no state
+        self.at_start = min(len(owned), (hybrid.device_groups or 0) if hybrid is not None else 0)
+        for i, c in enumerate(owned):
+            where = DEVICE if i < self.at_start else HOST
             os = []
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 o = Chunk(c.index, kind, c.numel, torch.float32, mgr.device, tracker)
-                o.allocate(HOST, zero=kind != "master")
+                o.allocate(where, zero=kind != "master")
                 os.append(o)
-            with self._cat("temp"):
-                os[0].host.copy_(c.data)  # fp32 master from the (possibly rounded) parameters
+            with self._cat("temp", host=where == HOST):
+                os[0].data.copy_(c.data)  # fp32 master from the (possibly rounded) parameters
             self.groups.append((c, *os))
             self.decay.append([(t.offset, t.offset + t.numel) for t in c.tensors if len(t.shape) >= 2])
+        mgr.os_device_bytes = self.at_start * self.group_bytes
         self._cpu_adam = CPUAdamW([], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0, impl=cpu_impl)
 
     def _cat(self, name: str, host: bool = False):
@@ -82,13 +85,14 @@ class ChunkAdam:
         return sum(g[1].where == DEVICE for g in self.groups)
 
     def place_on_device(self, margin: int) -> int:
-        """Hybrid Adam: move ``floor(margin_use_ratio * margin / group bytes)`` groups to the device."""
-        if self.hybrid is None or not self.groups or margin <= 0:
+        """Hybrid Adam at the end of warm-up: the first ``floor(margin_use_ratio * margin / group bytes)``
+        groups on the device, the others on the host (groups placed before step 0 beyond that go back)."""
+        if self.hybrid is None or not self.groups:
             return 0
         n = groups_that_fit(margin, self.group_bytes, len(self.groups), self.margin_use_ratio, self.hybrid.max_device_chunks)
-        for g in self.groups[:n]:
+        for i, g in enumerate(self.groups):
             for o in g[1:]:
-                o.move(DEVICE)
+                o.move(DEVICE if i < n else HOST)
         self.mgr.os_device_bytes = n * self.group_bytes
         self.mgr._note_peak()
         return n
@@ -147,9 +151,8 @@ class ChunkAdam:
             with self._cat("temp", host=not on_dev):
                 part = x.pow_(2).sum().cpu()
             del x
-            # .item(), not bool(): the planner's fake step answers .item() (no overflow there), where a
-            # fake bool read as an overflow and every fp16 plan skipped its step (no host Adam counted)
-            if self.precision.scaler is not None and not math.isfinite(part.item()):
+            # .all(): a 0-dim result still, and the planner's healthy answer for a value it cannot compute
+            if self.precision.scaler is not None and not bool(torch.isfinite(part).all()):
                 return True, sq
             sq = sq + part
         return False, sq

@@ -1,0 +1,36 @@
+"""Hybrid Adam's placement decided before step 0, from a plan (issue #29, deliverable 3).
+
+Why: PatrickStar moves optimizer chunks to the device only after its warm-up step, so that step's host
+peak holds every rank's fp32 master, momentum and variance, and the host bounds the model size while
+the devices keep room unused. The planner runs the engine's own warm-up on fake tensors (the same
+per-moment non-model peaks the run's tracer measures), so its engines already decided how many groups
+the margin holds; ``strategy.hybrid_adam.device_groups`` set to that count makes the run (and the
+re-plan) create those groups on the device at build. The run's warm-up then checks the decision and
+warns with the bytes when its measured margin holds fewer (engines/chunk/engine.py).
+
+Applied where a plan exists before the ranks start: plan mode (``trainer.mode=plan``) and the
+preflight of a ``python -m memopt.train`` run that plans (not under an external torchrun, and not
+when the preflight finds the run trivially small: then the warm-up decides, as before).
+"""
+from __future__ import annotations
+
+import copy
+
+
+def planned_device_groups(cfg, plan: dict | None) -> int | None:
+    """The optimizer groups the plan's warm-up put on the device, on every planned rank (the least of
+    them); None when the run is no Hybrid Adam run, its placement is set already, or the plan has none."""
+    hybrid = getattr(cfg.strategy, "hybrid_adam", None)
+    if hybrid is None or hybrid.device_groups is not None or not plan:
+        return None
+    counts = list((plan.get("optim_groups_on_device") or {}).values())
+    if not counts or any(c is None for c in counts):
+        return None
+    return min(counts) or None
+
+
+def with_device_groups(cfg, n: int):
+    """A copy of the typed config with ``strategy.hybrid_adam.device_groups = n``."""
+    out = copy.deepcopy(cfg)
+    out.strategy.hybrid_adam.device_groups = n
+    return out
