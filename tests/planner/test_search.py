@@ -60,7 +60,7 @@ def test_largest_model_scans_above_the_bisection_where_fitting_is_not_monotone(m
     from memopt.planner import search
 
     fits = {1, 2, 3, 4, 5, 8}
-    monkeypatch.setattr(search, "make_plan", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
+    monkeypatch.setattr(search, "plan_placed", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
     monkeypatch.setattr(memopt.api, "compose_config", lambda ov: int(ov[-1].split("=")[1]))  # the depth probed
     monkeypatch.setattr(memopt.config, "to_dataclass", lambda n: NS(model=NS(n_layer=n), trainer=NS(nproc_per_node=1)))
     monkeypatch.setattr(memopt.config, "validate", lambda cfg: None)
