@@ -148,7 +148,8 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     host budget there), the preflight's suggestion is added: the first composition of its list whose
     plan fits (``planner.preflight.suggestion``), or why none can."""
     from memopt.planner.figure import plan_figure
-    from memopt.planner.plan import fmt, fmt_params, make_plan, plan_table
+    from memopt.planner.placement import plan_placed
+    from memopt.planner.plan import fmt, fmt_params, plan_table
     from memopt.planner.preflight import suggestion
     from memopt.planner.simulate import PlanUnsupported
     from memopt.sweep import job_identity
@@ -156,7 +157,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     hw = _hardware(typed)
     try:
-        plan = _placed_before_step0(typed, hw, make_plan(typed, hw))
+        plan = plan_placed(typed, hw)
     except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)
         refused = _record_refusal(run_dir, cfg, str(e), mode="plan")
         print(f"memopt: plan refused: {e}", file=sys.stderr)
@@ -194,19 +195,6 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
                 f"{fmt(p['node_host_bytes_warmup_placed'])} if placed after the warm-up") + hint
     print(plan_table(plan) + hint + f"\n  plan.json, plan.png in {run_dir}")
     return summary
-
-
-def _placed_before_step0(typed, hw, plan: dict) -> dict:
-    """Plan mode: the plan again with Hybrid Adam's warm-up decision made before step 0 (planner/placement.py)."""
-    from memopt.planner.placement import planned_device_groups, with_device_groups
-    from memopt.planner.plan import make_plan
-
-    n = planned_device_groups(typed, plan)
-    if n is None:
-        return plan
-    placed = make_plan(with_device_groups(typed, n), hw)
-    placed["placement"] = {"device_groups": n, "node_host_bytes_warmup_placed": plan["node_host_bytes"]}
-    return placed
 
 
 def _refused_plan(typed, hw, error: str) -> dict:
@@ -262,9 +250,7 @@ def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
         refused = _record_refusal(run_dir, cfg, str(e), **extra)
         print(f"memopt: {e}", file=sys.stderr)
         return refused
-    from memopt.planner.placement import planned_device_groups
-
-    n = planned_device_groups(typed, plan)
+    n = (plan or {}).get("placement", {}).get("device_groups")
     if n is not None:  # Hybrid Adam's placement, decided by the plan before step 0 (planner/placement.py)
         typed.strategy.hybrid_adam.device_groups = n
         cfg.strategy.hybrid_adam.device_groups = n

@@ -25,6 +25,9 @@ from experiments.common import machine_line, table  # noqa: E402
 STRATEGIES = {
     # the chunk engine's communication form and warm-up share are its own (engines/chunk/defaults.py)
     "memopt hybrid_adam (chunk)": ["+strategy=[hybrid_adam,ckpt]"],
+    # chunks of the embedding's size (the smallest the search allows): finer Hybrid Adam placement,
+    # whose groups the plan puts on the device before step 0 (planner/placement.py)
+    "memopt hybrid_adam (chunk), chunk = embedding": ["+strategy=[hybrid_adam,ckpt]", "strategy.chunk.chunk_size=206045184"],
     "memopt chunk (host Adam)": ["+strategy=[chunk,fp16,ckpt]"],
     "memopt zero3 + cpu_offload": ["+strategy=[fp16,zero3,cpu_offload,ckpt]"],
     "DeepSpeed ZeRO-3-Offload (its rules)": ["engine=deepspeed", "+strategy=[fp16,zero3,cpu_offload,ckpt]"],

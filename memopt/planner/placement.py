@@ -29,6 +29,25 @@ def planned_device_groups(cfg, plan: dict | None) -> int | None:
     return min(counts) or None
 
 
+def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
+    """``make_plan`` of ``cfg``; for a Hybrid Adam run whose placement is not set, the plan of the run with
+    the groups its warm-up placed made on the device at build (``placement`` in the plan says how many
+    and the node's host had they been placed after the warm-up). The first plan runs without
+    ``limits``: the warm-up must run to decide, and the run may fit only once the groups are placed."""
+    from memopt.planner.plan import make_plan
+
+    hybrid = getattr(cfg.strategy, "hybrid_adam", None)
+    if hybrid is None or hybrid.device_groups is not None:
+        return make_plan(cfg, hw, limits)
+    first = make_plan(cfg, hw)
+    n = planned_device_groups(cfg, first)
+    if n is None:
+        return first if limits is None or first["fits"] else make_plan(cfg, hw, limits)
+    placed = make_plan(with_device_groups(cfg, n), hw, limits)
+    placed["placement"] = {"device_groups": n, "node_host_bytes_warmup_placed": first["node_host_bytes"]}
+    return placed
+
+
 def with_device_groups(cfg, n: int):
     """A copy of the typed config with ``strategy.hybrid_adam.device_groups = n``."""
     out = copy.deepcopy(cfg)

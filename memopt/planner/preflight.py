@@ -19,6 +19,7 @@ import warnings
 
 from memopt.errors import ConfigError
 from memopt.planner.plan import GiB, fmt, fmt_params, limits_of, make_plan, runtime_bytes
+from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
 # the least any composition holds: the chunk engine with gradients written over the fp16 parameter
@@ -64,7 +65,7 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
     local = cfg.trainer.nproc_per_node
     what = f"{cfg.model.name} ({fmt_params(compose.num_params(cfg))} params) with {'+'.join(cfg.strategy.selected()) or 'no strategy'}"
     try:
-        plan = make_plan(cfg, hw, limits_of(hw, local))
+        plan = plan_placed(cfg, hw, limits_of(hw, local))  # Hybrid Adam: its groups placed before step 0
     except PlanUnsupported as e:
         warnings.warn(f"preflight skipped: {e}", stacklevel=2)
         return None

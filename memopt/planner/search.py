@@ -22,6 +22,7 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 from __future__ import annotations
 
 from memopt.planner.plan import fmt, limits_of, make_plan
+from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow
 
 PRECISION = {"fp32": [], "bf16": ["bf16"], "fp16": ["fp16"]}
@@ -200,7 +201,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
         cfg = to_dataclass(compose_config(["trainer.mode=plan", *base, f"{field}={n}"]))  # planned, not run here
         validate(cfg)
         try:
-            plan = make_plan(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))
+            plan = plan_placed(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))  # as the run's preflight plans it
             ok = plan["fits"] and "error" not in plan
         except PlanOverflow:
             plan, ok = None, False

@@ -44,14 +44,15 @@ def test_largest_model_is_the_boundary_of_the_fit(tmp_path):
 
     base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
             "trainer.save_checkpoint=false", "trainer.eval_every=0"]
-    from memopt.planner.plan import limits_of, make_plan
+    from memopt.planner.placement import plan_placed
+    from memopt.planner.plan import limits_of
     from memopt.planner.simulate import PlanOverflow
 
     hw = small_hw(30)
     n, plan, tried = largest_model(base, hw, lo=1, hi=16)
     assert 1 <= n < 16 and plan["fits"]
     with pytest.raises(PlanOverflow):  # the boundary: one block more overflows the planned memory
-        make_plan(typed([*base, "trainer.mode=plan", f"model.n_layer={n + 1}"]), hw, limits_of(hw, 1))
+        plan_placed(typed([*base, "trainer.mode=plan", f"model.n_layer={n + 1}"]), hw, limits_of(hw, 1))
     # and the answer is true of the run: depth n trained here peaks within the 30 MiB the profile allows
     s = train([*base, f"model.n_layer={n}", "trainer.max_steps=1"], str(tmp_path / "run"))
     assert s["status"] == "ok" and s["peak_bytes"]["0"]["cpu"]["total"] <= 30 * 2**20
@@ -67,7 +68,7 @@ def test_largest_model_scans_above_the_bisection_where_fitting_is_not_monotone(m
     from memopt.planner import search
 
     fits = {1, 2, 3, 4, 5, 8}
-    monkeypatch.setattr(search, "make_plan", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
+    monkeypatch.setattr(search, "plan_placed", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
     monkeypatch.setattr(memopt.config, "compose_config", lambda ov: int(ov[-1].split("=")[1]))  # the depth probed
     monkeypatch.setattr(memopt.config, "to_dataclass", lambda n: NS(model=NS(n_layer=n), trainer=NS(nproc_per_node=1)))
     monkeypatch.setattr(memopt.config, "validate", lambda cfg: None)
