@@ -13,8 +13,8 @@ The fp16 loss-scale trajectory (skips, hysteresis, back-off) must be identical, 
 
 cpu_offload uses DeepSpeedCPUAdam, whose C++ op compiles on first use (about a minute), so those
 cases are marked slow, with the hydra sweep of both engines. The default suite keeps one case per
-translated feature (ddp, zero2 buckets, zero3 with checkpoint and eval, fp16 scaling and overflow, MoE
-with ep=2); accumulation, zero1, bf16 and the other precision pairings are slow cases.
+translated feature (zero2 buckets, zero3 with checkpoint and eval, fp16 scaling and overflow, MoE with
+ep=2); ddp, accumulation, zero1, bf16 and the other precision pairings are slow cases.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from memopt.api import run_jobs_on_ranks
 from memopt.errors import ConfigError
 from tests.conftest import REPO, cases, selected, typed
 
-STEPS = 6
+STEPS = 4  # two warm-up steps and two at the full learning rate
 BASE = ["model=gpt_tiny", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0", "optim.lr=3e-3",
         "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "trainer.save_checkpoint=false",
         "trainer.micro_batch_size=4"]
@@ -86,13 +86,13 @@ def run_matrix(root, matrix):
 
 
 SLOW_CASES = {"zero1", "zero2_accum", "zero3_ckpt_accum", "ddp_bf16_params", "zero3_bf16_autocast", "zero3_fp16",
-              "zero1_fp16", "zero2_bf16_params"}
+              "zero1_fp16", "zero2_bf16_params", "ddp"}
 
 
 @pytest.fixture(scope="module")
 def fast(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
-    need = selected(request) | {"ddp", "zero3_checkpoint_saved", "zero2_moe_ep2"}  # the tests below read these
+    need = selected(request) | {"zero3_checkpoint_saved", "zero2_moe_ep2"}  # the tests below read these
     return root, run_matrix(root, {n: v for n, v in FAST.items() if n in need})
 
 
@@ -168,8 +168,7 @@ def test_zero3_never_holds_the_whole_model(fast):
     part = sum(math.ceil(p.numel() / 2) for p in params) * 4
     largest = max(p.numel() for p in params) * 4
     root, summaries = fast
-    whole = summaries[("ddp", "deepspeed")]["peak_bytes"]["0"]["cpu"]["params"]
-    assert whole >= 4 * sum(p.numel() for p in params)
+    whole = 4 * sum(p.numel() for p in params)  # what stage 0 holds: every parameter in fp32
     for rank in ("0", "1"):
         got = summaries[("zero3_checkpoint_saved", "deepspeed")]["peak_bytes"][rank]["cpu"]["params"]
         assert part <= got <= part + largest < whole
@@ -255,6 +254,7 @@ def test_sweep_runs_both_engines_in_one_wandb_group(tmp_path):
         ("deepspeed", "zero2"), ("deepspeed", "zero3"), ("memopt", "zero2"), ("memopt", "zero3")]
 
 
+@pytest.mark.slow  # 5 s of DeepSpeed start-up
 def test_a_run_leaves_no_shared_memory_behind(tmp_path):
     """DeepSpeed's CPU backend creates a ~69 MB shared-memory segment per rank, named after
     MASTER_ADDR/MASTER_PORT, and never removed it: every run left its RAM taken

@@ -24,7 +24,7 @@ from memopt.api import run_jobs_on_ranks
 from memopt.errors import ConfigError
 from tests.conftest import cases, selected, typed
 
-STEPS = 6
+STEPS = 4  # two warm-up steps and two at the full learning rate
 BASE = ["model=gpt_tiny", f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0", "optim.lr=3e-3",
         "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "trainer.save_checkpoint=false",
         "trainer.micro_batch_size=4"]
