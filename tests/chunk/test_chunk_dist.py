@@ -52,9 +52,10 @@ CASES = {
     "hybrid_adam_bf16_msc": (["+strategy=hybrid_adam_bf16", MSC], "bf16"),
 }
 REFS = {"fp32": [], "fp16": ["+strategy=fp16", *FP16], "bf16": ["+strategy=bf16", "strategy.bf16.params=bf16"]}
-# the default suite keeps each communication form, cache setting, budget kind, accumulation and precision once
-SLOW_CASES = {"chunk_ckpt_act_offload_msc_accum_tight", "static_partition_msc_tight", "hybrid_adam_msc_ckpt_accum_tight",
-              "hybrid_adam_act_offload_nocache"}
+# the default suite keeps both communication forms and cache settings, a tight budget and Hybrid Adam in fp16
+SLOW_CASES = {"chunk_ckpt_tight", "chunk_ckpt_act_offload_msc_accum_tight", "chunk_accum_nocache",
+              "static_partition_msc_tight", "hybrid_adam_msc_ckpt_accum_tight", "hybrid_adam_act_offload_nocache",
+              "hybrid_adam_bf16_msc"}
 
 
 def rel_err(a, b):

@@ -87,6 +87,7 @@ def test_host_model_states_meet_the_formula(tmp_path, name):
 
 
 
+@pytest.mark.slow  # 4.5 s; one rank's formula runs by default, 2 ranks' chunks in test_strategy_effects
 def test_each_of_two_ranks_holds_its_own_chunks_formula(tmp_path):
     """2 ranks: the chunks are padded to a multiple of 2 and dealt in groups of 2 (rank r owns the r-th
     chunk of every group), so rank r's host holds, at most, its own payloads (2 B per element in fp16,

@@ -39,6 +39,7 @@ def test_a_crashing_rank_stops_the_job_and_is_named(tmp_path):
     assert s["engine"] == "memopt" and s["strategy"] == [] and s["world_size"] == 2  # what the job was asked to run
 
 
+@pytest.mark.slow  # 5 s; a launch of 2 ranks runs by default (nproc_per_node)
 def test_runs_unchanged_under_torchrun(tmp_path):
     d = tmp_path / "r"
     p = run(["--standalone", "--nproc_per_node=2", "-m", "memopt.train", f"hydra.run.dir={d}", "+strategy=zero3", *QUICK],

@@ -64,6 +64,7 @@ def test_tracker_sees_linear_attention_activations(impl, lo, hi):
     assert lo <= ratio <= hi, ratio
 
 
+@pytest.mark.slow  # the same refusal runs through the CLI by default (tests/e2e/test_statuses.py)
 def test_refused_without_cuda_or_interpreter(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=REPO, WANDB_MODE="offline")

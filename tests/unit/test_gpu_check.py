@@ -233,6 +233,7 @@ def test_wheels_install_into_a_fresh_target_and_import(tmp_path):
     assert all(line.startswith(target) for line in p.stdout.split()), p.stdout
 
 
+@pytest.mark.slow  # 2.4 s; the FlashAttention part's bookkeeping
 def test_flash_worker_on_cpu(tmp_path):
     """The flash section's worker, run on a CPU under Triton's interpreter (fp32 and fp16, tiny):
     one JSON line per case, both implementations timed and compared with the fp32 reference."""
@@ -256,6 +257,7 @@ def test_flash_worker_on_cpu(tmp_path):
     gc.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
 
 
+@pytest.mark.slow  # 3.7 s; signals to the check's subprocesses
 def test_sigterm_keeps_the_results_and_stops_the_children(tmp_path):
     """A timeout from outside (SIGTERM) while sections run: exit 130, the record says so, the plans
     started in the background are stopped."""
