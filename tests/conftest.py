@@ -58,3 +58,15 @@ def cases(matrix: dict, slow: set) -> list:
     unknown = slow - set(matrix)
     assert not unknown, unknown
     return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in matrix]
+
+
+# Every test file this session collected, before -m/-k deselection (tests/config/test_collection.py reads it
+# when the session ran the whole suite, and otherwise runs the collection itself).
+COLLECTED: set[str] = set()
+SESSION_ARGS: list[str] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    COLLECTED.update(os.path.relpath(str(item.path), REPO) for item in items)
+    SESSION_ARGS[:] = [os.path.abspath(str(a).split("::")[0]) for a in config.args]

@@ -54,9 +54,17 @@ def test_an_empty_data_file_is_refused(tmp_path):
     (["model=gpt_huge"], ["model/gpt_huge", "gpt_tiny"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps=abc", "Integer"]),
 ])
-def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args, words):
-    """Hydra's own composition errors exited 1 without summary.json; they are refusals (exit 2)."""
-    p, s = run(tmp_path, args)
-    assert p.returncode == EXIT_CODES["refused"], p.stderr[-2000:]
+def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args, words, capsys, monkeypatch):
+    """Hydra's own composition errors exited 1 without summary.json; they are refusals (exit 2). The CLI's
+    entry point runs in this process (``sys.argv``): the refusal comes before Hydra starts."""
+    from memopt.train import main
+
+    d = tmp_path / "r"
+    monkeypatch.setattr(sys, "argv", ["memopt.train", f"hydra.run.dir={d}", *QUICK, *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_CODES["refused"], err[-2000:]
+    s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and all(w in s["error"] for w in words), s["error"]
-    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1].endswith("summary.json")
+    assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("summary.json")
