@@ -13,9 +13,10 @@ The fp16 loss-scale trajectory (skips, hysteresis, back-off) must be identical, 
 
 cpu_offload uses DeepSpeedCPUAdam, whose C++ op compiles on first use (about a minute), so those
 cases are marked slow, with the hydra sweep of both engines. The default suite keeps one case per
-ZeRO-3 case (partitioned build, checkpoint, eval, gathered state dict) and the fp16 overflow case (the
-loss-scale rules against DeepSpeed's own scaler); the other stages, buckets, accumulation, bf16, MoE and
-the other precision pairings are slow cases.
+ZeRO-3 case (partitioned build, checkpoint, eval, gathered state dict); the fp16 overflow case (the
+loss-scale rules against DeepSpeed's own scaler; tests/unit/test_strategy_parity.py checks the same rules
+by hand by default), the other stages, buckets, accumulation, bf16, MoE and the other precision pairings
+are slow cases.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def run_matrix(root, matrix):
 
 
 SLOW_CASES = {"ddp", "zero1", "zero2_small_buckets", "zero2_accum", "zero3_ckpt_accum", "ddp_bf16_params",
-              "zero2_bf16_params", "zero3_bf16_autocast", "zero1_fp16", "zero3_fp16", "zero2_moe_ep2"}
+              "zero2_bf16_params", "zero3_bf16_autocast", "zero1_fp16", "zero3_fp16", "zero2_moe_ep2",
+              "zero2_fp16_overflow"}
 
 
 @pytest.fixture(scope="module")
