@@ -34,6 +34,27 @@ def train(overrides: list[str], run_dir: str, logger: str = "none") -> dict:
     return run_job([f"logger={logger}", "trainer.progress_bar=false", "trainer.save_checkpoint=false", *overrides], run_dir)
 
 
+def cli_main(argv: list[str]) -> int:
+    """``python -m memopt.train <argv>`` in this process (the CLI's entry point, Hydra's ``.hydra/`` and
+    task overrides included); returns the exit code."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memopt.train import main
+
+    saved = sys.argv
+    sys.argv = ["memopt.train", *argv]
+    try:
+        main()
+        return 0
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+
+
 def losses(run_dir: str) -> list[float]:
     import json
 

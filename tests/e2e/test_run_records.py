@@ -200,31 +200,19 @@ def test_resuming_a_finished_run_is_a_no_op_and_a_refused_resume_keeps_the_recor
     assert s["previous"] == json.loads(first) and (d / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_a_refused_run_leaves_the_directorys_hydra_record_as_it_was(tmp_path, capsys, monkeypatch):
+def test_a_refused_run_leaves_the_directorys_hydra_record_as_it_was(tmp_path, capsys):
     """Hydra writes ``.hydra/`` before memopt can refuse the directory: the owning run's files are put
     back, so the directory (and a report's labels) still describe the run it holds. The CLI's entry
     point runs in this process, Hydra included."""
-    import sys
-
     import yaml
-    from hydra.core.global_hydra import GlobalHydra
 
-    from memopt.train import main
-
-    def cli(*args) -> int:
-        monkeypatch.setattr(sys, "argv", ["memopt.train", *QUICK, "trainer.max_steps=1", f"hydra.run.dir={d}", *args])
-        try:
-            main()
-            return 0
-        except SystemExit as e:
-            return int(e.code or 0)
-        finally:
-            GlobalHydra.instance().clear()
+    from tests.conftest import cli_main
 
     d = tmp_path / "run"
-    assert cli("seed=0") == 0
+    cmd = [*QUICK, "trainer.max_steps=1", f"hydra.run.dir={d}"]
+    assert cli_main([*cmd, "seed=0"]) == 0
     before = {f: (d / ".hydra" / f).read_text() for f in ("config.yaml", "overrides.yaml")}
-    assert cli("seed=7", "optim.lr=5e-4") == 2 and "already holds a run" in capsys.readouterr().err
+    assert cli_main([*cmd, "seed=7", "optim.lr=5e-4"]) == 2 and "already holds a run" in capsys.readouterr().err
     assert {f: (d / ".hydra" / f).read_text() for f in before} == before
     assert "seed=0" in yaml.safe_load(before["overrides.yaml"])
 

@@ -4,32 +4,11 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import train, typed
+from tests.conftest import cli_main, train, typed
 
 TINY = ["logger=none", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=2",
         "trainer.eval_every=0", "hardware=v100_patrickstar", "trainer.mode=plan", "data=synthetic",
         "data.synthetic_tokens=20000"]
-
-
-def cli_main(argv: list[str]) -> int:
-    """``python -m memopt.train <argv>`` in this process (Hydra's entry point: the task overrides the
-    suggestion keeps are Hydra's); returns the exit code."""
-    import sys
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    from memopt.train import main
-
-    saved = sys.argv
-    sys.argv = ["memopt.train", *argv]
-    try:
-        main()
-        return 0
-    except SystemExit as e:
-        return int(e.code or 0)
-    finally:
-        sys.argv = saved
-        GlobalHydra.instance().clear()
 
 
 def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_path, capsys):
