@@ -89,6 +89,8 @@ MUTATIONS = [
              "            self._drop(attr, w)\n",
              '        for attr, w in ():\n            self._drop(attr, w)\n',
              (effect2("chunk.two_ranks"), "tests/chunk/test_chunk_dist.py")),
+    Mutation("mem_cache", "memopt/engines/chunk/comm.py",
+             "keep = self.cache_size > 0", "keep = False", (effect2("chunk.mem_cache"),)),
     Mutation("static_partition", "memopt/engines/chunk/engine.py",
              "warmup, s.static_partition is not None, tracer", "warmup, False, tracer",
              (effect("static_partition"),)),

@@ -202,6 +202,7 @@ TWO_RANK = {
     "zero3_offload_no_param": ["+strategy=[zero3,cpu_offload]", "strategy.cpu_offload.offload_param=false"],
     "tp": ["+strategy=tp", "parallel.tp=2"],
     "chunk": ["+strategy=chunk"],
+    "chunk_nocache": ["+strategy=chunk", "strategy.chunk.mem_cache=0"],
 }
 
 
@@ -213,7 +214,12 @@ def two(tmp_path_factory):
     one = train(BASE, str(root / "one_process"))  # tp=2 sees the same micro-batch as one process
     chunk = train(BASE + ["+strategy=chunk"], str(root / "chunk_one_process"))
     assert one["status"] == "ok" and chunk["status"] == "ok"
+    import json
+
+    with open(root / "chunk" / "metrics.jsonl") as f:  # the layout: elements per chunk (fp32 here)
+        chunk_elems = json.loads(f.readlines()[-1])["chunk"]["chunk_size"]
     return {"one_process": (one, losses(str(root / "one_process"))), "chunk_one_process": (chunk, None),
+            "chunk_bytes": (4 * chunk_elems, None),
             **{n: (s, losses(str(root / n))) for n, s in zip(TWO_RANK, out)}}
 
 
@@ -278,12 +284,21 @@ def check_chunk_two_ranks(two):
     assert comm(two_, "all_gather") > 0 and comm(two_, "reduce_scatter") > 0
 
 
+def check_mem_cache(two):
+    """PatrickStar's allocation cache keeps the payloads of the last released units on the device (they
+    count as device chunk bytes) instead of freeing and allocating them again."""
+    cache, nocache, chunk = two["chunk"][0], two["chunk_nocache"][0], two["chunk_bytes"][0]
+    extra = peak(cache, "chunks") - peak(nocache, "chunks")
+    assert chunk <= extra <= 2 * 2 * chunk, (extra, chunk)  # at least one remote chunk, at most mem_cache=2 units
+
+
 ONE_RANK = {"ckpt": check_ckpt, "act_offload": check_act_offload, "chunked_loss": check_chunked_loss,
             "flash_attn": check_flash_attn, "moe": check_moe, "fp16": check_fp16, "bf16": check_bf16,
             "chunk": check_chunk, "static_partition": check_static_partition, "hybrid_adam": check_hybrid_adam,
             "cpu_offload": check_cpu_offload, "auto": check_auto}
 TWO = {"ddp": check_ddp, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
-       "cpu_offload.offload_param": check_offload_param, "chunk.two_ranks": check_chunk_two_ranks}
+       "cpu_offload.offload_param": check_offload_param, "chunk.two_ranks": check_chunk_two_ranks,
+       "chunk.mem_cache": check_mem_cache}
 
 
 def test_every_registered_strategy_has_an_effect_check():
