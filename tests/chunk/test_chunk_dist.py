@@ -275,6 +275,7 @@ def frozen_run(container: dict):
         teardown()
 
 
+@pytest.mark.slow  # 4 s; frozen parameters in chunks run by default in test_chunk_units.py
 def test_frozen_parameters_on_two_ranks():
     """Frozen chunks are gathered for the forward and the backward and released after it, never
     reduced, never updated; the losses follow the one-rank run of the same batch."""
