@@ -254,8 +254,8 @@ def test_sweep_runs_both_engines_in_one_wandb_group(tmp_path):
     assert all(s["status"] == "ok" and s["world_size"] == 2 for s in summaries)
     runs = [read_wandb_offline(str(sweep / j)) for j in jobs]
     assert {r["group"] for r in runs} == {"engines_sweep"}
-    assert sorted(tuple(sorted(r["tags"])) for r in runs) == [
-        ("deepspeed", "zero2"), ("deepspeed", "zero3"), ("memopt", "zero2"), ("memopt", "zero3")]
+    assert sorted(tuple(sorted(r["tags"])) for r in runs) == [  # engine, strategies, model and world size
+        tuple(sorted((e, z, "gpt_tiny", "world_size=2"))) for e in ("deepspeed", "memopt") for z in ("zero2", "zero3")]
 
 
 @pytest.mark.slow  # 5 s of DeepSpeed start-up
