@@ -49,6 +49,9 @@ import tempfile
 import time
 import traceback
 
+from memopt.logging import atomic_write_bytes
+from memopt.planner.plan import fmt as _fmt_bytes  # the plan table's byte format ("-" for a missing value)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = 1
 SECTIONS = ("env", "tests", "flash", "compositions", "throughput")
@@ -204,10 +207,7 @@ def tail(path: str, n: int = 2000) -> str:
 # Results: gpu_check.json (the record), gpu_check.txt (a short table), gpu_check_logs.txt
 # ----------------------------------------------------------------------------------------------
 def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode())
 
 
 def write_results(out: str, results: dict) -> None:
@@ -223,17 +223,6 @@ def new_results(budget_s: float, mode: str) -> dict:
     error, timeout or skipped."""
     return {"schema": SCHEMA, "tool": "memopt.gpu_check", "mode": mode, "started": _now(), "finished": None,
             "budget_s": budget_s, "elapsed_s": 0.0, "status": "running", "sections": {}}
-
-
-def _fmt_bytes(b) -> str:
-    if b is None:
-        return "-"
-    b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(b) < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
-        b /= 1024
-    return str(b)
 
 
 def _fmt(x, spec: str = ".3g") -> str:
