@@ -5,7 +5,6 @@ configuration path of ``python -m memopt.train``.
 """
 from __future__ import annotations
 
-
 from omegaconf import OmegaConf
 
 from memopt.config import compose_config  # noqa: F401 - part of the programmatic entry points

@@ -171,8 +171,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte-level vocabulary of "
                           f"data={cfg.data.name} ({BYTE_VOCAB} token ids); use model.vocab_size>={BYTE_VOCAB}")
     _one_of("logger.name", cfg.logger.name, ("wandb", "none"))
-    check_hardware(cfg.hardware)
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
+    check_hardware(cfg.hardware)
     validate_strategies(cfg)
     engines.validate(cfg)
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import json
 
-from memopt.config import ConfigError, register_configs, to_dataclass, validate
+from memopt.config import CONF_DIR, ConfigError, register_configs, to_dataclass, validate
 from memopt.errors import EXIT_CODES
 from memopt.parallel import under_launcher
 from memopt.logging import write_json
@@ -24,9 +24,6 @@ from memopt.records import RunDirInUse, claim_run_dir
 from memopt.watchdog import WATCHED_BY_LAUNCHER
 
 register_configs()
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
 
 def _fmt_bytes(n: int | None) -> str:
     if not n:
@@ -215,7 +212,6 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
     (refused summary written) when no candidate fits. ``overrides``: the command's (default: Hydra's task
     overrides; ``memopt.api.run_job`` passes its own)."""
     from memopt.config import compose_config
-    from memopt.config import to_dataclass, validate
     from memopt.planner.search import ranked_table, search, split_base
 
     overrides = _task_overrides() if overrides is None else list(overrides)

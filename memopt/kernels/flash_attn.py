@@ -735,7 +735,6 @@ def _interpreter_runs_tile_loops() -> tuple[bool, str]:
     return True, ""
 
 
-
 def _validate(q, k, v, causal, softmax_scale) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
