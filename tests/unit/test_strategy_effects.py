@@ -99,18 +99,15 @@ def check_flash_attn(runs, monkeypatch):
     import memopt.kernels.flash_attn as fa
 
     calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = fa._flash_forward, fa._flash_backward
 
-    def spy_fwd(*a, **k):
-        calls["fwd"] += 1
-        return fwd(*a, **k)
+    def counted(key, fn):
+        def spy(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return spy
 
-    def spy_bwd(*a, **k):
-        calls["bwd"] += 1
-        return bwd(*a, **k)
-
-    monkeypatch.setattr(fa, "_flash_forward", spy_fwd)
-    monkeypatch.setattr(fa, "_flash_backward", spy_bwd)
+    monkeypatch.setattr(fa, "_flash_forward", counted("fwd", fa._flash_forward))
+    monkeypatch.setattr(fa, "_flash_backward", counted("bwd", fa._flash_backward))
     _, ls = runs("flash_ref", FLASH)
     assert calls == {"fwd": 0, "bwd": 0}
     _, lf = runs("flash_attn", FLASH + ["+strategy=flash_attn"])
