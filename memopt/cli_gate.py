@@ -36,8 +36,9 @@ def refuse_uncomposable(argv: list[str]) -> None:
         hint = _nearest_key(job)
         error = f"the command does not compose: {message}" + (f" ({hint})" if hint else "")
         run_dir = _run_dir(argv)
-        _write_refusal(run_dir, error)
-        print(f"memopt: configuration refused: {error}\nmemopt: summary in {run_dir}/summary.json", file=sys.stderr)
+        where = (f"summary in {run_dir}/summary.json" if _write_refusal(run_dir, error)
+                 else f"nothing written into {run_dir}: it holds a run, whose records stay as they are")
+        print(f"memopt: configuration refused: {error}\nmemopt: {where}", file=sys.stderr)
         raise SystemExit(EXIT_CODES["refused"]) from None
     finally:
         from hydra.core.global_hydra import GlobalHydra
@@ -100,11 +101,13 @@ def _run_dir(argv: list[str]) -> str:
     return os.path.join("outputs", "runs", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
 
 
-def _write_refusal(run_dir: str, error: str) -> None:
-    from memopt.records import prior_records
+def _write_refusal(run_dir: str, error: str) -> bool:
+    """The refused summary, unless the directory holds a run (its records stay): whether it was written."""
     from memopt.logging import write_json
+    from memopt.records import prior_records
 
-    if prior_records(run_dir):  # the directory holds a run: its records stay as they are
-        return
+    if prior_records(run_dir):
+        return False
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "summary.json"), {"status": "refused", "error": error})
+    return True

@@ -68,3 +68,17 @@ def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args,
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and all(w in s["error"] for w in words), s["error"]
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("summary.json")
+
+
+def test_a_command_that_does_not_compose_leaves_a_directory_holding_a_run_as_it_was(tmp_path, capsys, monkeypatch):
+    from memopt.train import main
+
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "summary.json").write_text('{"status": "ok"}')  # a run's record
+    monkeypatch.setattr(sys, "argv", ["memopt.train", f"hydra.run.dir={d}", "model=gpt_huge"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == EXIT_CODES["refused"]
+    assert json.loads((d / "summary.json").read_text()) == {"status": "ok"}
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("whose records stay as they are")
