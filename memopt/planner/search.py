@@ -21,7 +21,7 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 """
 from __future__ import annotations
 
-from memopt.planner.plan import fmt, limits_of, make_plan
+from memopt.planner.plan import fmt, limits_of
 from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow
 
