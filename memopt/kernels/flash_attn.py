@@ -552,15 +552,33 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list:
     ]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
-_FWD_TUNE = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). The second row of each list (4 warps, deeper pipelines) was
+# added after the first H100 measurement, where every case at N = 1024 was slower than SDPA's flash
+# backend (experiments/flash_attn): fewer warps per tile leave more programs resident per SM when the
+# grid is small.
+_FWD_TUNE = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3),
+             (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3)]
 # For dK/dV: BLOCK_N = keys owned, BLOCK_M = query step.
-_DKDV_TUNE = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 64, 4, 3)]
+_DKDV_TUNE = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 64, 4, 3),
+              (32, 128, 4, 3), (64, 64, 4, 4)]
 # For dQ: BLOCK_M = queries owned, BLOCK_N = key step.
-_DQ_TUNE = [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 3)]
+_DQ_TUNE = [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 3),
+            (128, 64, 4, 3), (64, 64, 4, 4)]
 
 _TUNE_KEY = ["N_Q", "N_K", "HEAD_DIM", "CAUSAL"]
 _PRUNE = {"early_config_prune": _prune_for_head_dim}
+
+
+def tuned_blocks() -> dict:
+    """The autotuner's last choice per kernel (``BLOCK_M/BLOCK_N, warps, stages``), for the GPU check's
+    record; empty where nothing was tuned (interpreter, fixed tiles)."""
+    ks = _KERNEL_SETS.get(False)
+    out = {}
+    for name in ("fwd", "dkdv", "dq"):
+        best = getattr(getattr(ks, f"{name}_tuned", None), "best_config", None) if ks else None
+        if best is not None:
+            out[name] = f"{best.kwargs.get('BLOCK_M')}x{best.kwargs.get('BLOCK_N')} w{best.num_warps} s{best.num_stages}"
+    return out
 
 
 @dataclass(frozen=True)

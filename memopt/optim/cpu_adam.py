@@ -11,6 +11,9 @@ shared by all tensors. For step ``t`` (1-based), per element::
     v  = beta2 * v + (1 - beta2) * g * g
     p  = p * (1 - lr * wd) - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
+The gradients may be fp16 or bf16 (the chunk engine's payloads), read and widened in the same pass, and
+may share their memory with ``out`` (a chunk's payload holds the gradients and receives the parameters).
+
 Optionally the updated ``p`` is also written into a second tensor in the same pass (``out``;
 DeepSpeed's "fused copy back"): fp16 or bf16 (rounded to nearest even), or fp32 (a plain copy: the
 fp32 parameters of a ZeRO-Offload run on a CPU device, whose host master is a separate tensor).
@@ -68,7 +71,7 @@ import warnings
 
 import torch
 
-__all__ = ["CPUAdamW", "kernel_available", "kernel_error", "kernel_simd_width", "load_kernel"]
+__all__ = ["CPUAdamW", "kernel_available", "kernel_error", "kernel_simd_width", "load_kernel", "sumsq"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,23 @@ template <int K>
 inline uint16_t lowp_bits(float f) {
   if constexpr (K == kBf16) return bf16_bits(f);
   else return c10::Half(f).x;  // IEEE round to nearest even, as Tensor.to(float16)
+}
+
+// Element i of the gradient (G: its dtype; fp16/bf16 gradients are read as the chunk engine keeps them).
+enum Grad { kG32 = 0, kG16 = 1, kGbf = 2 };
+template <int G>
+inline float g_one(const void* g, int64_t i) {
+  if constexpr (G == kG32) return static_cast<const float*>(g)[i];
+  else if constexpr (G == kG16) {
+    c10::Half h;
+    h.x = static_cast<const uint16_t*>(g)[i];
+    return float(h);
+  } else {
+    const uint32_t u = uint32_t(static_cast<const uint16_t*>(g)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
 }
 
 // Element i of the optional copy of p (K: its dtype).
@@ -156,6 +176,16 @@ inline hvec to_bf16v(vec x) {
 inline void hstore(uint16_t* d, hvec h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), h); }
 inline void hstream(uint16_t* d, hvec h) { _mm256_stream_si256(reinterpret_cast<__m256i*>(d), h); }
 inline void vstream(float* a, vec x) { _mm512_stream_ps(a, x); }
+inline vec load_h16(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
+inline vec load_bf16(const uint16_t* h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
+}
+inline __m512d dlo(vec x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+inline __m512d dhi(vec x) { return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))); }
+using dvec = __m512d;
+inline dvec dzero() { return _mm512_setzero_pd(); }
+inline dvec dadd(dvec a, dvec b) { return _mm512_add_pd(a, b); }
+inline double dsum(dvec a) { return _mm512_reduce_add_pd(a); }
 #else
 using vec = __m256;
 using hvec = __m128i;  // 8 x 16-bit
@@ -181,7 +211,28 @@ inline hvec to_bf16v(vec x) {
 inline void hstore(uint16_t* d, hvec h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(d), h); }
 inline void hstream(uint16_t* d, hvec h) { _mm_stream_si128(reinterpret_cast<__m128i*>(d), h); }
 inline void vstream(float* a, vec x) { _mm256_stream_ps(a, x); }
+inline vec load_h16(const uint16_t* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+inline vec load_bf16(const uint16_t* h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))), 16));
+}
+inline __m256d dlo(vec x) { return _mm256_cvtps_pd(_mm256_castps256_ps128(x)); }
+inline __m256d dhi(vec x) { return _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)); }
+using dvec = __m256d;
+inline dvec dzero() { return _mm256_setzero_pd(); }
+inline dvec dadd(dvec a, dvec b) { return _mm256_add_pd(a, b); }
+inline double dsum(dvec a) {
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
 #endif
+
+// kLanes gradient elements from element i (G: their dtype), as fp32.
+template <int G>
+inline vec gload(const void* g, int64_t i) {
+  if constexpr (G == kG32) return vload(static_cast<const float*>(g) + i);
+  else if constexpr (G == kG16) return load_h16(static_cast<const uint16_t*>(g) + i);
+  else return load_bf16(static_cast<const uint16_t*>(g) + i);
+}
 
 // Each iteration reads a 128-float tile (8 cache lines) of g, then of m, v and p, and writes p, m,
 // v back tile by tile: bursts of consecutive lines per stream were measurably faster on one core
@@ -212,17 +263,19 @@ inline void copy_out(void* o, int64_t i, const vec* P, bool nt) {
   }
 }
 
-template <int K>
-void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                 void* __restrict o, int64_t n, const Coeffs& c) {
+// g and o may be the same memory (the chunk engine's fp16 payload holds the gradients and receives
+// the parameters): a tile of g is loaded before the same tile of o is stored, and nothing else aliases.
+template <int G, int K>
+void adamw_block(float* __restrict p, const void* g, float* __restrict m, float* __restrict v,
+                 void* o, int64_t n, const Coeffs& c) {
   const vec B1 = vset(c.b1), OMB1 = vset(c.omb1), B2 = vset(c.b2), OMB2 = vset(c.omb2), DEC = vset(c.decay),
             NSS = vset(-c.step_size), IBC = vset(c.inv_bc2_sqrt), EPS = vset(c.eps), IGS = vset(c.inv_grad_scale);
   const bool nt = K != kNone && reinterpret_cast<uintptr_t>(o) % 64 == 0;
   int64_t i = 0;
   for (; i + kTile <= n; i += kTile) {
-    vec G[kU], M[kU], V[kU], P[kU];
+    vec GV[kU], M[kU], V[kU], P[kU];
 #pragma GCC unroll 16
-    for (int u = 0; u < kU; ++u) G[u] = vload(g + i + kLanes * u);
+    for (int u = 0; u < kU; ++u) GV[u] = gload<G>(g, i + kLanes * u);
 #pragma GCC unroll 16
     for (int u = 0; u < kU; ++u) M[u] = vload(m + i + kLanes * u);
 #pragma GCC unroll 16
@@ -231,7 +284,7 @@ void adamw_block(float* __restrict p, const float* __restrict g, float* __restri
     for (int u = 0; u < kU; ++u) P[u] = vload(p + i + kLanes * u);
 #pragma GCC unroll 16
     for (int u = 0; u < kU; ++u) {
-      const vec gi = vmul(G[u], IGS);
+      const vec gi = vmul(GV[u], IGS);
       M[u] = vfma(B1, M[u], vmul(OMB1, gi));
       V[u] = vfma(B2, V[u], vmul(vmul(OMB2, gi), gi));
       const vec denom = vfma(vsqrt(V[u]), IBC, EPS);
@@ -246,21 +299,47 @@ void adamw_block(float* __restrict p, const float* __restrict g, float* __restri
     if constexpr (K != kNone) copy_out<K>(o, i, P, nt);
   }
   for (; i < n; ++i) {
-    adamw_one(p[i], g[i], m[i], v[i], c);
+    adamw_one(p[i], g_one<G>(g, i), m[i], v[i], c);
     out_one<K>(o, i, p[i]);
   }
   if (nt) _mm_sfence();
 }
+
+// Sum of squares of n gradient elements in double: per 128-element tile the squares are summed in
+// fp32 lanes (kU terms each), then added in double.
+template <int G>
+double sumsq_block(const void* g, int64_t n) {
+  dvec lo = dzero(), hi = dzero();
+  int64_t i = 0;
+  for (; i + kTile <= n; i += kTile) {
+    vec x = gload<G>(g, i);
+    vec s = vmul(x, x);
+#pragma GCC unroll 16
+    for (int u = 1; u < kU; ++u) {
+      x = gload<G>(g, i + kLanes * u);
+      s = vfma(x, x, s);
+    }
+    lo = dadd(lo, dlo(s));
+    hi = dadd(hi, dhi(s));
+  }
+  double acc = dsum(lo) + dsum(hi);
+  for (; i < n; ++i) {
+    const double x = g_one<G>(g, i);
+    acc += x * x;
+  }
+  return acc;
+}
 #else
 // Portable path (no AVX2+FMA+F16C / AVX-512, or -DMEMOPT_PORTABLE): a loop the compiler vectorises
 // for the target; the fp16/bf16/fp32 copy is made per 1024-element sub-block while it is in L1.
-inline void adamw_loop(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+template <int G>
+inline void adamw_loop(float* __restrict p, const void* g, float* __restrict m, float* __restrict v,
                        int64_t n, const Coeffs& c) {
   const float b1 = c.b1, omb1 = c.omb1, b2 = c.b2, omb2 = c.omb2, decay = c.decay,
               step_size = c.step_size, inv_bc2_sqrt = c.inv_bc2_sqrt, eps = c.eps, inv_gs = c.inv_grad_scale;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * inv_gs;
+    const float gi = g_one<G>(g, i) * inv_gs;
     const float mi = b1 * m[i] + omb1 * gi;
     const float vi = b2 * v[i] + (omb2 * gi) * gi;
     m[i] = mi;
@@ -269,20 +348,37 @@ inline void adamw_loop(float* __restrict p, const float* __restrict g, float* __
   }
 }
 
-template <int K>
-void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                 void* __restrict o, int64_t n, const Coeffs& c) {
+template <int G>
+inline const void* g_at(const void* g, int64_t b) {
+  return static_cast<const char*>(g) + b * (G == kG32 ? 4 : 2);
+}
+
+// g and o may be the same memory: a 1024-element sub-block of g is read before o's is written.
+template <int G, int K>
+void adamw_block(float* __restrict p, const void* g, float* __restrict m, float* __restrict v,
+                 void* o, int64_t n, const Coeffs& c) {
   if constexpr (K == kNone) {
-    adamw_loop(p, g, m, v, n, c);
+    adamw_loop<G>(p, g, m, v, n, c);
   } else {
     constexpr int64_t kSub = 1024;
     for (int64_t b = 0; b < n; b += kSub) {
       const int64_t len = std::min(kSub, n - b);
-      adamw_loop(p + b, g + b, m + b, v + b, len, c);
+      adamw_loop<G>(p + b, g_at<G>(g, b), m + b, v + b, len, c);
 #pragma omp simd
       for (int64_t i = b; i < b + len; ++i) out_one<K>(o, i, p[i]);
     }
   }
+}
+
+template <int G>
+double sumsq_block(const void* g, int64_t n) {
+  double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = g_one<G>(g, i);
+    acc += x * x;
+  }
+  return acc;
 }
 #endif
 
@@ -295,6 +391,28 @@ void check_fp32(const at::Tensor& t, int64_t numel, const char* what, size_t i) 
   TORCH_CHECK(t.scalar_type() == at::kFloat, "CPUAdamW: ", what, "[", i, "] must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), "CPUAdamW: ", what, "[", i, "] must be contiguous");
   TORCH_CHECK(t.numel() == numel, "CPUAdamW: ", what, "[", i, "] has ", t.numel(), " elements, param has ", numel);
+}
+
+int grad_kind(const at::Tensor& g) {
+  return g.scalar_type() == at::kHalf ? kG16 : g.scalar_type() == at::kBFloat16 ? kGbf : kG32;
+}
+
+void check_grad(const at::Tensor& g, int64_t numel, size_t i) {
+  TORCH_CHECK(g.device().is_cpu(), "CPUAdamW: grads[", i, "] must be a CPU tensor");
+  TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16,
+              "CPUAdamW: grads[", i, "] must be float32, float16 or bfloat16, got ", g.scalar_type());
+  TORCH_CHECK(g.is_contiguous(), "CPUAdamW: grads[", i, "] must be contiguous");
+  TORCH_CHECK(g.numel() == numel, "CPUAdamW: grads[", i, "] has ", g.numel(), " elements, param has ", numel);
+}
+
+template <int G>
+void block_for(int kind, float* p, const void* g, float* m, float* v, void* o, int64_t len, const Coeffs& c) {
+  switch (kind) {
+    case kFp16: adamw_block<G, kFp16>(p, g, m, v, o, len, c); break;
+    case kBf16: adamw_block<G, kBf16>(p, g, m, v, o, len, c); break;
+    case kFp32: adamw_block<G, kFp32>(p, g, m, v, o, len, c); break;
+    default: adamw_block<G, kNone>(p, g, m, v, nullptr, len, c);
+  }
 }
 
 void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -311,14 +429,14 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
   const double bc2 = 1.0 - std::pow(beta2, double(step));
   std::vector<Coeffs> coeffs(n);
   std::vector<float*> P(n), M(n), V(n);
-  std::vector<const float*> G(n);
+  std::vector<const void*> G(n);
   std::vector<void*> O(n, nullptr);
-  std::vector<int> kind(n, kNone);
+  std::vector<int> kind(n, kNone), gkind(n, kG32);
   std::vector<Item> items;
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = params[i].numel();
     check_fp32(params[i], numel, "params", i);
-    check_fp32(grads[i], numel, "grads", i);
+    check_grad(grads[i], numel, i);
     check_fp32(exp_avgs[i], numel, "exp_avgs", i);
     check_fp32(exp_avg_sqs[i], numel, "exp_avg_sqs", i);
     if (!out.empty()) {
@@ -329,11 +447,14 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
                   "CPUAdamW: out[", i, "] must be a contiguous CPU float16/bfloat16/float32 tensor with ", numel,
                   " elements");
       TORCH_CHECK(o.data_ptr() != params[i].data_ptr(), "CPUAdamW: out[", i, "] is params[", i, "] itself");
+      TORCH_CHECK(o.data_ptr() != grads[i].data_ptr() || o.scalar_type() == grads[i].scalar_type(),
+                  "CPUAdamW: out[", i, "] shares grads[", i, "]'s memory with another dtype");
       O[i] = o.data_ptr();
       kind[i] = o.scalar_type() == at::kBFloat16 ? kBf16 : o.scalar_type() == at::kHalf ? kFp16 : kFp32;
     }
     P[i] = params[i].data_ptr<float>();
-    G[i] = grads[i].data_ptr<float>();
+    G[i] = grads[i].data_ptr();
+    gkind[i] = grad_kind(grads[i]);
     M[i] = exp_avgs[i].data_ptr<float>();
     V[i] = exp_avg_sqs[i].data_ptr<float>();
     coeffs[i] = Coeffs{float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
@@ -349,20 +470,47 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
       const Item& it = items[k];
       const size_t t = size_t(it.tensor);
       const int64_t b = it.begin, len = it.end - it.begin;
-      switch (kind[t]) {
-        case kFp16:
-          adamw_block<kFp16>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, static_cast<uint16_t*>(O[t]) + b, len, coeffs[t]);
-          break;
-        case kBf16:
-          adamw_block<kBf16>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, static_cast<uint16_t*>(O[t]) + b, len, coeffs[t]);
-          break;
-        case kFp32:
-          adamw_block<kFp32>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, static_cast<float*>(O[t]) + b, len, coeffs[t]);
-          break;
-        default: adamw_block<kNone>(P[t] + b, G[t] + b, M[t] + b, V[t] + b, nullptr, len, coeffs[t]);
+      const int gsz = gkind[t] == kG32 ? 4 : 2, osz = kind[t] == kFp32 ? 4 : 2;
+      const void* g = static_cast<const char*>(G[t]) + b * gsz;
+      void* o = O[t] ? static_cast<void*>(static_cast<char*>(O[t]) + b * osz) : nullptr;
+      switch (gkind[t]) {
+        case kG16: block_for<kG16>(kind[t], P[t] + b, g, M[t] + b, V[t] + b, o, len, coeffs[t]); break;
+        case kGbf: block_for<kGbf>(kind[t], P[t] + b, g, M[t] + b, V[t] + b, o, len, coeffs[t]); break;
+        default: block_for<kG32>(kind[t], P[t] + b, g, M[t] + b, V[t] + b, o, len, coeffs[t]);
       }
     }
   });
+}
+
+// Sum of the squares of every element of xs (fp32/fp16/bf16 CPU tensors), in double: per 32 Ki-element
+// work item in parallel, the items then added in order, so the result does not depend on the threads.
+double sumsq(at::TensorList xs) {
+  std::vector<Item> items;
+  std::vector<const void*> X(xs.size());
+  std::vector<int> gk(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    check_grad(xs[i], xs[i].numel(), i);
+    X[i] = xs[i].data_ptr();
+    gk[i] = grad_kind(xs[i]);
+    for (int64_t b = 0; b < xs[i].numel(); b += kChunk)
+      items.push_back(Item{int64_t(i), b, std::min(xs[i].numel(), b + kChunk)});
+  }
+  std::vector<double> part(items.size(), 0.0);
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Item& it = items[k];
+      const size_t t = size_t(it.tensor);
+      const int64_t len = it.end - it.begin;
+      switch (gk[t]) {
+        case kG16: part[k] = sumsq_block<kG16>(static_cast<const uint16_t*>(X[t]) + it.begin, len); break;
+        case kGbf: part[k] = sumsq_block<kGbf>(static_cast<const uint16_t*>(X[t]) + it.begin, len); break;
+        default: part[k] = sumsq_block<kG32>(static_cast<const float*>(X[t]) + it.begin, len);
+      }
+    }
+  });
+  double acc = 0.0;
+  for (double x : part) acc += x;
+  return acc;
 }
 
 // fp32 lanes of the SIMD path this build uses (16: AVX-512, 8: AVX2; 1: portable loop).
@@ -381,8 +529,12 @@ TORCH_LIBRARY(memopt_cpu_adam, m) {
         "Tensor(d!)[] out, float[] weight_decays, float lr, float beta1, float beta2, float eps, int step, "
         "float grad_scale) -> ()");
   m.def("simd_width() -> int", &simd_width);
+  m.def("sumsq(Tensor[] xs) -> float");
 }
-TORCH_LIBRARY_IMPL(memopt_cpu_adam, CPU, m) { m.impl("adamw_step", &adamw_step); }
+TORCH_LIBRARY_IMPL(memopt_cpu_adam, CPU, m) {
+  m.impl("adamw_step", &adamw_step);
+  m.impl("sumsq", &sumsq);
+}
 """
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -450,6 +602,27 @@ def load_kernel():
             _kernel_error = _summarize(e)
             _kernel = None
         return _kernel
+
+
+_SUMSQ_SLICE = 1 << 22  # elements per fp32 temporary of sumsq's torch path (16 MiB)
+
+
+def sumsq(xs: list[torch.Tensor]) -> float:
+    """Sum of the squares of every element of ``xs`` (contiguous fp32/fp16/bf16 CPU tensors), accumulated in
+    double: not finite when an element is inf or NaN. Why not ``torch.linalg.vector_norm(x, dtype=float32)``:
+    on a CPU it reads 2e8 bf16 elements 3% low (its fp32 accumulator), and ``x.float().pow(2).sum()`` holds a
+    4 B/element copy. The C++ kernel reads each element once; without it, slices of 4 Mi elements are
+    converted one at a time. Fake tensors (the planner's step) have no values: 0.0."""
+    if any(type(x).__name__ == "FakeTensor" for x in xs):
+        return 0.0
+    if load_kernel() is not None and os.environ.get("MEMOPT_CPU_ADAM", "") != "torch":
+        return float(torch.ops.memopt_cpu_adam.sumsq([x.contiguous() for x in xs]))
+    acc = 0.0
+    for x in xs:
+        flat = x.reshape(-1)
+        for a in range(0, flat.numel(), _SUMSQ_SLICE):
+            acc += float(flat[a:a + _SUMSQ_SLICE].to(torch.float64).pow_(2).sum())
+    return acc
 
 
 def _summarize(e: Exception) -> str:
@@ -542,7 +715,7 @@ class CPUAdamW:
              grad_scale: float = 1.0) -> None:
         """One AdamW step, in place on ``self.params``.
 
-        ``grads[i]``: fp32 CPU tensor with ``params[i]``'s numel, or ``None`` to leave that
+        ``grads[i]``: fp32 (or fp16/bf16, read as they are) CPU tensor with ``params[i]``'s numel, or ``None`` to leave that
         tensor (and its states) untouched this step. ``lr`` / ``weight_decays`` override the
         constructor's values for this step (``weight_decays``: one per param). ``out``: one
         fp16/bf16/fp32 CPU tensor per param (same numel, not the param itself) that receives the
@@ -630,12 +803,16 @@ class CPUAdamW:
         self.weight_decay = float(sd.get("weight_decay", self.weight_decay))
 
 
+_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _torch_adamw(ps, gs, ms, vs, outs, wds, lr, b1, b2, eps, step, grad_scale) -> None:
     """The pure-torch path: PyTorch's fused CPU AdamW kernel, one call per distinct weight decay."""
     for i, (p, g) in enumerate(zip(ps, gs)):
-        if g.device.type != "cpu" or g.dtype != torch.float32 or g.numel() != p.numel():
-            raise ValueError(f"CPUAdamW: grads[{i}] must be an fp32 CPU tensor with {p.numel()} elements, "
-                             f"got {g.dtype} on {g.device} with {g.numel()}")
+        if g.device.type != "cpu" or g.dtype not in _GRAD_DTYPES or g.numel() != p.numel():
+            raise ValueError(f"CPUAdamW: grads[{i}] must be a float32/float16/bfloat16 CPU tensor with {p.numel()} "
+                             f"elements, got {g.dtype} on {g.device} with {g.numel()}")
+    gs = [g if g.dtype == torch.float32 else g.float() for g in gs]  # an fp32 copy (the kernel reads them as they are)
     for i, (o, p) in enumerate(zip(outs, ps)):
         if (o.dtype not in (torch.float16, torch.bfloat16, torch.float32) or o.device.type != "cpu"
                 or o.numel() != p.numel() or o.data_ptr() == p.data_ptr()):

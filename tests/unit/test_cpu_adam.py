@@ -317,3 +317,55 @@ def test_other_simd_paths(tmp_path, cflags, width):
                MEMOPT_CPU_ADAM_CFLAGS=cflags)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and ("OK" in res.stdout or "SKIP" in res.stdout), res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("gdtype", [torch.float16, torch.bfloat16], ids=["fp16_grads", "bf16_grads"])
+def test_low_precision_grads_are_read_exactly(impl, gdtype):
+    """fp16/bf16 gradients (the chunk engine's payloads) give the float64 reference's trajectory of the
+    gradients' exact fp32 values: widening fp16/bf16 to fp32 is exact, so any error is the fp32 step's."""
+    betas, eps = (0.9, 0.95), 1e-8
+    p0, grads, lrs, wds = _problem(seed=3)
+    grads = [[g.to(gdtype) for g in step] for step in grads]
+    params = [x.clone() for x in p0]
+    opt = CPUAdamW(params, lr=1.0, betas=betas, eps=eps, impl=impl)
+    for g, lr, wd in zip(grads, lrs, wds):
+        opt.step([x.clone() for x in g], lr=lr, weight_decays=wd, grad_scale=4.0)
+    ref_p, _, _ = reference_adamw(p0, [[x.float() for x in g] for g in grads], lrs, wds, betas, eps, grad_scale=4.0)
+    for got, ref in zip(params, ref_p):
+        assert _err_ratio(got, ref, len(lrs), max(lrs)) <= 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_out_may_share_the_gradients_memory(impl, dtype):
+    """The chunk engine's reused payload: read as the gradient, written with the new parameters, in one
+    call. The result equals the same step with a separate output (and separate gradient) tensor."""
+    gen = torch.Generator().manual_seed(5)
+    n = 70001
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen).to(dtype)
+    a = CPUAdamW([p.clone()], lr=1e-2, impl=impl)
+    b = CPUAdamW([p.clone()], lr=1e-2, impl=impl)
+    sep_out = torch.empty(n, dtype=dtype)
+    a.step([g.clone()], out=[sep_out], grad_scale=2.0)
+    shared = g.clone()
+    b.step_views(b.params, [shared], b.exp_avg, b.exp_avg_sq, [0.0], out=[shared], grad_scale=2.0)
+    assert torch.equal(b.params[0], a.params[0])
+    assert torch.equal(shared, sep_out)
+    assert torch.equal(sep_out, a.params[0].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sumsq_against_float64(impl, dtype, monkeypatch):
+    """sumsq over several tensors of odd sizes against float64 arithmetic; an inf or a NaN anywhere makes
+    it not finite (the chunk engine's overflow vote)."""
+    if impl == "torch":
+        monkeypatch.setenv("MEMOPT_CPU_ADAM", "torch")
+    gen = torch.Generator().manual_seed(9)
+    xs = [(torch.randn(n, generator=gen) * 300).to(dtype) for n in SIZES]
+    ref = sum(float(x.double().pow(2).sum()) for x in xs)
+    # the kernel sums a tile's 8 squares per lane in fp32 before adding in double: <= 8 u relative
+    assert cpu_adam.sumsq(xs) == pytest.approx(ref, rel=8 * U32)
+    for bad in (float("inf"), float("nan")):
+        ys = [x.clone() for x in xs]
+        ys[-1][70000] = bad
+        assert not torch.isfinite(torch.tensor(cpu_adam.sumsq(ys)))
