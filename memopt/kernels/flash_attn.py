@@ -832,7 +832,7 @@ def _flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
     with _launches(_kernels_interpreted()):
         if _use_autotune():
             grid = lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)  # noqa: E731
-            ks.fwd_tuned[grid](*args, **meta)
+            _launch_tuned(ks.fwd_tuned, ks.fwd, grid, args, meta, ("fwd", Nq, Nk, D, bool(causal), q.dtype, q.device))
         else:
             blk = _fixed_blocks(D, _kernels_interpreted(), q.element_size())
             bm, bn = blk.fwd
@@ -840,6 +840,24 @@ def _flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
                 *args, **meta, BLOCK_M=bm, BLOCK_N=bn, **_launch_opts(blk)
             )
     return o, lse
+
+
+_TUNED: dict[tuple, dict] = {}  # (kernel, N_Q, N_K, HEAD_DIM, CAUSAL, dtype, device) -> the autotuner's choice
+
+
+def _launch_tuned(tuned, plain, grid, args: tuple, meta: dict, key: tuple) -> None:
+    """An autotuned launch the first time for ``key``; afterwards the plain kernel with the autotuner's
+    choice (the same compiled binary). Why: Triton's ``Autotuner.run`` rebuilds dicts of every argument
+    (~40 here) on each call, and at N = 1024 the host's launches, not the GPU, bound a forward + backward
+    (on an H100 the kernels took 0.26 ms of GPU time, SDPA's 0.41, but the call 0.75 ms of host time:
+    experiments/flash_attn/README.md)."""
+    kw = _TUNED.get(key)
+    if kw is None:
+        tuned[grid](*args, **meta)
+        best = tuned.best_config
+        _TUNED[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+        return
+    plain[grid(kw)](*args, **meta, **kw)
 
 
 @contextlib.contextmanager
@@ -892,8 +910,10 @@ def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
             HEAD_DIM=D, BLOCK_M=blk.pre, **opts,
         )
         if _use_autotune():
-            ks.dkdv_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*dkdv_args, **meta)
-            ks.dq_tuned[lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H)](*dq_args, **meta)
+            key = (Nq, Nk, D, bool(causal), q.dtype, q.device)
+            _launch_tuned(ks.dkdv_tuned, ks.dkdv, lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H), dkdv_args, meta,
+                          ("dkdv", *key))
+            _launch_tuned(ks.dq_tuned, ks.dq, lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H), dq_args, meta, ("dq", *key))
         else:
             bm, bn = blk.dkdv
             ks.dkdv[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)

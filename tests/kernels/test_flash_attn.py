@@ -256,6 +256,29 @@ def test_bf16_cuda(causal, nq, nk, d, poison):
     check_against_reference(q, k, v, causal)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
+                    reason="autotuning runs on compiled kernels only (a CUDA machine with TRITON_INTERPRET=0)")
+def test_autotuned_choice_reused_without_the_autotuner_cuda(monkeypatch):
+    """The first call per shape autotunes; later calls launch the plain kernels with the remembered choice
+    (fa._launch_tuned). Both give the float64 reference's values, and the same bits as each other."""
+    monkeypatch.setenv("MEMOPT_FLASH_NO_AUTOTUNE", "0")
+    monkeypatch.setattr(fa, "_TUNED", {})
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = make_qkv(2, 3, 333, 333, 64, torch.float16, gen)
+    do = torch.randn(q.shape, generator=gen).to(torch.float16).to(DEVICE)
+    runs = []
+    for _ in range(2):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = flash_attn(qq, kk, vv, causal=True)
+        out.backward(do)
+        runs.append((out.detach(), qq.grad, kk.grad, vv.grad))
+        assert {key[0] for key in fa._TUNED} == {"fwd", "dkdv", "dq"}
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    check_against_reference(q, k, v, True, do=do)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="checks the interpreter-only bf16 refusal; kernels are compiled here")
 def test_bf16_refused_under_interpreter(no_kernel):
     q = torch.randn(1, 1, 8, 16, dtype=torch.bfloat16)
