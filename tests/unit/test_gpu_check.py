@@ -171,8 +171,10 @@ ERROR tests/kernels/test_b.py::test_four - RuntimeError: CUDA error
 
 
 def test_cuda_marked_tests_are_found():
-    # today every test marked cuda lives in tests/kernels (which the check runs whole)
-    assert gc.cuda_marked_test_files(exclude="nothing-excluded") == ["tests/kernels/test_flash_attn.py"]
+    # the kernels' file (which the check runs whole, so the default excludes it) and the chunk engine's CUDA staging
+    assert gc.cuda_marked_test_files(exclude="nothing-excluded") == ["tests/chunk/test_chunk_cuda.py",
+                                                                      "tests/kernels/test_flash_attn.py"]
+    assert gc.cuda_marked_test_files() == ["tests/chunk/test_chunk_cuda.py"]
 
 
 def test_flash_cases_and_flops():
