@@ -55,11 +55,19 @@ def trivially_fits(cfg, hw) -> bool:
     return bound < 0.5 * min(limits_of(hw, t.nproc_per_node).values())
 
 
+def engine_budget(cfg) -> bool:
+    """The chunk engine with a device budget of its own (``strategy.chunk.device_budget_gb``): a limit the
+    hardware bound of ``trivially_fits`` does not see, which the engine enforces at every traced moment."""
+    from memopt.engines import resolve
+
+    return resolve(cfg) == "chunk" and cfg.strategy.chunk.device_budget_gb is not None
+
+
 def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
     """None when the run trivially fits, the plan when it fits; PreflightRefusal otherwise."""
     from memopt import compose
 
-    if trivially_fits(cfg, hw):
+    if trivially_fits(cfg, hw) and not engine_budget(cfg):
         return None
     t0 = time.perf_counter()
     local = cfg.trainer.nproc_per_node
@@ -78,6 +86,9 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
     except ConfigError as e:  # the engine refuses the model at build (the chunk engine's host budget)
         raise PreflightRefusal(f"preflight: {what} is refused by the engine on hardware={hw.name}: {e}; "
                                + suggest(cfg, hw, overrides) + _off(t0)) from None
+    if "error" in plan:  # the engine's own out-of-memory at a traced moment (the chunk engine's budget)
+        raise PreflightRefusal(f"preflight: {what} is refused by the engine on hardware={hw.name}: {plan['error']}; "
+                               + suggest(cfg, hw, overrides) + _off(t0), plan)
     if not plan["fits"]:
         o = plan["overflow"]
         msg = (f"preflight: {what} needs {fmt(plan['fit'][o['memory']]['bytes'])} of {o['memory']} memory, "

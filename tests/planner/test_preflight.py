@@ -66,3 +66,22 @@ def test_chunk_engine_host_refusal_names_the_planned_models_bytes():
     need = float(re.search(r"need up to ([0-9.]+) GiB", str(e.value)).group(1))
     want = 14 * compose.num_params(cfg) / 2**30
     assert want - 0.005 <= need <= 1.25 * want, (need, want)
+
+
+def test_chunk_budget_below_a_traced_moment_is_refused_before_the_run():
+    """The chunk engine's own device budget is a limit the hardware bound does not see: a run that trivially
+    fits the hardware is planned anyway, and a budget below what a traced moment needs (gpt_tiny's non-model
+    peak at this shape is ~9.7 MiB, above 5 MiB) is refused with the engine's reason, where the run used to
+    end `oom` after allocating. A budget that holds every moment passes with its plan."""
+    from memopt.planner.preflight import PreflightRefusal, preflight, trivially_fits
+
+    base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=4", "+strategy=chunk", "logger=none"]
+    small = typed([*base, "strategy.chunk.device_budget_gb=0.005"])
+    assert trivially_fits(small, hw(64.0))
+    with pytest.raises(PreflightRefusal) as e:
+        preflight(small, hw(64.0), base)
+    msg = str(e.value)
+    assert "moment" in msg and "device_budget_gb" in msg and "this fits" in msg, msg
+    roomy = typed([*base, "strategy.chunk.device_budget_gb=0.05"])
+    plan = preflight(roomy, hw(64.0), base)
+    assert plan is not None and plan["fits"]
