@@ -57,10 +57,11 @@ def complete(run_dir: str) -> list[tuple[int, str]]:
     return [(step, path) for _, step, path in sorted(out)]
 
 
-def resolve(resume: str | None, run_dir: str) -> str | None:
+def resolve(resume: str | None, run_dir: str, field: str = "trainer.resume") -> str | None:
     """The checkpoint directory ``trainer.resume`` names: ``auto`` -> this run directory's newest one
     (None when it has none: the run starts from step 0); a path -> that checkpoint, or the newest
-    one under it when it is a run directory or a ``checkpoints/`` directory."""
+    one under it when it is a run directory or a ``checkpoints/`` directory. ``field``: what a refusal
+    names (the option, or the command-line argument that gave the path)."""
     if not resume:
         return None
     if resume == "auto":
@@ -73,8 +74,9 @@ def resolve(resume: str | None, run_dir: str) -> str | None:
         found = complete(candidate)
         if found:
             return found[-1][1]
-    raise ConfigError(f"trainer.resume={resume!r}: no checkpoint there (a checkpoint directory holds {META}; "
-                      "give checkpoints/step_<n>, a run directory with checkpoints/, or trainer.resume=auto)")
+    auto = ", or trainer.resume=auto" if field == "trainer.resume" else ""
+    raise ConfigError(f"{field}={resume!r}: no checkpoint there (a checkpoint directory holds {META}; "
+                      f"give checkpoints/step_<n> or a run directory with checkpoints/{auto})")
 
 
 def read_meta(path: str) -> dict:
@@ -277,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("checkpoint", help="a checkpoints/step_<n> directory (or a run directory: its newest)")
     m.add_argument("out", help="the .pt file to write")
     args = p.parse_args(argv)
-    src = resolve(args.checkpoint, args.checkpoint)
-    print(f"wrote {merge(src, args.out)} from {src}")
+    try:
+        src = resolve(args.checkpoint, args.checkpoint, field="checkpoint")
+        print(f"wrote {merge(src, args.out)} from {src}")
+    except ConfigError as e:  # a bad path or a damaged record: one line, no traceback
+        print(f"memopt.checkpoint merge: refused: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 
+from memopt.data import DataError
 from memopt.errors import ConfigError
 from memopt.planner.plan import GiB, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.placement import plan_placed
@@ -83,6 +84,8 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
                f"rank 0 alone goes over its share of {where} ({fmt(e.limit)}) while {e.category} holds "
                f"{fmt(e.live[e.category])} (the largest category)"))
         raise PreflightRefusal(msg + "; " + suggest(cfg, hw, overrides) + _off(t0)) from None
+    except DataError as e:  # the data cannot feed this run: no composition would change that
+        raise PreflightRefusal(f"preflight: {e}" + _off(t0)) from None
     except ConfigError as e:  # the engine refuses the model at build (the chunk engine's host budget)
         raise PreflightRefusal(f"preflight: {what} is refused by the engine on hardware={hw.name}: {e}; "
                                + suggest(cfg, hw, overrides) + _off(t0)) from None

@@ -260,3 +260,24 @@ def test_a_full_disk_during_a_checkpoint_save_leaves_a_true_record(tmp_path, cap
     monkeypatch.setattr(dcp, "save", real)  # space freed: the run continues from step 1
     assert cli_run(d, ["trainer.checkpoint_every=1", "trainer.max_steps=3", "trainer.resume=auto"]) == 0
     assert json.loads((d / "summary.json").read_text())["status"] == "ok"
+
+
+def test_a_sequence_longer_than_the_data_is_refused_as_data_not_memory(tmp_path, capsys):
+    """model.seq_len beyond the corpus is a data error: refused naming the field, without the memory
+    candidates the preflight tries when a composition does not fit (it said "none of 12 candidate
+    compositions fits")."""
+    d = tmp_path / "run"
+    assert cli_run(d, ["model.seq_len=100000"]) == EXIT_CODES["refused"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "refused" and "model.seq_len + 1 = 100001" in s["error"], s["error"]
+    assert "candidate" not in s["error"] and "this fits" not in s["error"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_merge_of_a_path_without_a_checkpoint_names_its_argument(tmp_path, capsys):
+    from memopt.checkpoint import main
+
+    assert main(["merge", str(tmp_path / "nothing"), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint='{tmp_path / 'nothing'}'" in err and "trainer.resume" not in err and "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()
