@@ -17,35 +17,58 @@ from __future__ import annotations
 import copy
 
 
-def planned_device_groups(cfg, plan: dict | None) -> int | None:
-    """The optimizer groups the plan's warm-up put on the device, on every planned rank (the least of
-    them); None when the run is no Hybrid Adam run, its placement is set already, or the plan has none."""
+def planned_device_groups(cfg, plan: dict | None) -> tuple[int, int] | None:
+    """(the optimizer groups the plan's warm-up put on the device, the most its measured moments allow
+    there), on every planned rank (the least of each); None when the run is no Hybrid Adam run, its
+    placement is set already, or the plan has none."""
     hybrid = getattr(cfg.strategy, "hybrid_adam", None)
     if hybrid is None or hybrid.device_groups is not None or not plan:
         return None
     counts = list((plan.get("optim_groups_on_device") or {}).values())
+    most = list((plan.get("optim_groups_device_max") or {}).values())
     if not counts or any(c is None for c in counts):
         return None
-    return min(counts) or None
+    n = min(counts)
+    return n, max(n, min(most)) if most and all(m is not None for m in most) else n
 
 
 def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
     """``make_plan`` of ``cfg``; for a Hybrid Adam run whose placement is not set, the plan of the run with
-    the groups its warm-up placed made on the device at build (``placement`` in the plan says how many
-    and the node's host had they been placed after the warm-up). The first plan runs without
-    ``limits``: the warm-up must run to decide, and the run may fit only once the groups are placed."""
+    optimizer groups made on the device at build (``placement`` in the plan says how many, what the
+    warm-up chose, the most the device allows and the node's host had they been placed after the
+    warm-up). The count: the warm-up's own (PatrickStar's margin: every parameter chunk kept on the
+    device), or, when that plan does not fit, the most the warm-up's moments allow (the device budget
+    less the fullest moment with every chunk it does not compute with evicted: parameter chunks then
+    move between host and device each step so that the host holds fewer optimizer bytes).
+
+    The first plan (the probe) runs without ``limits``, with ``device_groups=0`` (the placement decided:
+    none at build, so the engine's host check counts no group on the device and the warm-up still
+    places what PatrickStar's margin holds): the warm-up must run to decide, and the run may fit only
+    once the groups are placed."""
     from memopt.planner.plan import make_plan
+    from memopt.planner.simulate import PlanOverflow
 
     hybrid = getattr(cfg.strategy, "hybrid_adam", None)
     if hybrid is None or hybrid.device_groups is not None:
         return make_plan(cfg, hw, limits)
-    first = make_plan(cfg, hw)
-    n = planned_device_groups(cfg, first)
-    if n is None:
+    first = make_plan(with_device_groups(cfg, 0), hw)
+    decided = planned_device_groups(cfg, first)
+    if decided is None or decided == (0, 0):
         return first if limits is None or first["fits"] else make_plan(cfg, hw, limits)
-    placed = make_plan(with_device_groups(cfg, n), hw, limits)
-    placed["placement"] = {"device_groups": n, "node_host_bytes_warmup_placed": first["node_host_bytes"]}
-    return placed
+    n, most = decided
+    tries = [k for k in dict.fromkeys((n, most)) if k]
+    for i, k in enumerate(tries):
+        try:
+            placed = make_plan(with_device_groups(cfg, k), hw, limits)
+        except PlanOverflow:
+            if i == len(tries) - 1:
+                raise
+            continue
+        if placed.get("fits") or i == len(tries) - 1:
+            placed["placement"] = {"device_groups": k, "warmup_groups": n, "device_max": most,
+                                   "node_host_bytes_warmup_placed": first["node_host_bytes"]}
+            return placed
+    return first  # unreachable: tries is not empty
 
 
 def with_device_groups(cfg, n: int):
