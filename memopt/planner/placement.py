@@ -41,20 +41,22 @@ def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
     less the fullest moment with every chunk it does not compute with evicted: parameter chunks then
     move between host and device each step so that the host holds fewer optimizer bytes).
 
-    The first plan (the probe) runs without ``limits``, with ``device_groups=0`` (the placement decided:
-    none at build, so the engine's host check counts no group on the device and the warm-up still
-    places what PatrickStar's margin holds): the warm-up must run to decide, and the run may fit only
-    once the groups are placed."""
+    The first plan (the probe, ``probe_config``) runs without ``limits`` and without the engine's host
+    check: the warm-up must run to decide, and the run may fit only once the groups are placed (a model
+    whose states alone exceed the host RAM may fit with groups on the devices)."""
     from memopt.planner.plan import make_plan
     from memopt.planner.simulate import PlanOverflow
 
     hybrid = getattr(cfg.strategy, "hybrid_adam", None)
     if hybrid is None or hybrid.device_groups is not None:
         return make_plan(cfg, hw, limits)
-    first = make_plan(with_device_groups(cfg, 0), hw)
+    first = make_plan(probe_config(cfg), hw)
     decided = planned_device_groups(cfg, first)
     if decided is None or decided == (0, 0):
-        return first if limits is None or first["fits"] else make_plan(cfg, hw, limits)
+        if limits is not None and not first["fits"]:
+            return make_plan(cfg, hw, limits)
+        host_check(cfg)  # the probe skipped it: the engine refuses the run as typed here, as at its build
+        return first
     n, most = decided
     tries = [k for k in dict.fromkeys((n, most)) if k]
     for i, k in enumerate(tries):
@@ -69,6 +71,28 @@ def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
                                    "node_host_bytes_warmup_placed": first["node_host_bytes"]}
             return placed
     return first  # unreachable: tries is not empty
+
+
+def host_check(cfg) -> None:
+    """The chunk engine's build-time host check (``check_host_budget``, a ``ConfigError``) on the planned ranks."""
+    from memopt.parallel.dims import expected_world
+    from memopt.planner.extrapolate import _layout
+    from memopt.planner.plan import simulated_ranks
+
+    world = expected_world(cfg)
+    for r in simulated_ranks(world):
+        _layout(cfg, r, world)
+
+
+def probe_config(cfg):
+    """The configuration the placement is probed with: ``device_groups=0`` (none made on the device at
+    build; the warm-up still places PatrickStar's count and measures the most the device allows) and
+    the engine's build-time host check out of the way (a host of 2**40 GiB in ``cfg.hardware``, which
+    only that check reads; the plan's fit is judged on ``hw``): the placed plan is checked, the probe
+    only measures."""
+    out = with_device_groups(cfg, 0)
+    out.hardware.host_memory_gb = float(2**40)
+    return out
 
 
 def with_device_groups(cfg, n: int):

@@ -8,8 +8,8 @@ gathers 8 chunks of ~0.9 GiB at once into a 2.6 GiB warm-up budget. What a warm-
 known from the layout alone: the chunks of the communication units its tensors live in (a Linear's
 weight and bias can sit in two units) and, under gradient accumulation, their gradient companions.
 
-* chunk size (``chunk_size``): the aligned size in [m, 4m] (m: the largest parameter) that minimises
-  the bytes the busiest rank holds because of the chunk size (``chunk_cost``):
+* chunk size (``chunk_size``), as PatrickStar searches its own: the aligned size c in [m, 4m] (m:
+  the largest parameter) that minimises the bytes the busiest rank holds because of c (``chunk_cost``):
 
       ceil(trainable chunks / W) x c x (payload x g + 12) + ceil(frozen chunks / W) x c x payload
       + c x (4 + 6)
@@ -18,15 +18,15 @@ weight and bias can sit in two units) and, under gradient accumulation, their gr
   of W (payload: 2 B in fp16/bf16, 4 in fp32; g: 1 under gradient reuse, 2 with a companion; 12: fp32
   master, momentum, variance), plus what grows with one chunk: the host step's fp32 chunk (4 B per
   element) and half an optimizer group (6 B per element), the expected part of the device margin that
-  no whole group fills (Hybrid Adam places whole groups of 12 B per element). With two units of one
-  chunk (with gradients) at most the device budget (larger ones cannot be computed with at all).
-  Least padding alone (the search before) chose 3 blocks per chunk for gpt_10b at 139 layers on 8
-  ranks (604M elements: an optimizer group of 6.75 GiB, none of which fit the margin a V100 leaves);
-  this cost chooses the embedding's size (206M elements, groups of 2.3 GiB), since its 1.6 points
-  more padding cost less than the rounding of groups three times larger. With one rank and no margin
-  to fill it is the least padding within a few chunk bytes. The non-model peak is not known at build
-  (the warm-up measures it); a unit of one chunk of at most 1/(2 x g x payload) of the budget is what
-  the bound guarantees, and a plan finds the moments where activations leave less.
+  no whole group fills (Hybrid Adam places whole groups of 12 B per element). Bounded by the device
+  budget D: two units of one chunk with their gradients (what a warm-up moment may hold) at most D.
+  Why: least padding alone (the search before) packs 3 blocks of gpt_10b (139 layers, 8 ranks) in a
+  chunk of 604M elements (0.68% padding), whose optimizer group of 6.75 GiB no V100's margin holds;
+  this cost chooses the embedding's size (206M elements, groups of 2.3 GiB, 2.28% padding): 1.6 points
+  more padding cost the busiest rank less than the rounding of groups three times larger. Where no
+  margin matters (small models on one rank) it is the least padding (gpt_tiny and gpt_small keep their
+  sizes). The non-model peak is not known at build (the warm-up measures it): a plan finds the moments
+  where activations leave less than a unit, and then no chunk of at least m would help much.
 * communication form (``mem_saving_comm``): one all-gather / reduce-scatter per group of W chunks
   (fewer, larger collectives) when two groups fit PatrickStar's default warm-up budget; else one
   broadcast / reduce per chunk (a unit of one chunk).
