@@ -187,8 +187,11 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     hint = f"\n  suggestion: {plan['suggestion']['text']}" if "suggestion" in plan else ""
     if "placement" in plan:
         p = plan["placement"]
+        why = ("this plan's warm-up decision" if p["device_groups"] == p.get("warmup_groups", p["device_groups"]) else
+               f"the most the warm-up's moments allow with other parameter chunks evicted; its own margin held "
+               f"{p['warmup_groups']}")
         hint = (f"\n  Hybrid Adam: {p['device_groups']} optimizer group(s) per rank on the device from step 0 "
-                f"(strategy.hybrid_adam.device_groups={p['device_groups']}, this plan's warm-up decision); node host "
+                f"(strategy.hybrid_adam.device_groups={p['device_groups']}, {why}); node host "
                 f"{fmt(p['node_host_bytes_warmup_placed'])} if placed after the warm-up") + hint
     print(plan_table(plan) + hint + f"\n  plan.json, plan.png in {run_dir}")
     return summary

@@ -290,8 +290,13 @@ def _pin_chunk_size(cfg, rank: int, world: int):
         return cfg
     from memopt.strategies.base import selected
 
-    # the search reads the parameters' sizes: the model and its model-phase strategies (moe adds experts)
-    key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world)
+    from memopt.engines.chunk.engine import grad_reuse
+    from memopt.strategies.precision import Precision
+
+    # the choice reads the parameters' sizes (the model and its model-phase strategies: moe adds experts),
+    # the world, the payload and gradient bytes and the device budget (engines/chunk/defaults.py)
+    key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world, repr(cfg.strategy.chunk),
+           cfg.hardware.device_memory_gb, Precision.of(cfg).name, grad_reuse(cfg))
     if key not in _CHUNK_SIZE:  # the same search on every rank and every candidate of that model: once
         _CHUNK_SIZE.clear()
         _CHUNK_SIZE[key] = _layout(cfg, rank, world)["chunk_size"]

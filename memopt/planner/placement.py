@@ -17,35 +17,82 @@ from __future__ import annotations
 import copy
 
 
-def planned_device_groups(cfg, plan: dict | None) -> int | None:
-    """The optimizer groups the plan's warm-up put on the device, on every planned rank (the least of
-    them); None when the run is no Hybrid Adam run, its placement is set already, or the plan has none."""
+def planned_device_groups(cfg, plan: dict | None) -> tuple[int, int] | None:
+    """(the optimizer groups the plan's warm-up put on the device, the most its measured moments allow
+    there), on every planned rank (the least of each); None when the run is no Hybrid Adam run, its
+    placement is set already, or the plan has none."""
     hybrid = getattr(cfg.strategy, "hybrid_adam", None)
     if hybrid is None or hybrid.device_groups is not None or not plan:
         return None
     counts = list((plan.get("optim_groups_on_device") or {}).values())
+    most = list((plan.get("optim_groups_device_max") or {}).values())
     if not counts or any(c is None for c in counts):
         return None
-    return min(counts) or None
+    n = min(counts)
+    return n, max(n, min(most)) if most and all(m is not None for m in most) else n
 
 
 def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
     """``make_plan`` of ``cfg``; for a Hybrid Adam run whose placement is not set, the plan of the run with
-    the groups its warm-up placed made on the device at build (``placement`` in the plan says how many
-    and the node's host had they been placed after the warm-up). The first plan runs without
-    ``limits``: the warm-up must run to decide, and the run may fit only once the groups are placed."""
+    optimizer groups made on the device at build (``placement`` in the plan says how many, what the
+    warm-up chose, the most the device allows and the node's host had they been placed after the
+    warm-up). The count: the warm-up's own (PatrickStar's margin: every parameter chunk kept on the
+    device), or, when that plan does not fit, the most the warm-up's moments allow (the device budget
+    less the fullest moment with every chunk it does not compute with evicted: parameter chunks then
+    move between host and device each step so that the host holds fewer optimizer bytes).
+
+    The first plan (the probe, ``probe_config``) runs without ``limits`` and without the engine's host
+    check: the warm-up must run to decide, and the run may fit only once the groups are placed (a model
+    whose states alone exceed the host RAM may fit with groups on the devices)."""
     from memopt.planner.plan import make_plan
+    from memopt.planner.simulate import PlanOverflow
 
     hybrid = getattr(cfg.strategy, "hybrid_adam", None)
     if hybrid is None or hybrid.device_groups is not None:
         return make_plan(cfg, hw, limits)
-    first = make_plan(cfg, hw)
-    n = planned_device_groups(cfg, first)
-    if n is None:
-        return first if limits is None or first["fits"] else make_plan(cfg, hw, limits)
-    placed = make_plan(with_device_groups(cfg, n), hw, limits)
-    placed["placement"] = {"device_groups": n, "node_host_bytes_warmup_placed": first["node_host_bytes"]}
-    return placed
+    first = make_plan(probe_config(cfg), hw)
+    decided = planned_device_groups(cfg, first)
+    if decided is None or decided == (0, 0):
+        if limits is not None and not first["fits"]:
+            return make_plan(cfg, hw, limits)
+        host_check(cfg)  # the probe skipped it: the engine refuses the run as typed here, as at its build
+        return first
+    n, most = decided
+    tries = [k for k in dict.fromkeys((n, most)) if k]
+    for i, k in enumerate(tries):
+        try:
+            placed = make_plan(with_device_groups(cfg, k), hw, limits)
+        except PlanOverflow:
+            if i == len(tries) - 1:
+                raise
+            continue
+        if placed.get("fits") or i == len(tries) - 1:
+            placed["placement"] = {"device_groups": k, "warmup_groups": n, "device_max": most,
+                                   "node_host_bytes_warmup_placed": first["node_host_bytes"]}
+            return placed
+    return first  # unreachable: tries is not empty
+
+
+def host_check(cfg) -> None:
+    """The chunk engine's build-time host check (``check_host_budget``, a ``ConfigError``) on the planned ranks."""
+    from memopt.parallel.dims import expected_world
+    from memopt.planner.extrapolate import _layout
+    from memopt.planner.plan import simulated_ranks
+
+    world = expected_world(cfg)
+    for r in simulated_ranks(world):
+        _layout(cfg, r, world)
+
+
+def probe_config(cfg):
+    """The configuration the placement is probed with: ``device_groups=0`` (none made on the device at
+    build; the warm-up still places PatrickStar's count and measures the most the device allows) and
+    the engine's build-time host check out of the way (a host of 2**40 GiB in ``cfg.hardware``, which
+    only that check reads; the plan's fit is judged on ``hw``): the placed plan is checked, the probe
+    only measures."""
+    out = with_device_groups(cfg, 0)
+    out.hardware.host_memory_gb = float(2**40)
+    return out
 
 
 def with_device_groups(cfg, n: int):

@@ -56,7 +56,10 @@ def limits_of(hw, local_ranks: int) -> dict[str, int]:
 def _placement(sims: list) -> dict:
     """Hybrid Adam's optimizer groups on the device after each simulated rank's warm-up (planner/placement.py)."""
     got = {str(s["rank"]): s.get("engine_metrics", {}).get("optim_chunks_on_device") for s in sims}
-    return {"optim_groups_on_device": got} if any(v is not None for v in got.values()) else {}
+    most = {str(s["rank"]): s.get("engine_metrics", {}).get("optim_groups_device_max") for s in sims}
+    if not any(v is not None for v in got.values()):
+        return {}
+    return {"optim_groups_on_device": got, **({"optim_groups_device_max": most} if any(v is not None for v in most.values()) else {})}
 
 
 def make_plan(cfg, hw, limits: dict | None = None) -> dict:

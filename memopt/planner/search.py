@@ -193,6 +193,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
 
     from memopt.config import compose_config
     from memopt.config import to_dataclass, validate
+    from memopt.errors import ConfigError
 
     tried, best, best_plan = [], lo - 1, None
 
@@ -203,7 +204,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
         try:
             plan = plan_placed(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))  # as the run's preflight plans it
             ok = plan["fits"] and "error" not in plan
-        except PlanOverflow:
+        except (PlanOverflow, ConfigError):  # over a limit, or refused by the engine at build (the chunk engine's host check)
             plan, ok = None, False
         tried.append((n, ok, time.perf_counter() - t0))
         return plan if ok else None

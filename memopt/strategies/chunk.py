@@ -19,8 +19,10 @@ Budgets, in the order they are derived:
 * dynamic chunk budget at moment t (after warm-up) = ``D - nonmodel(t) - optimizer chunk bytes kept
   on the device`` (Hybrid Adam). The engine enforces it on its own placement accounting; when the
   chunks a moment needs do not fit, it raises ``ChunkOutOfMemoryError`` naming the moment.
-* host budget = ``host_memory_gb * overall_cpu_mem_ratio``: checked once at build (all chunks may
-  end up on the host).
+* host budget = ``host_memory_gb * overall_cpu_mem_ratio``: checked once at build (every chunk but
+  the optimizer groups made on the device at build may be on the host). null: PatrickStar's 0.8, or
+  the whole host RAM when a plan decided the placement (``hybrid_adam.device_groups`` set: the plan
+  counted the node's host peak exactly; engines/chunk/engine.py ``check_host_budget``).
 
 Note: PatrickStar defines the warm-up budget as a fraction of the GPU's capacity; here it is a
 fraction of ``D`` so that a test can shrink the whole device with one number.
@@ -44,7 +46,9 @@ class ChunkConfig:
     # (engines/chunk/defaults.py)
     warmup_gpu_chunk_mem_ratio: float | None = None
     overall_gpu_mem_ratio: float = 0.8  # D / device capacity (when device_budget_gb is null)
-    overall_cpu_mem_ratio: float = 0.8  # host budget / host RAM
+    # host budget / host RAM (the build's check); null: PatrickStar's 0.8, or 1.0 when the placement is
+    # decided (strategy.hybrid_adam.device_groups set by a plan that counted the node's host exactly)
+    overall_cpu_mem_ratio: float | None = None
     margin_use_ratio: float = 0.8  # Hybrid Adam: share of the device margin given to optimizer chunks
     async_mem_monitor: bool = False  # sample non-model memory in a thread (matters without a tracker; see tracer.py)
     monitor_interval_ms: float = 1.0  # sampling period of the async monitor

@@ -12,8 +12,9 @@ def test_hybrid_adam_preset_pulls_in_chunk_and_fp16():
     s = cfg.strategy
     assert s.chunk is not None and s.fp16 is not None and s.hybrid_adam is not None
     assert set(s.selected()) == {"chunk", "fp16", "hybrid_adam"}
-    assert (s.chunk.overall_gpu_mem_ratio, s.chunk.overall_cpu_mem_ratio,
-            s.chunk.margin_use_ratio, s.chunk.mem_cache) == (0.8, 0.8, 0.8, 2)  # PatrickStar defaults
+    assert (s.chunk.overall_gpu_mem_ratio, s.chunk.margin_use_ratio, s.chunk.mem_cache) == (0.8, 0.8, 2)  # PatrickStar defaults
+    # left to the engine: PatrickStar's 0.8 of the host, or all of it when a plan decided the placement
+    assert s.chunk.overall_cpu_mem_ratio is None
     # left to the engine: PatrickStar's 0.1 and group all-gather unless two units do not fit (defaults.py)
     assert s.chunk.warmup_gpu_chunk_mem_ratio is None and s.chunk.mem_saving_comm is None
     # the parts stay overridable under their own keys

@@ -40,17 +40,46 @@ def test_groups_placed_before_step_0_never_touch_the_host(tmp_path, monkeypatch)
 
 
 def test_the_warm_up_moves_back_what_its_margin_cannot_hold(tmp_path, monkeypatch):
-    # 9 MiB: fp16 param chunks (1.7 MiB) and ~3 MiB of non-model memory leave a margin for ~4 groups
-    # of 0.8 MB; 8 placed before step 0 are more than that
+    # 9 MiB: ~3 MiB of non-model memory and the chunks a moment computes with leave room for ~7 groups of
+    # 0.8 MB once every other parameter chunk is evicted (the hard margin); 11 placed before step 0 are
+    # more than that (and less than the budget, which the build refuses)
     budget = [f"strategy.chunk.device_budget_gb={9 / 1024}", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"]
-    with pytest.warns(UserWarning, match=r"device_groups=8: the warm-up measured a device margin of \d+ B .* B short"):
-        s, e = train_capture([*BASE, *budget, "strategy.hybrid_adam.device_groups=8"], str(tmp_path / "r"), monkeypatch)
+    with pytest.warns(UserWarning, match=r"device_groups=11: the warm-up measured a device margin of \d+ B .* B short"):
+        s, e = train_capture([*BASE, *budget, "strategy.hybrid_adam.device_groups=11"], str(tmp_path / "r"), monkeypatch)
     assert s["status"] == "ok"
     m = e.step_metrics()
-    assert m["optim_chunks_at_start"] == 8 and 0 < m["optim_chunks_on_device"] < 8
     opt, mgr = e.optimizer, e.mgr
-    assert m["optim_chunks_on_device"] == int(0.8 * m["placement_margin_bytes"]) // opt.group_bytes
+    assert m["optim_chunks_at_start"] == 11 and 0 < m["optim_chunks_on_device"] < 11
+    # what stays: the most whole groups the hard margin holds, never fewer than PatrickStar's rule places
+    soft = int(0.8 * m["placement_margin_bytes"]) // opt.group_bytes
+    hard = m["placement_hard_margin_bytes"] // opt.group_bytes
+    assert m["optim_chunks_on_device"] == m["optim_groups_device_max"] == max(soft, hard)
     assert mgr.os_device_bytes == m["optim_chunks_on_device"] * opt.group_bytes
+
+
+def test_a_plans_groups_beyond_patrickstars_margin_stay_within_the_hard_one(tmp_path, monkeypatch):
+    """PatrickStar's margin keeps room for every parameter chunk the device may hold at once; groups a
+    plan placed before step 0 may use the room those chunks would take (they are evicted instead), up
+    to the device budget less the fullest moment with only the chunks it computes with: a moment's
+    non-model bytes plus its pinned chunks, written out here from the tracer's trace."""
+    budget = [f"strategy.chunk.device_budget_gb={9 / 1024}", "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.4"]
+    warm, e0 = train_capture([*BASE, *budget], str(tmp_path / "warm"), monkeypatch)
+    m0 = e0.step_metrics()
+    soft, most = m0["optim_chunks_on_device"], m0["optim_groups_device_max"]
+    assert soft < most  # the case: a plan may place more than the warm-up would
+    mgr, opt = e0.mgr, e0.optimizer
+    unit = max(c.payload_bytes for c in mgr.chunks)
+    need = max(max(a + b for a, b in zip(mgr.tracer.nonmodel, mgr._must)), mgr.tracer.max_nonmodel + unit)
+    assert most == min(len(opt.groups), (mgr.device_budget - need) // opt.group_bytes)
+    early, e1 = train_capture([*BASE, *budget, f"strategy.hybrid_adam.device_groups={most}"], str(tmp_path / "early"),
+                              monkeypatch)
+    assert early["status"] == "ok"
+    m1 = e1.step_metrics()
+    assert m1["optim_chunks_on_device"] == m1["optim_chunks_at_start"] == most
+    chunk = m1["chunk_size"]
+    assert warm["peak_bytes"]["0"]["host"]["chunks"] - early["peak_bytes"]["0"]["host"]["chunks"] == most * 12 * chunk
+    err = rel_err(losses(str(tmp_path / "early")), losses(str(tmp_path / "warm")))
+    assert err <= 5e-3, err
 
 
 def test_groups_over_the_device_budget_are_refused_before_allocation(tmp_path):

@@ -13,7 +13,8 @@ TINY = ["logger=none", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", 
 
 def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_path, capsys):
     """The chunk engine refuses gpt_tiny when its host budget (host RAM x overall_cpu_mem_ratio, here
-    2.4 MiB on v100_patrickstar) is under what its chunks need: plan mode prints the engine's reason and
+    25.8 KiB on v100_patrickstar) is under what its chunks need (the parameter payloads: the plan places
+    every optimizer group on the device at build, so the host holds no group): plan mode prints the engine's reason and
     a composition, and records both; the suggested composition's own plan (the preflight's limits) fits."""
     import torch
 
@@ -21,7 +22,7 @@ def test_plan_of_a_composition_the_engine_refuses_suggests_one_that_fits(tmp_pat
     from memopt.planner.plan import limits_of, make_plan
 
     d = tmp_path / "plan"
-    refused = ["+strategy=hybrid_adam", "strategy.chunk.overall_cpu_mem_ratio=0.00001"]
+    refused = ["+strategy=hybrid_adam", "strategy.chunk.overall_cpu_mem_ratio=0.0000001"]
     assert cli_main([*TINY, *refused, f"hydra.run.dir={d}"]) == 0
     out = capsys.readouterr().out
     assert "refused by the engine (hardware v100_patrickstar)" in out and "host budget" in out and "suggestion: this fits:" in out, out

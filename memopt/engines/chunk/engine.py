@@ -24,7 +24,7 @@ from memopt.engines.chunk.chunk import DEVICE, HOST, shaped_view
 from memopt.engines.chunk.comm import ChunkComm
 from memopt.engines.chunk.hooks import ChunkHooks
 from memopt.engines.chunk.hybrid_adam import ChunkAdam
-from memopt.engines.chunk.manager import ChunkManager, search_chunk_size
+from memopt.engines.chunk.manager import ChunkManager
 from memopt.engines.chunk.tracer import MemTracer
 from memopt.strategies.precision import Precision
 
@@ -40,6 +40,7 @@ def device_capacity_bytes(cfg, device: torch.device) -> int:
     return host_memory_bytes()
 
 
+DEFAULT_HOST_SHARE = 0.8  # PatrickStar's overall_cpu_mem_ratio (null: this, unless a plan decided the placement)
 NAME, LABEL = "chunk", "the chunk engine"
 SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe")
 # chunks are partitioned over dp_shard; the other dimensions must be 1 (moe: ep=1, experts packed with the rest)
@@ -50,21 +51,29 @@ def build(cfg, device, dims, tracker) -> "ChunkEngine":
     return build_chunk_engine(cfg, device, dims, tracker, model_on_meta(cfg, device, dims, tracker), Precision.of(cfg))
 
 
+def device_budget_bytes(cfg, device) -> int:
+    """The device budget D: ``strategy.chunk.device_budget_gb``, or the capacity x ``overall_gpu_mem_ratio``."""
+    ccfg = cfg.strategy.chunk
+    return int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(device_capacity_bytes(cfg, device) * ccfg.overall_gpu_mem_ratio)
+
+
 def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) -> "ChunkEngine":
     s = cfg.strategy
     ccfg = s.chunk
-    capacity = device_capacity_bytes(cfg, device)
-    budget = int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(capacity * ccfg.overall_gpu_mem_ratio)
+    budget = device_budget_bytes(cfg, device)
 
     named, experts = distinct_params(model)
-    chunk_size = resolve_chunk_size(ccfg, named, experts)
     reuse = grad_reuse(cfg)
-    # the options left to the engine (null), chosen before anything is allocated (defaults.py)
-    chunk_bytes, gf = chunk_size * precision.param_dtype.itemsize, 1 if reuse else 2
     world = dims.dp_shard.size if dims.dp_shard.enabled else 1
+    # the options left to the engine (null), chosen before anything is allocated (defaults.py)
+    payload, gf = precision.param_dtype.itemsize, 1 if reuse else 2
+    chunk_size = resolve_chunk_size(ccfg, named, experts, world, payload, gf, budget)
+    chunk_bytes = chunk_size * payload
     mem_saving = defaults.comm_form(ccfg, world, budget, chunk_bytes, gf)
     unit = world if world > 1 and not mem_saving else 1
-    warmup = int(budget * defaults.warmup_share(ccfg, budget, unit, chunk_bytes, gf))
+    largest = max((p.numel() for _, p, _, _ in named), default=0)
+    warmup = int(budget * defaults.warmup_share(ccfg, budget, unit, chunk_bytes, gf,
+                                                defaults.chunk_size_fix(budget, unit, payload, gf, largest)))
     materialize_params(model, device, precision.param_dtype)
     named = [(name, model.get_parameter(name), shape, aliases) for name, _, shape, aliases in named]
 
@@ -122,28 +131,44 @@ def distinct_params(model) -> tuple[list, set[str]]:
     return named, experts
 
 
-def resolve_chunk_size(ccfg, named: list, experts: set[str]) -> int:
-    """``strategy.chunk.chunk_size``, or the searched size (MoE experts get chunks of their own, so
-    trainable dense, trainable expert and frozen tensors are three packing groups)."""
-    def sizes(trainable: bool, expert: bool) -> list[int]:
-        return [p.numel() for n, p, _, _ in named if p.requires_grad == trainable and (n in experts) == expert]
+def resolve_chunk_size(ccfg, named: list, experts: set[str], world: int, payload: int, grad_factor: int,
+                       budget: int | None) -> int:
+    """``strategy.chunk.chunk_size`` (refused when a parameter does not fit), or the engine's choice from the
+    world, the payload and the device budget (``defaults.chunk_size``; MoE experts get chunks of their
+    own, so trainable dense, trainable expert and frozen tensors are three packing groups)."""
+    def sizes(trainable: bool, expert: bool) -> list[tuple[str, int]]:
+        return [(n, p.numel()) for n, p, _, _ in named if p.requires_grad == trainable and (n in experts) == expert]
 
-    return ccfg.chunk_size or search_chunk_size([sizes(True, False), sizes(True, True), sizes(False, False)])
+    groups = [sizes(True, False), sizes(True, True), sizes(False, False)]
+    return defaults.chunk_size(ccfg.chunk_size, groups, world, payload, grad_factor, budget)
 
 
 def check_host_budget(cfg, mgr: ChunkManager) -> None:
     """Refuse before any chunk is allocated (a refusal, not an out-of-memory) when this rank's packed
-    chunks cannot fit the host budget (host RAM x ``overall_cpu_mem_ratio``)."""
+    chunks cannot fit the host budget: every parameter payload (and gradient companion) and every
+    optimizer group not made on the device at build, against host RAM x ``overall_cpu_mem_ratio``
+    (PatrickStar's reserve for host memory nothing accounts for; an explicit value wins). When it is null
+    and the placement is decided
+    (``strategy.hybrid_adam.device_groups`` set: a plan's decision, which plan mode, the preflight and
+    the largest-model search make from a plan that counted the node's host exactly, every rank's chunks,
+    temporaries and runtime included, against host RAM), the budget is the whole host RAM: the plan is
+    the finer check, and the ratio would refuse what it fits (docs/design.md, "Hybrid Adam's placement")."""
     ccfg = cfg.strategy.chunk
-    host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes())
-                      * ccfg.overall_cpu_mem_ratio)
-    n_train = sum(c.numel for c in mgr.trainable_chunks if c.tensors)
-    host_need = sum(mgr.state_bytes(c) for c in mgr.local_chunks) + 12 * n_train
+    hybrid = cfg.strategy.hybrid_adam
+    decided = hybrid is not None and hybrid.device_groups is not None
+    ratio = ccfg.overall_cpu_mem_ratio or (1.0 if decided else DEFAULT_HOST_SHARE)
+    host_budget = int((cfg.hardware.host_memory_gb * GiB if cfg.hardware.host_memory_gb else host_memory_bytes()) * ratio)
+    owned = [c for c in mgr.trainable_chunks if c.tensors]
+    on_device = min(len(owned), hybrid.device_groups or 0) if decided else 0  # made there at build
+    host_need = sum(mgr.state_bytes(c) for c in mgr.local_chunks) + 12 * sum(c.numel for c in owned[on_device:])
     if host_need > host_budget:
+        what = (f"host RAM x strategy.chunk.overall_cpu_mem_ratio={ratio}" if ccfg.overall_cpu_mem_ratio else
+                f"host RAM: the placement is decided, strategy.hybrid_adam.device_groups={hybrid.device_groups}" if decided
+                else f"host RAM x {DEFAULT_HOST_SHARE}, PatrickStar's strategy.chunk.overall_cpu_mem_ratio")
         raise ConfigError(
             f"chunk engine: this rank's chunks need up to {host_need / GiB:.2f} GiB on the host (params, grad companions if any, fp32 "
-            f"master/momentum/variance) but the host budget is {host_budget / GiB:.2f} GiB (host RAM x "
-            "strategy.chunk.overall_cpu_mem_ratio); use more ranks, a smaller model or a larger hardware.host_memory_gb")
+            f"master/momentum/variance{f' of the groups not made on the device at build' if on_device else ''}) but the host "
+            f"budget is {host_budget / GiB:.2f} GiB ({what}); use more ranks, a smaller model or a larger hardware.host_memory_gb")
 
 
 def check_device_groups(cfg, mgr: ChunkManager, budget: int) -> None:
@@ -170,8 +195,10 @@ def chunk_layout(cfg, model, dims, params: tuple | None = None) -> dict:
 
     ccfg = cfg.strategy.chunk
     named, experts = params if params is not None else distinct_params(model)
-    size = resolve_chunk_size(ccfg, named, experts)
     cpu, null = torch.device("cpu"), NullTracker()
+    world = dims.dp_shard.size if dims.dp_shard.enabled else 1
+    size = resolve_chunk_size(ccfg, named, experts, world, Precision.of(cfg).param_dtype.itemsize, 1 if grad_reuse(cfg) else 2,
+                              device_budget_bytes(cfg, cpu))
     mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null), reuse=grad_reuse(cfg))
     if dims.dp_shard.enabled:  # the unit form does not change the layout's counts: no device budget needed to choose it
         mgr.comm = ChunkComm(dims.dp_shard, bool(ccfg.mem_saving_comm), ccfg.mem_cache, null)
@@ -234,6 +261,7 @@ class ChunkEngine(PrecisionEngine):
         self.device, self.dims, self.tracker = device, dims, tracker
         self.history: list[dict] = []  # step_metrics() of every step (tests and reports read it)
         self.placement_margin = None  # device bytes Hybrid Adam could use, decided at the end of warm-up
+        self.placement_hard_margin = None  # the most it can use (every chunk a moment does not need evicted)
         self._last: dict = {}
 
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
@@ -260,15 +288,17 @@ class ChunkEngine(PrecisionEngine):
             if mgr.static:
                 used = min(used, mgr.warmup_budget)
             margin = mgr.device_budget - mgr.tracer.max_nonmodel - used
-            self.placement_margin = margin
+            hard = mgr.device_budget - mgr.hard_need()
+            self.placement_margin, self.placement_hard_margin = margin, hard
             placed = self.optimizer.device_groups
-            n = self.optimizer.place_on_device(margin)
+            n = self.optimizer.place_on_device(margin, hard)
             if n < placed:  # the decision made before step 0 held more than the measured moments allow
                 import warnings
 
-                short = placed * self.optimizer.group_bytes - int(self.optimizer.margin_use_ratio * max(margin, 0))
+                short = placed * self.optimizer.group_bytes - max(hard, 0)
                 warnings.warn(f"strategy.hybrid_adam.device_groups={placed}: the warm-up measured a device margin of "
-                              f"{margin} B (non-model peak {mgr.tracer.max_nonmodel} B), {short} B short of those groups; "
+                              f"{hard} B (device budget {mgr.device_budget} B less its fullest moment with every other "
+                              f"chunk evicted; non-model peak {mgr.tracer.max_nonmodel} B), {short} B short of those groups; "
                               f"{placed - n} moved back to the host (set device_groups={n} or leave it null)", stacklevel=2)
             mgr.make_room(mgr.device_budget - mgr.tracer.max_nonmodel - mgr.os_device_bytes if not mgr.static else mgr.warmup_budget)
         self._last = self._metrics(res)
@@ -306,6 +336,8 @@ class ChunkEngine(PrecisionEngine):
             "device_budget_bytes": mgr.device_budget,
             "max_nonmodel_bytes": mgr.tracer.max_nonmodel,  # the warm-up's non-model peak on the device
             "placement_margin_bytes": self.placement_margin,
+            "placement_hard_margin_bytes": self.placement_hard_margin,
+            "optim_groups_device_max": self.optimizer.most,  # the most groups the measured moments allow there
             "warmup": mgr.tracer.warmup,
             **self._comm_metrics(),
         }

@@ -73,6 +73,7 @@ class ChunkAdam:
                  cpu_impl: str = "auto"):
         self.mgr, self.cfg, self.precision, self.dim, self.tracker = mgr, cfg, precision, dim, tracker
         self.hybrid, self.margin_use_ratio = hybrid, margin_use_ratio
+        self.most = None  # the most groups the warm-up's measured moments allow on the device (place_on_device)
         self.step_count = 0
         self.groups: list[tuple[Chunk, Chunk, Chunk, Chunk]] = []  # (param, master, exp_avg, exp_avg_sq)
         self.cuts: list[list[tuple[int, int, float]]] = []  # per group: (start, end, weight decay) covering the chunk
@@ -110,12 +111,19 @@ class ChunkAdam:
     def device_groups(self) -> int:
         return sum(g[1].where == DEVICE for g in self.groups)
 
-    def place_on_device(self, margin: int) -> int:
+    def place_on_device(self, margin: int, hard_margin: int | None = None) -> int:
         """Hybrid Adam at the end of warm-up: the first ``floor(margin_use_ratio * margin / group bytes)``
-        groups on the device, the others on the host (groups placed before step 0 beyond that go back)."""
+        groups on the device (PatrickStar's rule: the margin left with every parameter chunk the device
+        may hold at once), the others on the host. Groups placed before step 0 (a plan's decision) stay
+        up to ``floor(hard_margin / group bytes)`` (``hard_margin``: the device budget less the most a
+        moment needs with every chunk it does not compute with evicted, ``ChunkManager.hard_need``; no
+        ratio, the budget is already a share of the device); beyond that they go back to the host."""
         if self.hybrid is None or not self.groups:
             return 0
-        n = groups_that_fit(margin, self.group_bytes, len(self.groups), self.margin_use_ratio, self.hybrid.max_device_chunks)
+        cap, count = self.hybrid.max_device_chunks, len(self.groups)
+        n = groups_that_fit(margin, self.group_bytes, count, self.margin_use_ratio, cap)
+        self.most = n if hard_margin is None else max(n, groups_that_fit(hard_margin, self.group_bytes, count, 1.0, cap))
+        n = max(n, min(self.device_groups, self.most))
         for i, g in enumerate(self.groups):
             for o in g[1:]:
                 o.move(DEVICE if i < n else HOST)

@@ -56,31 +56,38 @@ def pack_sizes(numels: list[int], chunk_size: int) -> int:
     return n
 
 
-def search_chunk_size(groups: list[list[int]]) -> int:
-    """chunk_size=null/0: the multiple of ``ALIGN`` in [m, 4m] (m = the largest tensor, rounded up)
-    that minimises the padding of the greedy packing of every group (trainable, expert, frozen); ties
-    go to the smaller size (finer placement).
+def search_chunk_size(groups: list[list[int]], cost=None, hi: int | None = None) -> int:
+    """The multiple of ``ALIGN`` in [m, 4m] (m = the largest tensor, rounded up; ``hi``: a lower upper
+    end, never below m) that minimises ``cost(counts, c)`` (the chunk counts of each group's greedy
+    packing at size c; default: the padding, ``sum(counts) * c - total``) over the groups (trainable,
+    expert, frozen); ties go to the smaller size (finer placement). The engine's cost, when
+    ``chunk_size`` is null, is the busiest rank's bytes (``defaults.chunk_cost``).
 
     Exact over every aligned size, not a sample of them: the greedy in-order packing never uses more
     chunks with a larger chunk (by induction, each chunk starts at or after the tensor it starts at
-    with a smaller one), so for each chunk count n the least padding is at the smallest size that
-    packs into n chunks, and those sizes are found by bisection, one per count (a few hundred packings
-    for gpt_10b). A grid of 64 sizes had left gpt_small's chunks 7.1% padding where 2.6% is possible."""
+    with a smaller one), so every group's count is constant between two sizes where the total count
+    is, and a cost that grows with c at fixed counts is least at the smallest size that packs into n
+    chunks; those sizes are found by bisection, one per count (a few hundred packings for gpt_10b).
+    A grid of 64 sizes had left gpt_small's chunks 7.1% padding where 2.6% is possible."""
     sizes = [k for g in groups for k in g]
     if not sizes:
         return ALIGN
     lo = math.ceil(max(sizes) / ALIGN) * ALIGN
-    hi = 4 * lo
+    hi = 4 * lo if hi is None else max(lo, min(4 * lo, hi // ALIGN * ALIGN))
     total = sum(sizes)
 
     def count(c: int) -> int:
         return sum(pack_sizes(g, c) for g in groups if g)
 
+    if cost is None:
+        def cost(counts: list[int], c: int) -> int:
+            return sum(counts) * c - total
+
     best, best_waste = lo, None
     c = lo
     while c <= hi:
         n = count(c)
-        waste = n * c - total
+        waste = cost([pack_sizes(g, c) if g else 0 for g in groups], c)
         if best_waste is None or waste < best_waste:
             best, best_waste = c, waste
         a, b = c // ALIGN + 1, hi // ALIGN + 1  # the smallest aligned size with fewer than n chunks, in [a, b)
@@ -112,6 +119,8 @@ class ChunkManager:
         self._moments = 0
         self._device_chunk_sum = 0
         self.comm = None  # ChunkComm with 2+ ranks (set before pack)
+        # per warm-up moment: the chunk bytes it cannot do without on the device (``hard_need``)
+        self._must: list[int] = []
 
     # ---- layout -------------------------------------------------------------------------------
     def pack(self, named: list[tuple[str, torch.nn.Parameter, tuple[int, ...], list[str]]], kinds: set[int] = frozenset()) -> None:
@@ -263,6 +272,11 @@ class ChunkManager:
                 else:
                     c.move(DEVICE)
                 self.fetches += 1
+        if record and self.tracer.warmup:
+            keep = set(map(id, chunks))
+            # the step moment holds one fp32 gradient chunk where a device-side group is updated
+            held = max(extra, 4 * self.chunk_size) if key == ("step", "adam") else extra
+            self._must.append(sum(c.nbytes for c in self.chunks if c.where == DEVICE and (id(c) in keep or c.pinned)) + held)
         self._moments += 1
         self._device_chunk_sum += sum(c.where == DEVICE for c in self.chunks)
         self._note_peak()
@@ -286,6 +300,19 @@ class ChunkManager:
             freed += c.nbytes
             c.move(HOST)
             self.evictions += 1
+
+    def hard_need(self) -> int:
+        """After warm-up: the most device bytes a moment of the trace needs besides optimizer chunks, with
+        every chunk it does not compute with evicted: its non-model memory plus the chunks it gathers,
+        computes with or keeps pinned (and a gradient companion it allocates, or the step's fp32 chunk).
+        A moment the trace does not know (an evaluation) is budgeted at the non-model peak, so that peak
+        plus the largest unit counts too. ``D - hard_need()`` is the most optimizer bytes the device can
+        keep without a moment running out (``ChunkAdam.place_on_device``)."""
+        nm = self.tracer.nonmodel
+        need = max((a + b for a, b in zip(nm, self._must)), default=0)
+        units = [u.chunks for u in self.comm.units] if self.comm is not None else [[c] for c in self.chunks]
+        unit = max((sum(c.payload_bytes for c in u) for u in units), default=0)
+        return max(need, self.tracer.max_nonmodel + unit)
 
     def make_room(self, limit: int) -> None:
         """Evict (in the current order) until param chunk bytes on the device are <= ``limit``."""
