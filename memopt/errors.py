@@ -27,3 +27,10 @@ class Interrupted(RunStopped):
     """SIGTERM or SIGINT: the run stopped at a step boundary (after a checkpoint when they are on)."""
 
     status = "interrupted"
+
+
+class Stalled(RunStopped):
+    """The watchdog found a rank without progress for ``trainer.watchdog_s`` and stopped the job; the
+    message names the rank and its phase (the ranks' own exit, a SIGKILL, is not the cause)."""
+
+    status = "failed"

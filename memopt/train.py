@@ -315,8 +315,14 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
         else:
             summary.update(status="failed", error=str(e), failed_rank=e.rank)
         if watchdog is not None and watchdog.fired:  # the watchdog stopped the ranks: its finding is the cause
+            from memopt.errors import Stalled
+
             summary.update(status="failed", error=watchdog.fired[1], stalled_rank=watchdog.fired[0])
             summary.pop("failed_rank", None)
+            if summary.get("steps_done") is None:  # the ranks were killed before recording it
+                summary["steps_done"] = watchdog.steps_done()
+            write_json(path, summary)
+            raise Stalled(watchdog.fired[1]) from None
         write_json(path, summary)
         raise
     finally:

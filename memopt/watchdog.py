@@ -21,6 +21,7 @@ import threading
 import time
 
 DIR = ".watchdog"
+IN_STEP = ("forward/backward", "optimizer step")  # the phases of a step before its optimizer step has finished
 WATCHED_BY_LAUNCHER = "MEMOPT_WATCHED_BY_LAUNCHER"  # set by train.py while it watches its local ranks
 
 
@@ -62,6 +63,13 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
 
+    def steps_done(self) -> int | None:
+        """Steps every rank had finished when it fired, from the heartbeats (None before the first step):
+        a rank in step k's forward, backward or optimizer step has finished k; after its optimizer step
+        (the loss all-reduce, the evaluation, the step boundary, a checkpoint save), k + 1."""
+        done = [b["step"] + (b.get("phase") not in IN_STEP) for b in self.beats.values() if b.get("step") is not None]
+        return min(done) if done else None
+
 
 def read_beats(run_dir: str) -> dict[int, dict]:
     out = {}
@@ -102,6 +110,7 @@ class Watchdog:
     def __init__(self, run_dir: str, timeout: float, on_stall):
         self.run_dir, self.timeout, self.on_stall = run_dir, timeout, on_stall
         self.fired: tuple[int, str] | None = None
+        self.beats: dict[int, dict] = {}  # the heartbeats it fired on
         self.started = time.time()  # heartbeats older than this are a previous run's leftovers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memopt-watchdog", daemon=True)
@@ -112,9 +121,16 @@ class Watchdog:
             beats = {r: b for r, b in read_beats(self.run_dir).items() if b["beat"] >= self.started}
             found = find_stall(beats, self.timeout) if beats else None
             if found is not None:
-                self.fired = found
+                self.fired, self.beats = found, beats
                 self.on_stall(*found, beats)
                 return
 
     def close(self) -> None:
         self._stop.set()
+
+    def steps_done(self) -> int | None:
+        """Steps every rank had finished when it fired, from the heartbeats (None before the first step):
+        a rank in step k's forward, backward or optimizer step has finished k; after its optimizer step
+        (the loss all-reduce, the evaluation, the step boundary, a checkpoint save), k + 1."""
+        done = [b["step"] + (b.get("phase") not in IN_STEP) for b in self.beats.values() if b.get("step") is not None]
+        return min(done) if done else None

@@ -5,10 +5,10 @@ against the rule written out here from bytes, not from the engine's search:
     size whose two units of one chunk with gradients fit the device budget) that minimises the bytes the
     busiest of W ranks holds because of c:
 
-        ceil(trainable chunks / W) * c * (payload * g + 12) + ceil(frozen chunks / W) * c * payload + 10 * c
+        ceil(trainable chunks / W) * c * (payload * g + 12) + ceil(frozen chunks / W) * c * payload + (2 * payload + 6) * c
 
     (trainable / frozen chunks: the greedy in-order packing, a tensor never split, re-derived here; 12:
-    fp32 master, momentum, variance; 10: the host step's fp32 chunk, 4, and half an optimizer group, 6);
+    fp32 master, momentum, variance; 2 * payload: the host step's two staging chunks, 6: half an optimizer group);
     ties to the smaller size.
 
 Every aligned size is tried here (brute force); the engine bisects per chunk count. An explicit value
@@ -39,7 +39,7 @@ def n_chunks(sizes: list[int], c: int) -> int:
 def busiest_rank_bytes(groups: list[list[int]], c: int, world: int, payload: int, g: int) -> int:
     dense, expert, frozen = (n_chunks(x, c) if x else 0 for x in groups)
     return (math.ceil((dense + expert) / world) * c * (payload * g + 12) + math.ceil(frozen / world) * c * payload
-            + 10 * c)
+            + (2 * payload + 6) * c)
 
 
 def brute_force(groups: list[list[int]], world: int, payload: int, g: int, budget: int | None) -> int:

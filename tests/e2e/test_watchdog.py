@@ -38,6 +38,20 @@ def test_verdicts_name_the_stopped_or_the_oldest_waiting_rank():
     assert find_stall(building, 5, now) is None  # no waiting verdict while a rank still builds
 
 
+def test_steps_done_when_it_fired_counts_what_every_rank_finished():
+    """A rank in step k's forward, backward or optimizer step has finished k steps; after its optimizer
+    step (all-reduce, evaluation, boundary, save), k + 1; the job has finished what every rank has."""
+    from memopt.watchdog import Watchdog
+
+    w = Watchdog.__new__(Watchdog)
+    w.beats = {0: beat(0, "step boundary (signal vote)", 7, 0, 0), 1: beat(1, "optimizer step", 7, 0, 0)}
+    assert w.steps_done() == 7
+    w.beats = {0: beat(0, "checkpoint save", 7, 0, 0), 1: beat(1, "loss all-reduce", 7, 0, 0)}
+    assert w.steps_done() == 8
+    w.beats = {0: beat(0, "build", None, 0, 0)}
+    assert w.steps_done() is None
+
+
 @pytest.mark.slow
 def test_sigstop_on_one_rank_stops_the_job_naming_it(tmp_path):
     run = tmp_path / "run"
@@ -63,6 +77,9 @@ def test_sigstop_on_one_rank_stops_the_job_naming_it(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert p.returncode == 1 and s["status"] == "failed", err[-3000:]
     assert s["stalled_rank"] == 1 and "rank 1" in s["error"] and "stopped responding" in s["error"] and "phase" in s["error"]
+    assert isinstance(s["steps_done"], int) and s["steps_done"] >= 1  # from the heartbeats: the ranks were killed
+    last = err.strip().splitlines()[-1]
+    assert "Stalled" in last and "rank 1" in last and "SIGKILL" not in last, last  # the cause, not the kill
     time.sleep(0.5)
     for r in (0, 1):
         assert not os.path.exists(f"/proc/{json.loads((beats / f'rank{r}.json').read_text())['pid']}"), r

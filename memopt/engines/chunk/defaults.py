@@ -12,12 +12,12 @@ weight and bias can sit in two units) and, under gradient accumulation, their gr
   the largest parameter) that minimises the bytes the busiest rank holds because of c (``chunk_cost``):
 
       ceil(trainable chunks / W) x c x (payload x g + 12) + ceil(frozen chunks / W) x c x payload
-      + c x (4 + 6)
+      + c x (2 x payload + 6)
 
   i.e. its model states with the packing's padding and the padding chunks that fill the last group
   of W (payload: 2 B in fp16/bf16, 4 in fp32; g: 1 under gradient reuse, 2 with a companion; 12: fp32
-  master, momentum, variance), plus what grows with one chunk: the host step's fp32 chunk (4 B per
-  element) and half an optimizer group (6 B per element), the expected part of the device margin that
+  master, momentum, variance), plus what grows with one chunk: the host step's two staging chunks of
+  the payload dtype (2 x payload B per element, ``staging.py``) and half an optimizer group (6 B per element), the expected part of the device margin that
   no whole group fills (Hybrid Adam places whole groups of 12 B per element). Bounded by the device
   budget D: two units of one chunk with their gradients (what a warm-up moment may hold) at most D.
   Why: least padding alone (the search before) packs 3 blocks of gpt_10b (139 layers, 8 ranks) in a
@@ -45,7 +45,6 @@ from memopt.errors import ConfigError
 DEFAULT_WARMUP_SHARE = 0.1  # PatrickStar's warmup_gpu_chunk_mem_ratio
 GiB = 2**30
 OPTIM_BYTES = 12  # fp32 master, momentum, variance per element of a trainable chunk
-HOST_STEP_BYTES = 4  # the host step's fp32 gradient chunk (one at a time)
 ROUNDING_BYTES = 6  # half an optimizer group: the expected part of the device margin no whole group fills
 
 
@@ -54,7 +53,8 @@ def chunk_cost(counts: list[int], c: int, world: int, payload: int, grad_factor:
     of each packing group (trainable dense, trainable expert, frozen), as ``search_chunk_size`` passes them."""
     dense, expert, frozen = (list(counts) + [0, 0, 0])[:3]
     trainable, fixed = math.ceil((dense + expert) / world), math.ceil(frozen / world)
-    return c * (trainable * (payload * grad_factor + OPTIM_BYTES) + fixed * payload + HOST_STEP_BYTES + ROUNDING_BYTES)
+    staging = 2 * payload  # the host step's two staging buffers of the payload dtype (staging.py)
+    return c * (trainable * (payload * grad_factor + OPTIM_BYTES) + fixed * payload + staging + ROUNDING_BYTES)
 
 
 def chunk_size(given: int | None, groups: list[list[tuple[str, int]]], world: int, payload: int, grad_factor: int,
