@@ -7,6 +7,7 @@ a collective that another rank will never join.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 
@@ -43,15 +44,36 @@ def all_finite(tensors) -> bool:
     return True
 
 
+def parent_gone(pid: int) -> bool:
+    """The process ``pid`` (this one's parent when it started) has exited: this process was re-parented,
+    or (Linux) ``pid`` is a zombie its own parent has not reaped yet, the state the parent-death signal
+    finds it in."""
+    if os.getppid() != pid:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 class StopSignals:
     """SIGTERM / SIGINT set a flag that the loop reads at the next step boundary (a second signal
-    stops at once); the previous handlers come back on exit. Only the main thread can install them."""
+    stops at once); the previous handlers come back on exit. Only the main thread can install them.
+
+    A rank started by a launcher (torch elastic: memopt's own ``trainer.nproc_per_node`` launch or
+    torchrun) gets SIGINT from PyTorch's parent-death signal when its launcher dies (kill -9): then its
+    parent pid has changed, the stop is recorded as the launcher's death (``orphaned``), and more
+    signals of that one event do not abandon the step (the ranks still stop together at the boundary,
+    with a checkpoint when they are on)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signum = 0
+        self.orphaned = False
         self._previous: dict = {}
+        self._parent = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -65,9 +87,20 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        if self._parent is not None and parent_gone(self._parent):  # the launcher is gone
+            self.orphaned = True
+            self.signum = self.signum or signum
+            return
         if self.signum:  # asked twice: abandon the step
             raise Interrupted(f"{signal.Signals(signum).name} received twice: stopped inside a step")
         self.signum = signum
+
+    def describe(self, signum: int) -> str:
+        """What stopped the run, for its record."""
+        name = signal.Signals(signum).name
+        if self.orphaned:
+            return f"the launching process (pid {self._parent}) died ({name} from the parent-death signal)"
+        return f"{name} received"
 
     def agreed(self, world, device) -> int:
         """The signal number any rank received (0: none), the same on every rank."""

@@ -301,11 +301,11 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
     path = os.path.join(run_dir, "summary.json")
     try:
         results = launch(nproc, run_rank, resolved, run_dir, group)
-    except Interrupted as e:  # the ranks were stopped; one that had not started its loop wrote nothing
+    except Interrupted as e:  # the launcher's signal is the cause; what rank 0 recorded of its stop stays beside it
         summary = _summary_so_far(path, resolved)
-        if summary.get("status") != "interrupted":
-            summary.update(status="interrupted", error=str(e))
-            write_json(path, summary)
+        ranks = summary.get("error") if summary.get("status") == "interrupted" else None
+        summary.update(status="interrupted", error=str(e) + (f" (rank 0: {ranks})" if ranks else ""))
+        write_json(path, summary)
         raise
     except RankFailure as e:
         summary = _summary_so_far(path, resolved)

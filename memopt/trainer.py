@@ -314,14 +314,11 @@ class Trainer:
             self._beat("checkpoint save", step)
             self._save_resumable(engine, step + 1, guard)
         if signum:
-            import signal
-
             from memopt.errors import Interrupted
 
-            name = signal.Signals(signum).name
             where = f"; resume with trainer.resume=auto (checkpoint {self.summary['last_checkpoint']})" \
                 if self.summary.get("last_checkpoint") else ""
-            raise Interrupted(f"{name} received: stopped after step {step}{where}")
+            raise Interrupted(f"{self.signals.describe(signum)}: stopped after step {step}{where}")
 
     # ---- the watchdog (memopt.watchdog) -----------------------------------------------------------
     def _start_watchdog(self) -> None:

@@ -104,3 +104,35 @@ def test_sigterm_before_the_ranks_start_their_loop_still_records_interrupted(tmp
     assert p.returncode == EXIT_CODES["interrupted"] == 130, err[-3000:]
     assert s["status"] == "interrupted" and "SIGTERM" in s["error"] and s["engine"] == "memopt"
     assert not [k for k in kids if alive(k)]
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_is_recorded_as_its_death_with_a_checkpoint(tmp_path):
+    """The launcher cannot record its own SIGKILL; its ranks get SIGINT from PyTorch's parent-death signal
+    (it was recorded as "SIGINT received twice: stopped inside a step"). They stop together at the step
+    boundary with a checkpoint and rank 0 records the launcher's death; no rank is left."""
+    code, err, s, run, left = interrupt(tmp_path, signal.SIGKILL, ["trainer.nproc_per_node=2"])
+    assert code == -signal.SIGKILL
+    assert s["status"] == "interrupted" and "launching process" in s["error"] and "died" in s["error"], s["error"]
+    assert "twice" not in s["error"] and os.path.isdir(s["last_checkpoint"]) and not left, left
+
+
+@pytest.mark.slow
+def test_sigint_twice_to_the_launcher_is_recorded_as_the_launchers_signal(tmp_path):
+    """Ctrl-C twice at a 2-rank launch: the record names the signal the launcher got (its agent stops the
+    ranks with SIGTERM, which they used to report as the cause), with what rank 0 saw beside it."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    p = subprocess.Popen([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run}", *QUICK, "trainer.nproc_per_node=2"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    s = json.loads((run / "summary.json").read_text())
+    assert p.returncode == 130 and s["status"] == "interrupted", err[-3000:]
+    assert s["error"].startswith("SIGINT received by the launcher"), s["error"]
