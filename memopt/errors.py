@@ -34,3 +34,12 @@ class Stalled(RunStopped):
     message names the rank and its phase (the ranks' own exit, a SIGKILL, is not the cause)."""
 
     status = "failed"
+
+
+class Recorded(RunStopped):
+    """The ranks ended with an outcome rank 0 recorded in summary.json (``status``); the launcher's
+    account of it, one line, no traceback."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status

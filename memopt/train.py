@@ -113,13 +113,16 @@ def run(cfg: DictConfig) -> dict:
         import traceback
 
         from memopt.checkpoint import CheckpointWriteError
-        from memopt.errors import RunStopped
+        from memopt.errors import Recorded, RunStopped
+        from memopt.parallel import RankFailure
 
-        # a refusal's or a failed save's one-line reason is the message (HYDRA_FULL_ERROR=1 shows the traceback)
-        if not isinstance(e, (RunStopped, ConfigError, CheckpointWriteError)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        # a refusal's or a failed save's one-line reason is the message, a crashed rank's traceback was printed
+        # by the launch (HYDRA_FULL_ERROR=1 shows this process's traceback too)
+        if not isinstance(e, (RunStopped, ConfigError, CheckpointWriteError, RankFailure)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             traceback.print_exc()
         status = _recorded_status(run_dir)
-        print(f"memopt: run {status} ({type(e).__name__}: {e}); summary in {run_dir}/summary.json", file=sys.stderr)
+        what = str(e) if isinstance(e, Recorded) else f"{type(e).__name__}: {e}"
+        print(f"memopt: run {status} ({what}); summary in {run_dir}/summary.json", file=sys.stderr)
         if multirun:
             return {"status": status, "error": str(e)}
         raise SystemExit(EXIT_CODES[status]) from None
@@ -310,6 +313,10 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
     except RankFailure as e:
         summary = _summary_so_far(path, resolved)
         recorded = summary.get("status")  # what the ranks decided (oom, refused, diverged, interrupted)
+        if e.clean and recorded in EXIT_CODES and recorded != "ok" and summary.get("error"):
+            from memopt.errors import Recorded  # rank 0's record is the outcome: said in one line
+
+            raise Recorded(recorded, summary["error"]) from None
         if recorded in EXIT_CODES and recorded not in ("ok", "failed"):
             summary.setdefault("error", str(e))
         else:

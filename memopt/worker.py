@@ -29,9 +29,26 @@ def run_rank(cfg_container: dict, run_dir: str, group: str | None) -> dict | Non
     try:
         _maybe_inject_fault()
         summary = Trainer(cfg, run_dir, cfg_container, group=group).run()
+    except Exception as e:
+        _exit_if_recorded(e)
+        raise
     finally:
         teardown()
     return summary if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _exit_if_recorded(e: Exception) -> None:
+    """A rank that stops with an outcome of its own (a refusal, an out-of-memory, a divergence, a signal,
+    a checkpoint that could not be written) exits with that status's code and no traceback: rank 0 has
+    recorded it in summary.json (traceback included) and the launcher says it in one line. Anything else
+    is raised, so the launcher can print the rank's traceback."""
+    from memopt.checkpoint import CheckpointWriteError
+    from memopt.errors import EXIT_CODES
+    from memopt.trainer import classify_failure
+
+    status = classify_failure(e)
+    if status != "failed" or isinstance(e, CheckpointWriteError):
+        raise SystemExit(EXIT_CODES[status])
 
 
 def run_many(jobs: list[tuple[dict, str]]) -> list[dict] | None:

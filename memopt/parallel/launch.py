@@ -8,8 +8,10 @@ Backends: NCCL on CUDA, gloo on CPU.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import uuid
 from datetime import timedelta
 
@@ -58,6 +60,12 @@ def launch(nproc: int, entrypoint, *args) -> dict[int, object]:
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    # the agent logs every worker's failure (a refusal too) as a traceback of its own polling loop and
+    # the rank's; memopt says the outcome in one line and prints a rank's traceback only for a crash
+    agent_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in agent_logs]
+    for log in agent_logs:
+        log.setLevel(logging.CRITICAL)
     try:
         return elastic_launch(config, entrypoint)(*args)
     except SignalException as e:  # SIGTERM/SIGINT to this process: the agent has stopped the workers
@@ -68,11 +76,23 @@ def launch(nproc: int, entrypoint, *args) -> dict[int, object]:
         rank, failure = e.get_first_failure()
         msg = failure.message
         if isinstance(msg, dict):
+            stack = (msg.get("extraInfo") or {}).get("py_callstack")
+            if stack:
+                print(f"rank {rank}:\n{stack.rstrip()}", file=sys.stderr)
             msg = msg.get("message", str(msg))
-        raise RankFailure(rank, str(msg).strip().splitlines()[-1] if msg else f"exit code {failure.exitcode}") from None
+        # no error file (a raised exception writes one) and a code of its own: the rank's recorded status
+        clean = failure.exitcode > 0 and not os.path.isfile(failure.error_file)
+        cause = f"exit code {failure.exitcode}" if clean or not msg else str(msg).strip().splitlines()[-1]
+        raise RankFailure(rank, cause, clean) from None
+    finally:
+        for log, level in zip(agent_logs, levels):
+            log.setLevel(level)
 
 
 class RankFailure(RuntimeError):
-    def __init__(self, rank: int, cause: str):
+    """A rank ended the launch. ``clean``: it exited with a status code of its own after rank 0 recorded
+    the outcome (worker._exit_if_recorded), not with a crash or a signal."""
+
+    def __init__(self, rank: int, cause: str, clean: bool = False):
         super().__init__(f"rank {rank} failed: {cause}")
-        self.rank, self.cause = rank, cause
+        self.rank, self.cause, self.clean = rank, cause, clean
