@@ -4,7 +4,8 @@ Hydra composes the config before memopt runs; when that fails (an unknown key wi
 unknown option of a config group, a value of the wrong type) it prints its error and exits 1, and the
 run directory gets no ``summary.json``. Here the same composition is tried first for a single run
 (a sweep's values are lists Hydra expands itself; each job is then checked by ``memopt.train.run``):
-a failure writes a ``refused`` summary into the directory the run would have used and exits 2.
+a failure writes a ``refused`` summary into the directory the run would have used and exits 2. A run
+directory that cannot be written is refused here too, in one line on stderr (nothing can be recorded).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def refuse_uncomposable(argv: list[str]) -> None:
 
     try:
         compose_config(job)
+        _refuse_unwritable(_run_dir(argv))
     except (HydraException, OmegaConfBaseException) as e:
         message = _message(e)
         hint = _nearest_key(job)
@@ -99,6 +101,20 @@ def _run_dir(argv: list[str]) -> str:
                 value = OmegaConf.create({"d": value}).d  # Hydra registered the now: resolver on import
             return value
     return os.path.join("outputs", "runs", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
+
+
+def _refuse_unwritable(run_dir: str) -> None:
+    """A run directory this process cannot write (a read-only file system, no permission) would fail in
+    Hydra's log handler with its traceback, before memopt can say anything: say it in one line instead.
+    Nothing can be recorded there, so the refusal is on stderr only."""
+    probe = os.path.abspath(run_dir)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK):
+        print(f"memopt: configuration refused: the run directory {run_dir} cannot be written ({probe} is not "
+              "writable: a read-only file system or no permission); no summary.json can be written there: give "
+              "hydra.run.dir=<a writable directory>", file=sys.stderr)
+        raise SystemExit(EXIT_CODES["refused"])
 
 
 def _write_refusal(run_dir: str, error: str) -> bool:

@@ -82,3 +82,30 @@ def test_a_command_that_does_not_compose_leaves_a_directory_holding_a_run_as_it_
     assert e.value.code == EXIT_CODES["refused"]
     assert json.loads((d / "summary.json").read_text()) == {"status": "ok"}
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("whose records stay as they are")
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["read_only_dir", "simulated"])
+def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path, capsys, monkeypatch, real):
+    """Hydra's file log handler failed on it with a 32-line traceback ("Unable to configure handler
+    'file'"). Real: a directory without write permission (root writes through permission bits, so there the
+    simulated case, os.access saying no, is the check)."""
+    from memopt.train import main
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    if real:
+        if os.geteuid() == 0:
+            pytest.skip("root writes through permission bits; the simulated case checks the gate")
+        parent.chmod(0o555)
+    else:
+        monkeypatch.setattr(os, "access", lambda path, mode: False)
+    d = parent / "run"
+    monkeypatch.setattr(sys, "argv", ["memopt.train", f"hydra.run.dir={d}", *QUICK])
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        parent.chmod(0o755)
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_CODES["refused"], err[-2000:]
+    assert "Traceback" not in err and f"the run directory {d} cannot be written" in err and not d.exists()
