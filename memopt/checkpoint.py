@@ -36,6 +36,7 @@ from memopt.guards import all_finite
 
 META = "meta.json"
 FAULT_ENV = "MEMOPT_FAULT_SAVE"  # "<step>" or "<step>:<rank>": SIGKILL inside that save (tests)
+FAULT_ENOSPC_ENV = "MEMOPT_FAULT_SAVE_ENOSPC"  # "<step>:<rank>": that rank's files of that save fail as on a full disk (tests)
 
 
 def root(run_dir: str) -> str:
@@ -148,6 +149,16 @@ def _maybe_kill_inside_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _maybe_fail_inside_save(step: int, rank: int, tmp: str) -> None:
+    """Fault injection for tests: ``MEMOPT_FAULT_SAVE_ENOSPC=<step>:<rank>`` makes that rank's own files of
+    checkpoint ``step`` fail as on a full disk (the other ranks' writes succeed)."""
+    want = os.environ.get(FAULT_ENOSPC_ENV)
+    if want and want == f"{step}:{rank}":
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(tmp, f"rank{rank}.files"))
+
+
 def parts(engine) -> dict:
     """The engine's parts of a checkpoint (the weights' copies, its training state), as ``save`` builds
     them; the planner builds them on fake tensors to plan the save's peak."""
@@ -173,14 +184,25 @@ def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         return None
+    # each phase's I/O failures are agreed on by every rank before any rank waits for the others' files:
+    # a failure on some ranks only (a rank's engine files, rank 0's record) must not leave the rest at a barrier
     try:
         with _quiet():
             dcp.save(state, checkpoint_id=tmp)
         del state
         engine.save_files(tmp)
-        _maybe_kill_inside_save(step, rank)
-        _barrier()  # every rank's files are in place
-        if rank == 0:
+        _maybe_fail_inside_save(step, rank, tmp)
+        reason = None
+    except Exception as e:
+        reason = _io_reason(e)
+        if reason is None:
+            raise
+    _settle(reason, step, tmp, base, run_dir, device)
+    _maybe_kill_inside_save(step, rank)
+    _barrier()  # every rank's files are in place
+    reason = None
+    if rank == 0:
+        try:
             with open(os.path.join(tmp, META), "w") as f:
                 json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
             if os.path.isdir(final):  # the same step written again (a run resumed from an older checkpoint)
@@ -188,20 +210,34 @@ def save(run_dir: str, step: int, engine, rank: int, device: torch.device, meta:
             os.replace(tmp, final)
             for _, old in complete(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    except Exception as e:
-        reason = _io_reason(e)
-        if reason is None:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # the partial files would keep the disk full
-        from memopt.logging import free_space
-
-        last = complete(run_dir)
-        raise CheckpointWriteError(
-            f"checkpoint step {step} could not be written to {tmp}: {reason} ({free_space(base)} free there); its "
-            f"partial files were removed and the last complete checkpoint ({last[-1][1] if last else 'none'}) is "
-            "intact: free space and continue with trainer.resume=auto") from None
-    _barrier()
+        except Exception as e:
+            reason = _io_reason(e)
+            if reason is None:
+                raise
+    _settle(reason, step, tmp, base, run_dir, device)
     return final
+
+
+def _settle(reason: str | None, step: int, tmp: str, base: str, run_dir: str, device: torch.device) -> None:
+    """Every rank learns whether any rank's write failed (``reason``: this rank's, None if none); if one
+    did, every rank removes the partial files and raises ``CheckpointWriteError`` with the failing
+    rank's reason."""
+    if _agree(reason is None, device):
+        return
+    rank, why = (0, reason)
+    if torch.distributed.is_initialized():
+        reasons: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(reasons, reason)
+        rank, why = next((r, x) for r, x in enumerate(reasons) if x is not None)
+    shutil.rmtree(tmp, ignore_errors=True)  # the partial files would keep the disk full
+    from memopt.logging import free_space
+
+    last = complete(run_dir)
+    where = f" (rank {rank})" if torch.distributed.is_initialized() else ""
+    raise CheckpointWriteError(
+        f"checkpoint step {step} could not be written to {tmp}{where}: {why} ({free_space(base)} free there); its "
+        f"partial files were removed and the last complete checkpoint ({last[-1][1] if last else 'none'}) is "
+        "intact: free space and continue with trainer.resume=auto") from None
 
 
 class CheckpointWriteError(RuntimeError):

@@ -281,3 +281,28 @@ def test_merge_of_a_path_without_a_checkpoint_names_its_argument(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"checkpoint='{tmp_path / 'nothing'}'" in err and "trainer.resume" not in err and "Traceback" not in err
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_of_two_ranks_ends_both_at_once(tmp_path):
+    """One rank's files of a checkpoint fail (ENOSPC, injected after its shard) while the other's succeed:
+    the ranks agree on the failure before waiting for each other's files, so the job ends at once (it sat at
+    the save's barrier until the watchdog) with the failing rank's reason, the partial files removed and
+    the previous checkpoint intact."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    d = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline", MEMOPT_FAULT_SAVE_ENOSPC="2:1")
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "memopt.train", f"hydra.run.dir={d}", *QUICK, "trainer.nproc_per_node=2",
+                        "trainer.checkpoint_every=1", "trainer.max_steps=3"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert time.time() - t0 < 120 and p.returncode == EXIT_CODES["failed"], p.stderr[-3000:]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "failed" and "checkpoint step 2" in s["error"] and "(rank 1)" in s["error"], s["error"]
+    assert "No space left" in s["error"] and "Traceback" not in p.stderr
+    assert sorted(os.listdir(d / "checkpoints")) == ["step_1"]
