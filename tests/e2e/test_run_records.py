@@ -198,6 +198,8 @@ def test_resuming_a_finished_run_is_a_no_op_and_a_refused_resume_keeps_the_recor
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and "cannot resume this run" in s["error"] and "strategy" in s["error"], s
     assert s["previous"] == json.loads(first) and (d / "metrics.jsonl").read_bytes() == metrics
+    err = capfd.readouterr().err  # a refusal inside the ranks: one line, no rank's or launcher's traceback
+    assert "Traceback" not in err and "cannot resume this run" in err.strip().splitlines()[-1], err[-2000:]
 
 
 def test_a_refused_run_leaves_the_directorys_hydra_record_as_it_was(tmp_path, capsys):
