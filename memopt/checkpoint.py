@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from memopt.errors import ConfigError
+from memopt.errors import ConfigError, WriteError
 from memopt.guards import all_finite
 
 META = "meta.json"
@@ -240,7 +240,7 @@ def _settle(reason: str | None, step: int, tmp: str, base: str, run_dir: str, de
         "intact: free space and continue with trainer.resume=auto") from None
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(WriteError):
     """A checkpoint save failed on I/O (a full disk, a read-only or vanished directory)."""
 
 

@@ -43,3 +43,8 @@ class Recorded(RunStopped):
     def __init__(self, status: str, message: str):
         super().__init__(message)
         self.status = status
+
+
+class WriteError(RuntimeError):
+    """The run's own files could not be written (a full disk, a read-only or vanished directory): the
+    message names the file, the reason and the free space; status ``failed``, one line, no traceback."""

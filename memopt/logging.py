@@ -107,7 +107,15 @@ class RunLogger:
             return
         if self.run_id is not None:
             record = {"run_id": self.run_id, **record}  # a resumed run's records are told apart by it
-        self._metrics.write(json.dumps(_jsonable(record)) + "\n")
+        try:
+            self._metrics.write(json.dumps(_jsonable(record)) + "\n")
+        except OSError as e:
+            from memopt.errors import WriteError
+
+            path = os.path.join(self.run_dir, "metrics.jsonl")
+            raise WriteError(f"the metrics could not be written to {path}: {e.strerror or e} ({free_space(self.run_dir)} "
+                             f"free there) at step {record.get('step')}; the checkpoints written so far are intact: free "
+                             "space and continue with trainer.resume=auto") from None
         if self._wandb is not None:
             self._wandb.log(flat_metrics(record), step=record["step"])
 

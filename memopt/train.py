@@ -112,13 +112,12 @@ def run(cfg: DictConfig) -> dict:
     except Exception as e:
         import traceback
 
-        from memopt.checkpoint import CheckpointWriteError
-        from memopt.errors import Recorded, RunStopped
+        from memopt.errors import Recorded, RunStopped, WriteError
         from memopt.parallel import RankFailure
 
         # a refusal's or a failed save's one-line reason is the message, a crashed rank's traceback was printed
         # by the launch (HYDRA_FULL_ERROR=1 shows this process's traceback too)
-        if not isinstance(e, (RunStopped, ConfigError, CheckpointWriteError, RankFailure)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if not isinstance(e, (RunStopped, ConfigError, WriteError, RankFailure)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             traceback.print_exc()
         status = _recorded_status(run_dir)
         what = str(e) if isinstance(e, Recorded) else f"{type(e).__name__}: {e}"

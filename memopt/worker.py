@@ -42,12 +42,11 @@ def _exit_if_recorded(e: Exception) -> None:
     a checkpoint that could not be written) exits with that status's code and no traceback: rank 0 has
     recorded it in summary.json (traceback included) and the launcher says it in one line. Anything else
     is raised, so the launcher can print the rank's traceback."""
-    from memopt.checkpoint import CheckpointWriteError
-    from memopt.errors import EXIT_CODES
+    from memopt.errors import EXIT_CODES, WriteError
     from memopt.trainer import classify_failure
 
     status = classify_failure(e)
-    if status != "failed" or isinstance(e, CheckpointWriteError):
+    if status != "failed" or isinstance(e, WriteError):
         raise SystemExit(EXIT_CODES[status])
 
 

@@ -308,3 +308,40 @@ def test_a_save_failing_on_one_of_two_ranks_ends_both_at_once(tmp_path):
     assert s["status"] == "failed" and "checkpoint step 2" in s["error"] and "(rank 1)" in s["error"], s["error"]
     assert "No space left" in s["error"] and "Traceback" not in p.stderr
     assert sorted(os.listdir(d / "checkpoints")) == ["step_1"]
+
+
+def test_a_full_disk_while_writing_the_metrics_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    """ENOSPC at metrics.jsonl's second record (simulated at the file's write): status failed, one line
+    naming the file, the reason and the free space, no traceback, the checkpoint before it intact."""
+    import errno
+
+    from memopt import logging as records
+
+    real_init = records.RunLogger.__init__
+
+    class FullAfterOne:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, text):
+            self.n += 1
+            if self.n == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def close(self):
+            self.f.close()
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        if self.enabled:
+            self._metrics = FullAfterOne(self._metrics)
+
+    monkeypatch.setattr(records.RunLogger, "__init__", init)
+    d = tmp_path / "run"
+    assert cli_run(d, ["trainer.checkpoint_every=1", "trainer.max_steps=3"]) == EXIT_CODES["failed"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "failed" and "metrics.jsonl" in s["error"] and "No space left" in s["error"], s["error"]
+    assert "free there" in s["error"] and "trainer.resume=auto" in s["error"]
+    assert "Traceback" not in capsys.readouterr().err
+    assert "step_1" in os.listdir(d / "checkpoints")
