@@ -211,6 +211,11 @@ def refuse_unsupported(cfg, name: str, label: str, supports) -> None:
         return
     other = [n for n in cfg.strategy.selected() if n not in supports]
     if other:
+        if name == cfg.engine.name and name != "memopt":
+            raise ConfigError(
+                f"strategy {other[0]} has no {label} equivalent: engine={name} implements {', '.join(supports)}; "
+                f"drop +strategy={other[0]} or use engine=memopt")
+        # an engine a strategy selected (the chunk engine) under engine=memopt: name the way out that exists
         raise ConfigError(
-            f"strategy {other[0]} has no {label} equivalent: engine={name} implements {', '.join(supports)}; "
-            f"drop +strategy={other[0]} or use engine=memopt")
+            f"strategy {other[0]} is not built for {label}, which implements {', '.join(supports)}; "
+            f"drop +strategy={other[0]} or leave out the strategy that selects {label}")

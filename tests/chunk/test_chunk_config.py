@@ -66,6 +66,17 @@ def test_bad_combinations_are_refused(overrides, needles):
         assert n in str(e.value)
 
 
+def test_a_strategy_the_chunk_engine_lacks_names_a_way_out_that_exists():
+    """It said "use engine=memopt" to a run already on engine=memopt (the chunk engine is chosen by its
+    strategy, not by engine=)."""
+    from memopt.engines import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(typed(["+strategy=[hybrid_adam,chunked_loss]"]))
+    msg = str(e.value)
+    assert "chunked_loss is not built for the chunk engine" in msg and "engine=memopt" not in msg, msg
+
+
 def test_addons_need_the_chunk_engine():
     from memopt.strategies.base import check_combination
 
