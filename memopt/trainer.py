@@ -92,14 +92,14 @@ class Trainer:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
             self.hw = resolve_hardware(cfg.hardware, self.device)  # its CPU matmul probe is not the run's memory
-            tracker = MemoryTracker(self.device) if cfg.trainer.track_memory else NullTracker()
+            tracker = MemoryTracker(self.device, budget=self._device_budget()) if cfg.trainer.track_memory else NullTracker()
             self._start_watchdog()
             with tracker, StopSignals() as self.signals:
                 self._train(tracker)
             self.summary["status"] = "ok"
         except BaseException as exc:  # recorded, then re-raised for the caller to decide
             self.summary["status"] = classify_failure(exc)
-            self.summary["error"] = f"{type(exc).__name__}: {exc}"
+            self.summary["error"] = f"{type(exc).__name__}: {exc}" + self._where()
             self.summary["traceback"] = traceback.format_exc(limit=20)
             raise
         finally:
@@ -112,6 +112,15 @@ class Trainer:
                 self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
             self.logger.finish(self.summary)
         return self.summary
+
+    def _device_budget(self) -> int | None:
+        """The device budget every engine's run is held to (bytes per rank): the hardware profile's device
+        memory where the device is its own memory (a GPU, or a CPU run given ``hardware.device_memory_gb``,
+        the budget the planner and ``+strategy=auto`` chose the composition for); None where the device is
+        the host's RAM."""
+        if self.hw.device_is_host or not self.hw.device_memory_gb:
+            return None
+        return int(self.hw.device_memory_gb * 2**30)
 
     # ------------------------------------------------------------------------------------------
     def _train(self, tracker) -> None:
@@ -338,7 +347,13 @@ class Trainer:
             if w is not None:
                 w.close()
 
+    def _where(self) -> str:
+        """Where the run was when it stopped (the phase and step of the last heartbeat): ' in <phase> of step N'."""
+        phase, step = getattr(self, "_phase", (None, None))
+        return "" if phase is None else f" (in {phase}" + ("" if step is None else f" of step {step}") + ")"
+
     def _beat(self, phase: str, step: int | None = None) -> None:
+        self._phase = (phase, step if step is not None else getattr(self, "_phase", (None, None))[1])
         if self.heartbeat is not None:
             self.heartbeat.set(phase, step)
 

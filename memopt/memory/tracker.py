@@ -40,6 +40,10 @@ CATEGORIES = ("params", "grads", "optim", "activations", "temp", "chunks", "comm
 HOST = "host"
 
 
+class DeviceBudgetExceeded(torch.OutOfMemoryError):
+    """The compute device's tracked bytes went over the run's device budget (``MemoryTracker.budget``)."""
+
+
 @dataclass
 class _Info:
     device: str
@@ -53,8 +57,12 @@ class MemoryTracker(TorchDispatchMode):
     enabled = True
     _window: list | None = None  # allocation events of a ``placed_at_exit`` block
 
-    def __init__(self, compute_device: torch.device | str = "cpu"):
+    def __init__(self, compute_device: torch.device | str = "cpu", budget: int | None = None,
+                 budget_name: str = "hardware.device_memory_gb"):
         super().__init__()
+        # the compute device's budget in bytes: the op whose output takes the device's live bytes over it
+        # raises DeviceBudgetExceeded there and then (once), so a run ends ``oom`` at the crossing
+        self.budget, self._budget_name = budget, budget_name
         self.compute_device = torch.device(compute_device)
         self._compute_key = str(self.compute_device) if self.compute_device.type != "cuda" else f"cuda:{self.compute_device.index or 0}"
         self._info: dict[int, _Info] = {}
@@ -214,6 +222,22 @@ class MemoryTracker(TorchDispatchMode):
                 if self._captures:
                     self._captures[-1].append(key)
             self._update_peak(info.device)
+            if self.budget is not None and info.device == self._compute_key:
+                self._check_budget(info)
+
+    def _check_budget(self, info: _Info) -> None:
+        live: dict[str, int] = defaultdict(int)  # a forward's transient bytes are the activations it is making
+        for c, b in self.live[info.device].items():
+            live["activations" if c == "_forward" else c.lstrip("_")] += b
+        total = sum(live.values())
+        if total <= self.budget:
+            return
+        budget, self.budget = self.budget, None  # once: what runs while the error unwinds is not refused again
+        largest = max(live, key=live.get)
+        raise DeviceBudgetExceeded(
+            f"device budget exceeded on {info.device}: {total} B live > {self._budget_name} = {budget} B, crossed by "
+            f"{info.nbytes} B of {'activations' if info.category == '_forward' else info.category} (largest category "
+            f"{largest}: {live[largest]} B)")
 
     @staticmethod
     def _counted(t: torch.Tensor) -> bool:

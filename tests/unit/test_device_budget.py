@@ -1,0 +1,61 @@
+"""A device budget holds in real runs (issue #30): with ``hardware.device_memory_gb`` set on a CPU machine
+(the budget the planner and ``+strategy=auto`` choose for), the op that takes a rank's tracked device bytes
+over it ends the run ``oom`` there and then, naming the category, instead of a run that silently used more.
+The preflight would refuse these runs first; ``train`` (no preflight) checks the run's own backstop."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import losses, train
+
+TINY = ["model=gpt_tiny", "model.seq_len=64", "model.n_layer=2", "trainer.micro_batch_size=16", "trainer.max_steps=2",
+        "trainer.eval_every=0", "trainer.log_every=1", "data=synthetic", "data.synthetic_tokens=20000"]
+GiB = 2**30
+
+
+def read_summary(run_dir) -> dict:
+    import json
+    import os
+
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def test_a_run_over_its_device_budget_ends_oom_at_the_crossing(tmp_path):
+    from memopt.memory.tracker import DeviceBudgetExceeded
+
+    budget_gb = 0.018  # gpt_tiny at this shape: built within 12 MiB, its step peaks near 27 MiB
+    with pytest.raises(DeviceBudgetExceeded):
+        train([*TINY, f"hardware.device_memory_gb={budget_gb}"], str(tmp_path / "over"))
+    s = read_summary(tmp_path / "over")
+    assert s["status"] == "oom", s
+    m = re.search(r"(\d+) B live > hardware.device_memory_gb = (\d+) B, crossed by (\d+) B of (\w+)", s["error"])
+    assert m and int(m[2]) == int(budget_gb * GiB), s["error"]
+    live, budget, crossing = int(m[1]), int(m[2]), int(m[3])
+    assert live - crossing <= budget < live  # stopped at the op that crossed, not later
+    assert s["peak_bytes"]["0"]["cpu"]["total"] == live and "(in forward/backward of step 0)" in s["error"]
+
+
+def test_a_run_within_its_budget_is_the_run_without_one(tmp_path):
+    free = train(TINY, str(tmp_path / "free"))
+    held = train([*TINY, "hardware.device_memory_gb=1"], str(tmp_path / "held"))
+    assert free["status"] == held["status"] == "ok"
+    assert held["peak_bytes"]["0"]["cpu"]["total"] <= GiB
+    assert losses(str(tmp_path / "free")) == losses(str(tmp_path / "held"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["memopt_zero2", "fsdp2"])
+def test_two_ranks_over_the_budget_end_oom(tmp_path, engine):
+    from memopt.api import run_jobs_on_ranks
+    from memopt.parallel import RankFailure
+
+    extra = ["+strategy=zero2"] if engine == "memopt_zero2" else ["engine=fsdp2", "+strategy=zero3"]
+    d = tmp_path / engine
+    with pytest.raises(RankFailure):
+        run_jobs_on_ranks(2, [([*TINY, *extra, "hardware.device_memory_gb=0.018", "logger=none",
+                                "trainer.progress_bar=false"], str(d))])
+    s = read_summary(d)
+    assert s["status"] == "oom" and "hardware.device_memory_gb" in s["error"], s
