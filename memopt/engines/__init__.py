@@ -56,6 +56,8 @@ def validate(cfg) -> None:
             raise ConfigError(f"parallel.{dim}={sizes[dim]} is not supported without a strategy that splits work over "
                               f"it (" + (", ".join(f"+strategy={u}" for u in users) or "none is built") +
                               f"); set parallel.{dim}=1")
+    if "auto" in cfg.strategy.selected():  # replaced by its choice before any rank starts; the choice is validated
+        return
     if hasattr(mod, "validate"):
         mod.validate(cfg)  # its own refusals, the unsupported strategies included
     else:

@@ -91,13 +91,21 @@ def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[
                             names = [*model_names, *PRECISION[p], *ck_s, *([stage] if world > 1 else []),
                                      *(["cpu_offload"] if off else [])]
                             out.append([_strategies(names), *carry, *ck_o, *par, *batch])
+                            if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
+                                out.append([_strategies(names), *carry, *ck_o, "strategy.cpu_offload.offload_param=false",
+                                            *par, *batch])
                     if ep > 1:  # the chunk engine runs ep = 1 only
                         continue
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
                         extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
                         out.append([_strategies([*model_names, preset, *ck_s]), *carry, *ck_o, *extra, *par, *batch])
+    supports = _engine_supports(cfg.engine.name)
+    if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
+        out = [c for c in out if set(_names(c[0])) <= supports]
     tps = tp_sizes(cfg.model, world) if a.tp and world > 1 and cfg.strategy.moe is None else []
+    if supports is not None and "tp" not in supports:
+        tps = []
     if tps:
         out = [[*c, "parallel.tp=1"] for c in out] + _tp_candidates(cfg, tps, precisions, mbs, global_mb, world)
     unique = []
@@ -137,6 +145,21 @@ def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], g
                                             f"strategy.tp.sequence_parallel={str(sp).lower()}",
                                             f"strategy.tp.loss_parallel={str(lp).lower()}"])
     return out
+
+
+def _engine_supports(name: str) -> set[str] | None:
+    """The strategies engine ``name`` implements (None: the memopt engine, which implements them all)."""
+    import importlib
+
+    from memopt.engines import ENGINES
+
+    supports = getattr(importlib.import_module(ENGINES[name]), "SUPPORTS", None)
+    return None if supports is None else set(supports)
+
+
+def _names(selection: str) -> list[str]:
+    """The strategy names of a candidate's ``+strategy=[...]``."""
+    return [n for n in selection.split("=", 1)[1].strip("[]").split(",") if n]
 
 
 def _strategies(names: list[str]) -> str:

@@ -191,3 +191,45 @@ def test_auto_searches_tensor_parallelism_on_two_ranks():
     tight = search(cfg, node_hw((min(r["peak"] for r in tp) + ddp["peak"]) // 2), base)
     assert tight[0]["fits"] and "parallel.tp=2" in tight[0]["overrides"], tight[0]
     assert not [r for r in tight if r["overrides"][0] == "+strategy=[ddp]"][0]["fits"]
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_auto_under_another_engine_searches_that_engines_space(engine):
+    """engine=deepspeed / fsdp2 +strategy=auto: only the strategies that engine implements (its SUPPORTS
+    list, written out here), no chunk engine, tensor parallelism only where the engine has it, and ZeRO-3's
+    optimizer offload with and without parameter offload; the engine is kept for every candidate."""
+    from memopt.planner.search import candidates
+
+    supports = {"deepspeed": {"ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt"},
+                "fsdp2": {"zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "tp"}}[engine]
+    cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "trainer.nproc_per_node=2",
+                 "hardware.device_memory_gb=0.05"])
+    rows = candidates(cfg, small_hw(64))
+    sels = [r[0] for r in rows]
+    names = [set(s.split("=", 1)[1].strip("[]").split(",")) - {""} for s in sels]
+    assert rows and all(n <= supports for n in names), [n - supports for n in names if not n <= supports]
+    assert any({"zero3", "cpu_offload"} <= n for n in names)
+    off_only = [r for r in rows if "strategy.cpu_offload.offload_param=false" in r]
+    assert off_only and all("zero3" in r[0] for r in off_only)
+    assert any(o.startswith("parallel.tp=2") for r in rows for o in r) == (engine == "fsdp2")
+    memopt_rows = candidates(typed(["model=gpt_tiny", "+strategy=auto", "trainer.nproc_per_node=2"]), small_hw(64))
+    assert any("chunk" in r[0] or "hybrid_adam" in r[0] for r in memopt_rows)  # the chunk engine is memopt's only
+
+
+@pytest.mark.slow
+def test_deepspeed_auto_through_the_cli_trains_its_choice_within_the_budget(tmp_path):
+    """As a user checks it: engine=deepspeed +strategy=auto with a device budget plans DeepSpeed's space,
+    trains the fastest predicted candidate that fits, and the run's measured device peak per rank is at most
+    the budget (the run itself would have ended oom at the crossing)."""
+    budget_gb = 0.05
+    p = subprocess.run([sys.executable, "-m", "memopt.train", "engine=deepspeed", "+strategy=auto", "model=gpt_tiny",
+                        "trainer.nproc_per_node=2", "trainer.max_steps=2", f"hardware.device_memory_gb={budget_gb}",
+                        "logger=none", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path}"],
+                       env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "ok" and s["engine"] == "deepspeed"
+    rows = json.loads((tmp_path / "auto.json").read_text())
+    assert rows[0]["fits"] and all("chunk" not in r["label"] for r in rows)
+    for rank in ("0", "1"):
+        assert s["peak_bytes"][rank]["cpu"]["total"] <= budget_gb * 2**30
