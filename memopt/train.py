@@ -221,7 +221,12 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
 
     overrides = _task_overrides() if overrides is None else list(overrides)
     base = split_base(overrides)[0]  # candidates carry the strategies (and MoE's options) they need
-    rows = search(typed, _hardware(typed), overrides)
+    def progress(done: int, total: int, row: dict, best: dict | None) -> None:
+        lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
+        print(f"memopt auto: planned {done}/{total} ({'fits' if row['fits'] else 'does not fit'}); {lead}",
+              file=sys.stderr, flush=True)
+
+    rows = search(typed, _hardware(typed), overrides, progress=progress)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), rows)

@@ -166,14 +166,17 @@ def _strategies(names: list[str]) -> str:
     return f"+strategy=[{','.join(names)}]" if names else "+strategy=[]"
 
 
-def search(cfg, hw, base: list[str]) -> list[dict]:
-    """Every candidate planned, ranked: fitting ones by predicted step time, then the others."""
+def search(cfg, hw, base: list[str], progress=None) -> list[dict]:
+    """Every candidate planned, ranked: fitting ones by predicted step time, then the others.
+    ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
+    many candidates takes minutes, and said nothing until it ended)."""
     from memopt.planner.preflight import plan_with_fixes
 
     base, carry, moe_named = split_base(base)
     limits = limits_of(hw, cfg.trainer.nproc_per_node)
-    rows = []
-    for ov in candidates(cfg, hw, carry, moe_named):
+    rows, best = [], None
+    todo = candidates(cfg, hw, carry, moe_named)
+    for ov in todo:
         # a chunk candidate the engine refuses at a moment it names fixes for (warm-up budget) is
         # planned again with them (the preflight's suggestion does the same): the row then carries them
         plan, fixes, err = plan_with_fixes([*base, *ov], [], hw, limits)
@@ -188,6 +191,10 @@ def search(cfg, hw, base: list[str]) -> list[dict]:
         elif err is not None:
             row["why"] = f"refused: {str(err)[:80]}"
         rows.append(row)
+        if row["fits"] and row.get("step_s") is not None and (best is None or row["step_s"] < best["step_s"]):
+            best = row
+        if progress is not None:
+            progress(len(rows), len(todo), row, best)
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
 

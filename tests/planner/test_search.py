@@ -233,3 +233,16 @@ def test_deepspeed_auto_through_the_cli_trains_its_choice_within_the_budget(tmp_
     assert rows[0]["fits"] and all("chunk" not in r["label"] for r in rows)
     for rank in ("0", "1"):
         assert s["peak_bytes"][rank]["cpu"]["total"] <= budget_gb * 2**30
+
+
+def test_search_reports_each_candidate_and_the_best_so_far():
+    """The search says how far it is (done / total) and the fastest fitting candidate so far after each plan."""
+    from memopt.planner.search import search
+
+    over = ["model=gpt_tiny", "model.seq_len=32", "+strategy=auto", "strategy.auto.ckpt=[none]",
+            "strategy.auto.micro_batch_size=[2]", "strategy.auto.offload=[false]"]
+    seen = []
+    rows = search(typed(over), small_hw(512), over, progress=lambda d, t, row, best: seen.append((d, t, row, best)))
+    assert [d for d, *_ in seen] == list(range(1, len(rows) + 1)) and {t for _, t, *_ in seen} == {len(rows)}
+    fitting = [r for _, _, r, _ in seen if r["fits"]]
+    assert fitting and seen[-1][3]["step_s"] == min(r["step_s"] for r in fitting) == rows[0]["step_s"]
