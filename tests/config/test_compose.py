@@ -95,7 +95,7 @@ def test_several_strategies_append():
         (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", ">= 0"]),
         (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
         (["model.attention=flash"], ["model.attention='flash'", "+strategy=flash_attn"]),
-        (["model.arch=llama"], ["model.arch='llama'", "gpt"]),
+        (["model.arch=mamba"], ["model.arch='mamba'", "gpt", "llama"]),
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):
