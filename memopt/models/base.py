@@ -17,7 +17,8 @@ outside ``memopt/models/`` names a model's attributes.
     init_tensor(name, shape, seed)   a parameter's initial value from (seed, name) alone, so every
                              partitioning starts from the single-process weights
     num_params(cfg), flops_per_token(cfg)   from the config alone (classmethods); mlp_params(cfg, d_ff)
-                             the parameters of one block's dense ``mlp`` slot (MoE counts its experts)
+                             the parameters of one block's dense ``mlp`` slot (MoE counts its experts);
+                             activation_bytes(cfg, batch) what one block keeps for its backward (or None)
     aux_loss()               loss terms the model's parts added in the last training forward (MoE load
                              balancing, router z-loss); engines add them to the loss they differentiate
     step_metrics()           statistics the parts kept since the last call (MoE routing), logged per step
@@ -119,6 +120,13 @@ class Model(nn.Module):
     def mlp_params(cls, cfg: ModelConfig, d_ff: int | None = None) -> int:
         """Parameters of one block's dense MLP with hidden width ``d_ff`` (None: the model's)."""
         raise NotImplementedError
+
+    @classmethod
+    def activation_bytes(cls, cfg: ModelConfig, batch: int, bytes_per_value: int = 4) -> int | None:
+        """Bytes one block keeps for its backward at micro-batch ``batch`` and ``cfg.seq_len`` (no
+        checkpointing); None when the model does not say (the preflight bound then uses Korthikanti
+        et al.'s GPT terms alone)."""
+        return None
 
     @classmethod
     def validate(cls, cfg: ModelConfig) -> None:
