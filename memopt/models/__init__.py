@@ -5,8 +5,9 @@ Adding a model: a module implementing ``memopt.models.base.Model`` and one line 
 from memopt.errors import ConfigError
 from memopt.models.base import Model, ModelConfig
 from memopt.models.gpt import GPT, GPTConfig, count_params, flops_per_token
+from memopt.models.llama import Llama
 
-MODELS: dict[str, type[Model]] = {"gpt": GPT}
+MODELS: dict[str, type[Model]] = {"gpt": GPT, "llama": Llama}
 
 
 def model_class(cfg: ModelConfig) -> type[Model]:
@@ -16,4 +17,4 @@ def model_class(cfg: ModelConfig) -> type[Model]:
     return MODELS[cfg.arch]
 
 
-__all__ = ["GPT", "GPTConfig", "MODELS", "Model", "ModelConfig", "count_params", "flops_per_token", "model_class"]
+__all__ = ["GPT", "GPTConfig", "Llama", "MODELS", "Model", "ModelConfig", "count_params", "flops_per_token", "model_class"]

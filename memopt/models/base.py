@@ -17,7 +17,8 @@ outside ``memopt/models/`` names a model's attributes.
     init_tensor(name, shape, seed)   a parameter's initial value from (seed, name) alone, so every
                              partitioning starts from the single-process weights
     num_params(cfg), flops_per_token(cfg)   from the config alone (classmethods); mlp_params(cfg, d_ff)
-                             the parameters of one block's dense ``mlp`` slot (MoE counts its experts)
+                             the parameters of one block's dense ``mlp`` slot (MoE counts its experts);
+                             activation_bytes(cfg, batch) what one block keeps for its backward (or None)
     aux_loss()               loss terms the model's parts added in the last training forward (MoE load
                              balancing, router z-loss); engines add them to the loss they differentiate
     step_metrics()           statistics the parts kept since the last call (MoE routing), logged per step
@@ -53,11 +54,22 @@ class ModelConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them)
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix
     init_std: float = 0.02  # GPT-2 init; residual projections get init_std / sqrt(2 * n_layer)
-    ln_eps: float = 1e-5
+    ln_eps: float = 1e-5  # LayerNorm (gpt) / RMSNorm (llama) epsilon
+    n_kv_head: int | None = None  # key/value heads of grouped-query attention (llama); None: n_head (multi-head)
+    rope_theta: float = 10000.0  # base of the rotary frequencies (pos_emb=rope); Llama 3: 500000
+    rope_scaling: str | None = None  # None | llama3: Llama 3.1's long-context scaling of the rotary frequencies (llama)
+    rope_factor: float = 8.0  # llama3 scaling: low frequencies divided by this
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original_max_pos / this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original_max_pos / this are kept
+    rope_original_max_pos: int = 8192  # llama3 scaling: the context length the frequencies were trained at
 
     @property
     def ff(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +120,13 @@ class Model(nn.Module):
     def mlp_params(cls, cfg: ModelConfig, d_ff: int | None = None) -> int:
         """Parameters of one block's dense MLP with hidden width ``d_ff`` (None: the model's)."""
         raise NotImplementedError
+
+    @classmethod
+    def activation_bytes(cls, cfg: ModelConfig, batch: int, bytes_per_value: int = 4) -> int | None:
+        """Bytes one block keeps for its backward at micro-batch ``batch`` and ``cfg.seq_len`` (no
+        checkpointing); None when the model does not say (the preflight bound then uses Korthikanti
+        et al.'s GPT terms alone)."""
+        return None
 
     @classmethod
     def validate(cls, cfg: ModelConfig) -> None:

@@ -186,7 +186,7 @@ class GPT(Model):
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
         else:
-            rope = rope_cache(T, self.cfg.head_dim, idx.device)
+            rope = rope_cache(T, self.cfg.head_dim, idx.device, self.cfg.rope_theta)
         x = self.drop(x)
         x = self.block_runner(self.blocks, x, rope)  # (B, T, C)
         x = self.ln_f(x)
@@ -216,6 +216,14 @@ class GPT(Model):
             raise ConfigError(f"model.pos_emb={cfg.pos_emb!r} is not one of: learned, rope")
         if cfg.pos_emb == "rope" and cfg.head_dim % 2:
             raise ConfigError(f"model.pos_emb=rope needs an even head dim; d_model/n_head = {cfg.head_dim}")
+        if cfg.kv_heads != cfg.n_head:
+            raise ConfigError(f"model.n_kv_head={cfg.n_kv_head}: model.arch=gpt has multi-head attention only (n_kv_head "
+                              f"null or n_head={cfg.n_head}); grouped-query attention is model.arch=llama")
+        if cfg.rope_scaling is not None:
+            raise ConfigError(f"model.rope_scaling={cfg.rope_scaling!r}: model.arch=gpt has no rotary frequency scaling "
+                              "(set it to null); Llama 3.1's is model.arch=llama")
+        if cfg.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta={cfg.rope_theta} must be > 0")
         if cfg.attention not in ("sdpa", "naive"):
             hint = " (FlashAttention is a strategy: +strategy=flash_attn checks the head dim and the device)" \
                 if cfg.attention == "flash" else ""

@@ -45,13 +45,17 @@ def node_capacity(hw, ranks: int) -> float:
 
 def trivially_fits(cfg, hw) -> bool:
     """True when a generous upper bound (32 B/param of model states on every rank, unsharded, plus
-    Korthikanti et al.'s 34sbh + 5as^2b activation bytes per layer doubled for fp32, plus fp32 logits
+    Korthikanti et al.'s 34sbh + 5as^2b activation bytes per layer doubled for fp32, or the model's own
+    count of a block's activations where larger (``Model.activation_bytes``), plus fp32 logits
     and their gradient, times 2) is under half of the smallest limit: then no simulation is needed."""
     from memopt import compose
+    from memopt.models import model_class
 
     m, t = cfg.model, cfg.trainer
     s, b, h, a = m.seq_len, t.micro_batch_size, m.d_model, m.n_head
-    act = m.n_layer * 2 * (34 * s * b * h + 5 * a * s * s * b) + 3 * 4 * s * b * m.vocab_size
+    # a model that counts its own block (the Llama: SwiGLU keeps more than a GPT MLP) raises the bound
+    layer = max(2 * (34 * s * b * h + 5 * a * s * s * b), model_class(m).activation_bytes(m, b) or 0)
+    act = m.n_layer * layer + 3 * 4 * s * b * m.vocab_size
     bound = 2 * (32 * compose.num_params(cfg) + act)
     return bound < 0.5 * min(limits_of(hw, t.nproc_per_node).values())
 

@@ -50,9 +50,16 @@ class Boundary:
     def __init__(self, x: torch.Tensor):
         self.x = x
         self.device = x.device
+        self.requires_grad = x.requires_grad
 
     def fetch(self) -> torch.Tensor:
-        return self.x.to(self.device, non_blocking=True) if self.x.device != self.device else self.x
+        """The input on its device. An offloaded copy (detached) is marked as requiring grad like the
+        original, as the checkpoint does with the tensors it is handed: the recomputation must save
+        the same tensors as the forward (an RMSNorm saves its input only when it requires grad)."""
+        x = self.x.to(self.device, non_blocking=True) if self.x.device != self.device else self.x
+        if self.requires_grad and not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        return x
 
 
 def _segment_forward(blocks, holder: Boundary, tracker, *extra):

@@ -23,11 +23,18 @@ class FlashAttnConfig:
 
 
 class FlashCore(torch.nn.Module):
-    """The ``attention_core`` slot: causal softmax(q k^T / sqrt(D)) v by the Triton kernel; (B, H, T, D) in and out."""
+    """The ``attention_core`` slot: causal softmax(q k^T / sqrt(D)) v by the Triton kernel; (B, H, T, D) in and out.
+
+    Grouped-query attention (model.arch=llama: k and v with K < H heads): k and v are repeated to H
+    heads before the kernel, which has no head grouping of its own. The repeated copies are what the
+    kernel keeps for its backward (2 (H - K) D values per token more than a grouped kernel would)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from memopt.kernels.flash_attn import flash_attn
 
+        if k.size(1) != q.size(1):  # (B, K, T, D) -> (B, H, T, D): kv head j serves query heads j*H/K ...
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         return flash_attn(q, k, v, causal=True)
 
 

@@ -68,6 +68,10 @@ class MoEStrategy(Strategy):
         for f in ("aux_loss_coef", "z_loss_coef"):
             if getattr(c, f) < 0:
                 raise ConfigError(f"{p}.{f}={getattr(c, f)} must be >= 0 (0 disables the loss)")
+        if cfg.model.arch != "gpt":
+            raise ConfigError(f"strategy moe has GELU experts (the GPT's MLP); model.arch={cfg.model.arch!r} has a "
+                              "SwiGLU MLP, and SwiGLU experts (Mixtral's) are not built: use model.arch=gpt (e.g. "
+                              "model=moe_tiny) or drop +strategy=moe")
         if c.d_ff is not None and c.d_ff < 1:
             raise ConfigError(f"{p}.d_ff={c.d_ff} must be >= 1, or null for model.d_ff")
         ep = resolve_sizes(cfg.parallel, expected_world(cfg))["ep"]  # refuses an ep that does not divide the world

@@ -244,7 +244,10 @@ class TPStrategy(Strategy):
             raise ConfigError(f"{p}.sequence_parallel=true needs {p}.form=all_reduce: the all_gather form has no "
                               "row-parallel layer whose all-reduce becomes a reduce-scatter")
         if m.arch != "gpt":
-            raise ConfigError(f"strategy tp has a plan for model.arch=gpt only (got {m.arch!r})")
+            raise ConfigError(f"strategy tp has a plan for model.arch=gpt only (got {m.arch!r}): its plan splits the "
+                              "GPT's fused qkv and GELU MLP; a Llama plan (separate q/k/v with the key/value heads "
+                              "split over tp, SwiGLU's gate and up column-split) is not built. Use ZeRO "
+                              "(+strategy=zero3) or engine=fsdp2 to spread a Llama over ranks")
         for field, n in (("n_head", m.n_head), ("d_ff", m.ff), ("vocab_size", m.vocab_size), ("d_model", m.d_model)):
             if n % tp:
                 raise ConfigError(f"model.{field}={n} is not divisible by parallel.tp={tp}: each tensor-parallel rank "

@@ -8,24 +8,27 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from memopt.config import ConfigError
-from memopt.models.gpt import GPT, count_params
+from memopt.models import model_class
 from tests.conftest import CONF, compose, typed
 
 MODELS = sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "model")))
 # Published sizes (GPT-2 / GPT-3 papers, with the 50304-padded vocabulary), in millions.
-EXPECTED_M = {"gpt_small": (20, 30), "gpt_125m": (120, 130), "gpt_350m": (345, 365), "gpt_1b": (1250, 1400), "gpt_10b": (9800, 10500)}
+EXPECTED_M = {"gpt_small": (20, 30), "gpt_125m": (120, 130), "gpt_350m": (345, 365), "gpt_1b": (1250, 1400), "gpt_10b": (9800, 10500),
+              # Meta's model cards: Llama 3.2 1B 1.24B, Llama 3.1 8B 8.03B, 70B 70.6B (tests/unit/test_llama.py: exact)
+              "llama3_1b": (1235, 1245), "llama3_8b": (8025, 8035), "llama3_70b": (70550, 70650)}
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_every_model_composes_and_counts(name):
     cfg = typed([f"model={name}"])
     assert cfg.model.name == name
-    n = count_params(cfg.model)
-    # count_params is a formula; check it against PyTorch's own count on a meta-device model
+    cls = model_class(cfg.model)
+    n = cls.num_params(cfg.model)
+    # num_params is a formula; check it against PyTorch's own count on a meta-device model
     import torch
 
     with torch.device("meta"):
-        model = GPT(cfg.model)
+        model = cls(cfg.model)
     assert n == sum(p.numel() for p in model.parameters())
     if name in EXPECTED_M:
         lo, hi = EXPECTED_M[name]
@@ -92,7 +95,7 @@ def test_several_strategies_append():
         (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", ">= 0"]),
         (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
         (["model.attention=flash"], ["model.attention='flash'", "+strategy=flash_attn"]),
-        (["model.arch=llama"], ["model.arch='llama'", "gpt"]),
+        (["model.arch=mamba"], ["model.arch='mamba'", "gpt", "llama"]),
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):

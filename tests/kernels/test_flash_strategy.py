@@ -41,6 +41,19 @@ def test_flash_follows_sdpa_trajectory(tmp_path):
     assert max(abs(x - y) / y for x, y in zip(lb, la)) < 1e-4
 
 
+def test_llama_gqa_flash_follows_sdpa_trajectory(tmp_path):
+    """model=llama_tiny: 4 query heads on 2 key/value heads; the kernel gets k and v repeated to 4 heads
+    (FlashCore), SDPA runs them grouped: the same attention, so the same trajectory."""
+    dev = [f"trainer.device={_kernel_device()}"]
+    llama = ["model=llama_tiny", "model.seq_len=32", "trainer.micro_batch_size=2", "trainer.max_steps=2",
+             "trainer.log_every=1", "trainer.eval_every=0", "optim.lr=3e-3"]
+    a, b = str(tmp_path / "sdpa"), str(tmp_path / "flash")
+    train(llama + dev, a)
+    train(llama + dev + ["+strategy=flash_attn"], b)
+    la, lb = losses(a), losses(b)
+    assert max(abs(x - y) / y for x, y in zip(lb, la)) < 1e-4
+
+
 @pytest.mark.parametrize("impl, lo, hi", [("flash", 3.5, 4.5), ("naive", 6.0, 17.0)])
 def test_tracker_sees_linear_attention_activations(impl, lo, hi):
     """Retained bytes of one attention core at N=64 and N=256 (head dim 32): x4 for the kernel,

@@ -100,3 +100,24 @@ def test_fsdp2_cpu_offload_plan_on_a_gpu_profile_puts_the_shards_on_the_host(tmp
         assert close(dev["params"], base[rank]["device"]["params"] - 4 * P // W), (rank, dev, base[rank]["device"])
         assert dev["total"] <= base[rank]["device"]["total"] - 12 * P // W, (rank, dev["total"], base[rank]["device"])
     assert plan["traffic"]["offload_bytes"] > 0  # the shards' copies to the device and the gradients' back
+
+
+def test_llama3_8b_plans_on_a_node_of_8_a100s(tmp_path):
+    """The Llama runs on the planner's fake tensors like the GPT: Llama 3.1 8B with ZeRO-3 and
+    checkpointing on 8 A100 80G (extrapolated from two shallow plans, seconds). Each rank holds an
+    eighth of AdamW's fp32 moments (8 B/param / 8 = P bytes) and of the fp32 weights, plus the units
+    it gathers; at seq 8192 and micro-batch 2 it fits (micro-batch 16 does not: the block inputs and
+    the (B, T, 128256) logits)."""
+    from memopt.models.llama import Llama
+
+    d = tmp_path / "plan"
+    assert cli_main(["logger=none", "trainer.mode=plan", "model=llama3_8b", "hardware=a100_80g", "trainer.micro_batch_size=2",
+                     "trainer.nproc_per_node=8", "+strategy=[zero3,ckpt]", f"hydra.run.dir={d}"]) == 0
+    plan = json.loads((d / "plan.json").read_text())
+    P = Llama.num_params(typed(["model=llama3_8b"]).model)
+    assert plan["params"] == P == 8_030_261_248 and plan["world_size"] == 8
+    rank0 = plan["peak_bytes"]["0"]["device"]
+    assert rank0["optim"] == P and 4 * P / 8 <= rank0["params"] < 4 * P / 2
+    # ckpt keeps each block's input: L x B T C fp32 values at least
+    assert rank0["activations"] >= 32 * 2 * 8192 * 4096 * 4
+    assert plan["fits"] and plan["status"] == "fits", plan["status"]

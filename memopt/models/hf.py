@@ -1,0 +1,128 @@
+"""Hugging Face ``transformers`` checkpoints <-> memopt's models: parameter names and configs.
+
+The mapping only: which memopt parameter a Hugging Face tensor is, and which ``ModelConfig`` fields a
+``config.json`` gives. It needs no ``transformers`` import (a checkpoint directory is plain JSON and
+safetensors), so the loader that streams a directory tensor by tensor into an engine builds on it,
+and the tests check it against ``transformers``' own classes.
+
+Llama (``LlamaForCausalLM``): the tensors have the same shapes and layouts in both (memopt's rotary
+positions pair dimensions (i, i + D/2) as Hugging Face's do, so q and k need no permutation); only the
+names differ:
+
+    model.embed_tokens.weight                         wte.weight
+    model.layers.{i}.input_layernorm.weight           blocks.{i}.attn_norm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.*       blocks.{i}.attn.{q,k,v,o}_proj.*
+    model.layers.{i}.post_attention_layernorm.weight  blocks.{i}.mlp_norm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.*        blocks.{i}.mlp.{gate,up,down}_proj.*
+    model.norm.weight                                 norm.weight
+    lm_head.weight                                    lm_head.weight (absent when tied: wte.weight)
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from memopt.errors import ConfigError
+
+_LLAMA_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+                "self_attn": "attn", "mlp": "mlp"}
+_LLAMA_ROOT = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "norm.weight",
+               "lm_head.weight": "lm_head.weight"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|self_attn|mlp)\.(.+)")
+_PROJ = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def llama_name(hf_name: str) -> str:
+    """The memopt Llama parameter that the Hugging Face tensor ``hf_name`` is; ConfigError naming it otherwise."""
+    if hf_name in _LLAMA_ROOT:
+        return _LLAMA_ROOT[hf_name]
+    m = _LAYER.fullmatch(hf_name)
+    if m:
+        i, part, rest = m.groups()
+        if part in _PROJ:
+            proj, _, leaf = rest.partition(".")
+            ok = proj in _PROJ[part] and leaf in ("weight", "bias")
+        else:
+            ok = rest == "weight"
+        if ok:
+            return f"blocks.{i}.{_LLAMA_BLOCK[part]}.{rest}"
+    raise ConfigError(f"tensor {hf_name!r} is not a parameter of a Llama (LlamaForCausalLM) checkpoint")
+
+
+def hf_llama_name(name: str) -> str:
+    """The inverse of ``llama_name``: the Hugging Face name of memopt Llama parameter ``name``."""
+    inverse = {v: k for k, v in _LLAMA_ROOT.items()}
+    if name in inverse:
+        return inverse[name]
+    back = {v: k for k, v in _LLAMA_BLOCK.items()}
+    m = re.fullmatch(r"blocks\.(\d+)\.(attn_norm|mlp_norm|attn|mlp)\.(.+)", name)
+    if not m:
+        raise ConfigError(f"parameter {name!r} is not one of memopt's Llama")
+    i, part, rest = m.groups()
+    return f"model.layers.{i}.{back[part]}.{rest}"
+
+
+def llama_state_from_hf(hf_state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """memopt names for a Hugging Face Llama state dict (the tensors themselves, no copy). With ``tied``
+    the head is the embedding: a ``lm_head.weight`` in ``hf_state`` (``state_dict()`` lists both) is dropped."""
+    out = {}
+    for k, v in hf_state.items():
+        if k.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved: recomputed from the config
+            continue
+        if tied and k == "lm_head.weight":
+            continue
+        out[llama_name(k)] = v
+    return out
+
+
+@torch.no_grad()
+def load_llama_state(model, hf_state: dict[str, torch.Tensor]) -> None:
+    """Copy a Hugging Face Llama state dict into memopt's ``Llama`` (whole, on one process): every
+    parameter must be present with its shape, nothing else; ConfigError naming the tensor otherwise."""
+    state = llama_state_from_hf(hf_state, model.cfg.tie_embeddings)
+    params = dict(model.named_parameters())  # tied head: only wte.weight
+    for name, p in params.items():  # every check before the first copy: a refused state changes nothing
+        if name not in state:
+            raise ConfigError(f"the checkpoint has no tensor {hf_llama_name(name)!r} (memopt's {name})")
+        if tuple(state[name].shape) != tuple(p.shape):
+            raise ConfigError(f"tensor {hf_llama_name(name)!r} has shape {tuple(state[name].shape)}; the model "
+                              f"({model.cfg.name}) expects {tuple(p.shape)}")
+    extra = sorted(set(state) - set(params))
+    if extra:
+        raise ConfigError(f"tensor {hf_llama_name(extra[0])!r} has no place in the model ({model.cfg.name})")
+    for name, p in params.items():
+        p.copy_(state[name])
+
+
+def llama_config_from_hf(hf: dict) -> dict:
+    """``ModelConfig`` fields from a Llama ``config.json`` (a dict): its shapes and rotary settings.
+    Both spellings of the rotary settings are read (``rope_theta`` + ``rope_scaling`` of transformers
+    4, ``rope_parameters`` of 5). What memopt's Llama cannot express is refused naming the key."""
+    if hf.get("model_type", "llama") != "llama":
+        raise ConfigError(f"config.json model_type={hf.get('model_type')!r} is not a Llama (model_type llama)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: memopt's Llama has SwiGLU (silu) only")
+    C, H = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, C // H):
+        raise ConfigError(f"config.json head_dim={hf['head_dim']}: memopt's Llama has head_dim = hidden_size / "
+                          f"num_attention_heads = {C // H}")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ConfigError(f"config.json attention_bias={hf.get('attention_bias')} and mlp_bias={hf.get('mlp_bias')}: "
+                          "memopt's model.bias puts biases on every Linear or none")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ConfigError(f"config.json rope_type={kind!r}: memopt's Llama has the default and llama3 rotary scalings")
+    out = dict(arch="llama", n_layer=hf["num_hidden_layers"], n_head=H,
+               n_kv_head=hf.get("num_key_value_heads") or H, d_model=C, d_ff=hf["intermediate_size"],
+               vocab_size=hf["vocab_size"], pos_emb="rope", bias=bool(hf.get("attention_bias", False)),
+               tie_embeddings=bool(hf.get("tie_word_embeddings", False)), ln_eps=float(hf.get("rms_norm_eps", 1e-6)),
+               rope_theta=float(theta), rope_scaling=None)
+    if kind == "llama3":
+        out.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                   rope_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_high_freq_factor=float(rope["high_freq_factor"]),
+                   rope_original_max_pos=int(rope["original_max_position_embeddings"]))
+    return out
