@@ -119,11 +119,9 @@ def _refuse_unwritable(run_dir: str) -> None:
 
 def _write_refusal(run_dir: str, error: str) -> bool:
     """The refused summary, unless the directory holds a run (its records stay): whether it was written."""
-    from memopt.logging import write_json
+    from memopt.logging import write_summary
     from memopt.records import prior_records
 
     if prior_records(run_dir):
         return False
-    os.makedirs(run_dir, exist_ok=True)
-    write_json(os.path.join(run_dir, "summary.json"), {"status": "refused", "error": error})
-    return True
+    return write_summary(run_dir, {"status": "refused", "error": error})

@@ -4,6 +4,23 @@
 EXIT_CODES = {"ok": 0, "failed": 1, "refused": 2, "oom": 3, "diverged": 4, "interrupted": 130}
 
 
+def status_of(exc: BaseException) -> str:
+    """The one mapping of how a run ended to its status (``EXIT_CODES`` gives the exit code): the run's own
+    stops carry theirs, a refusal is ``refused``, an out-of-memory (the allocator's, the tracker's device
+    budget, the chunk engine's) is ``oom``, Ctrl-C ``interrupted``, anything else ``failed``."""
+    import torch
+
+    if isinstance(exc, RunStopped):
+        return exc.status
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, ConfigError):
+        return "refused"
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "oom"
+    return "failed"
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fields and what would work.
 

@@ -60,6 +60,34 @@ def write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
 
 
+SUMMARY = "summary.json"
+
+
+def write_summary(run_dir: str, summary: dict) -> bool:
+    """The one writer of a run's ``summary.json`` (atomic), whatever ended the run: True when written;
+    when the directory cannot take it (a full disk, a read-only or vanished directory) the run's status
+    still reaches the user, on stderr with the reason, and False."""
+    path = os.path.join(run_dir, SUMMARY)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        write_json(path, summary)
+        return True
+    except OSError as e:
+        print(f"memopt: summary.json could not be written to {path}: {e.strerror or e} "
+              f"({free_space(run_dir)} free there); the run ended with status {summary.get('status')}", file=sys.stderr)
+        return False
+
+
+def read_summary(run_dir: str) -> dict | None:
+    """The run's ``summary.json`` (None when there is none or it is not a JSON object)."""
+    try:
+        with open(os.path.join(run_dir, SUMMARY)) as f:
+            out = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
 def wandb_mode(requested: str) -> str:
     """auto -> online when an API key is configured (env or netrc), else offline."""
     if requested != "auto":
@@ -122,13 +150,7 @@ class RunLogger:
     def finish(self, summary: dict) -> None:
         if not self.enabled:
             return
-        path = os.path.join(self.run_dir, "summary.json")
-        try:
-            write_json(path, summary)
-        except OSError as e:  # the run's status still reaches the user, with why the record is missing
-            print(f"memopt: summary.json could not be written to {path}: {e.strerror or e} "
-                  f"({free_space(self.run_dir)} free there); the run ended with status {summary.get('status')}",
-                  file=sys.stderr)
+        write_summary(self.run_dir, summary)
         self._metrics.close()
         if self._wandb is not None:
             self._log_peak_table(summary)

@@ -14,12 +14,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-import json
 
 from memopt.config import CONF_DIR, ConfigError, register_configs, to_dataclass, validate
 from memopt.errors import EXIT_CODES
 from memopt.parallel import under_launcher
-from memopt.logging import write_json
+from memopt.logging import read_summary, write_json, write_summary
 from memopt.records import RunDirInUse, claim_run_dir
 from memopt.watchdog import WATCHED_BY_LAUNCHER
 
@@ -178,13 +177,13 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
         summary["suggestion"] = plan["suggestion"]["overrides"]
     if "error" in plan:
         summary["error"] = plan["error"]
-        write_json(os.path.join(run_dir, "summary.json"), summary)
+        write_summary(run_dir, summary)
         print(f"memopt plan: {plan['model']} ({fmt_params(plan['params'])} params) with "
               f"{'+'.join(plan['strategy']) or 'no strategy'} does not fit: refused by the engine "
               f"(hardware {hw.name}): {plan['error']}\n  suggestion: {plan['suggestion']['text']}\n  plan.json in {run_dir}")
         return summary
     summary["planned_peak_bytes"] = plan["peak_bytes"]
-    write_json(os.path.join(run_dir, "summary.json"), summary)
+    write_summary(run_dir, summary)
     plan_figure(plan, os.path.join(run_dir, "plan.png"))
     hint = f"\n  suggestion: {plan['suggestion']['text']}" if "suggestion" in plan else ""
     if "placement" in plan:
@@ -270,32 +269,23 @@ def _record_refusal(run_dir: str, cfg: DictConfig, error: str, **extra) -> dict:
     refused through the job's identity)."""
     from memopt.sweep import job_identity
 
-    os.makedirs(run_dir, exist_ok=True)
     refused = {"status": "refused", "error": error, **extra, **job_identity(cfg)}
-    write_json(os.path.join(run_dir, "summary.json"), refused)
+    write_summary(run_dir, refused)
     return refused
 
 
 def _recorded_status(run_dir: str) -> str:
     """The status the failed run wrote into its summary.json (``failed`` when it wrote none)."""
-    try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            status = json.load(f).get("status")
-    except (OSError, ValueError):
-        status = None
+    status = (read_summary(run_dir) or {}).get("status")
     return status if status in EXIT_CODES and status != "ok" else "failed"
 
 
-def _summary_so_far(path: str, resolved: dict) -> dict:
+def _summary_so_far(run_dir: str, resolved: dict) -> dict:
     """What the ranks recorded in summary.json, over the job's identity (a rank that stopped before
     its Trainer started wrote nothing)."""
     from memopt.sweep import job_identity
 
-    summary = job_identity(OmegaConf.create(resolved))
-    if os.path.exists(path):
-        with open(path) as f:
-            summary.update(json.load(f))
-    return summary
+    return {**job_identity(OmegaConf.create(resolved)), **(read_summary(run_dir) or {})}
 
 
 def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -> dict:
@@ -305,17 +295,16 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
     from memopt.worker import run_rank
 
     watchdog = _watch_ranks(run_dir, resolved["trainer"].get("watchdog_s") or 0)
-    path = os.path.join(run_dir, "summary.json")
     try:
         results = launch(nproc, run_rank, resolved, run_dir, group)
     except Interrupted as e:  # the launcher's signal is the cause; what rank 0 recorded of its stop stays beside it
-        summary = _summary_so_far(path, resolved)
+        summary = _summary_so_far(run_dir, resolved)
         ranks = summary.get("error") if summary.get("status") == "interrupted" else None
         summary.update(status="interrupted", error=str(e) + (f" (rank 0: {ranks})" if ranks else ""))
-        write_json(path, summary)
+        write_summary(run_dir, summary)
         raise
     except RankFailure as e:
-        summary = _summary_so_far(path, resolved)
+        summary = _summary_so_far(run_dir, resolved)
         recorded = summary.get("status")  # what the ranks decided (oom, refused, diverged, interrupted)
         if e.clean and recorded in EXIT_CODES and recorded != "ok" and summary.get("error"):
             from memopt.errors import Recorded  # rank 0's record is the outcome: said in one line
@@ -332,9 +321,9 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
             summary.pop("failed_rank", None)
             if summary.get("steps_done") is None:  # the ranks were killed before recording it
                 summary["steps_done"] = watchdog.steps_done()
-            write_json(path, summary)
+            write_summary(run_dir, summary)
             raise Stalled(watchdog.fired[1]) from None
-        write_json(path, summary)
+        write_summary(run_dir, summary)
         raise
     finally:
         if watchdog is not None:

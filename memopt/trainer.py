@@ -21,9 +21,9 @@ import torch
 from memopt import checkpoint, compose, engines, model_file
 from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
-from memopt.errors import ConfigError, Diverged, RunStopped
+from memopt.errors import ConfigError, Diverged, status_of
 from memopt.guards import DivergenceGuard, StopSignals
-from memopt.logging import RunLogger, write_json
+from memopt.logging import RunLogger, write_summary
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
@@ -43,18 +43,6 @@ def resolve_device(name: str) -> torch.device:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def classify_failure(exc: BaseException) -> str:
-    if isinstance(exc, RunStopped):
-        return exc.status
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    if isinstance(exc, ConfigError):
-        return "refused"
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
-        return "oom"
-    return "failed"
 
 
 class Trainer:
@@ -98,7 +86,7 @@ class Trainer:
                 self._train(tracker)
             self.summary["status"] = "ok"
         except BaseException as exc:  # recorded, then re-raised for the caller to decide
-            self.summary["status"] = classify_failure(exc)
+            self.summary["status"] = status_of(exc)
             self.summary["error"] = f"{type(exc).__name__}: {exc}" + self._where()
             self.summary["traceback"] = traceback.format_exc(limit=20)
             raise
@@ -289,7 +277,7 @@ class Trainer:
                                 "strategy": self.cfg.strategy.selected(), "model": self.cfg.model.name,
                                 "params": compose.num_params(self.cfg), "world_size": self.world,
                                 "resumed_from": path, "start_step": meta["step"], "steps": 0}
-                write_json(os.path.join(self.run_dir, "summary.json"), self.summary)
+                write_summary(self.run_dir, self.summary)
             print(f"memopt: nothing to run: checkpoint {path} is at step {meta['step']} and trainer.max_steps="
                   f"{t.max_steps}, so the run is already finished; its summary.json is left as it is (raise "
                   "trainer.max_steps to train further)")
@@ -363,8 +351,7 @@ class Trainer:
 
         print(f"memopt: {message}", file=sys.stderr)
         if self.rank == 0:
-            write_json(os.path.join(self.run_dir, "summary.json"),
-                       {**self.summary, "status": "failed", "error": message, "stalled_rank": rank})
+            write_summary(self.run_dir, {**self.summary, "status": "failed", "error": message, "stalled_rank": rank})
         os._exit(EXIT_CODES["failed"])
 
     # ------------------------------------------------------------------------------------------

@@ -42,10 +42,9 @@ def _exit_if_recorded(e: Exception) -> None:
     a checkpoint that could not be written) exits with that status's code and no traceback: rank 0 has
     recorded it in summary.json (traceback included) and the launcher says it in one line. Anything else
     is raised, so the launcher can print the rank's traceback."""
-    from memopt.errors import EXIT_CODES, WriteError
-    from memopt.trainer import classify_failure
+    from memopt.errors import EXIT_CODES, WriteError, status_of
 
-    status = classify_failure(e)
+    status = status_of(e)
     if status != "failed" or isinstance(e, WriteError):
         raise SystemExit(EXIT_CODES[status])
 
