@@ -63,10 +63,10 @@ def _preset(name: str) -> dict:
 
     from omegaconf import OmegaConf
 
-    from memopt.config import CONF_DIR
     from memopt.models.base import ModelConfig
 
-    f = os.path.join(CONF_DIR, "model", f"{name}.yaml")
+    # conf/ beside the package (memopt.config.CONF_DIR; not imported: config imports this module)
+    f = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "model", f"{name}.yaml")
     if not os.path.isfile(f):
         return {}
     out = {fl.name: fl.default for fl in dataclasses.fields(ModelConfig)}
