@@ -29,6 +29,10 @@ def model_on_meta(cfg, device: torch.device, dims, tracker) -> Model:
 
     with _disable_current_modes(), torch.device("meta"):
         model = model_class(cfg.model)(cfg.model)
+    if cfg.model.init_from:  # init_tensor reads the Hugging Face directory (before tp wraps it to slice)
+        from memopt.hf_checkpoint import install
+
+        install(model)
     build = Build(cfg, device, dims, tracker)
     for strategy, opts in selected(cfg, "model"):
         strategy.apply(model, opts, build)

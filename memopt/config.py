@@ -123,6 +123,15 @@ def validate(cfg: TrainConfig) -> None:
     strategies' (registry) and the engine's (its support of the strategies and parallel dimensions)."""
     t, o = cfg.trainer, cfg.optim
     model_class(cfg.model).validate(cfg.model)
+    if cfg.model.init_from:  # the directory's architecture, shards and tensor shapes: headers only, nothing allocated
+        from memopt.hf_checkpoint import check
+        from memopt.strategies.base import selected
+
+        changed = [s.name for s, _ in selected(cfg) if s.architecture]
+        if changed:
+            raise ConfigError(f"model.init_from with +strategy={changed[0]}: the strategy changes the architecture, so the "
+                              "checkpoint's tensors have no place in it (start from the checkpoint without it)")
+        check(cfg.model)
     _one_of("data.name", cfg.data.name, ("pydoc", "text_file", "synthetic"))
     if cfg.data.name == "text_file":
         if not cfg.data.path:
@@ -201,7 +210,10 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 def to_dataclass(cfg: DictConfig) -> TrainConfig:
     """The composed DictConfig as the typed TrainConfig object; a key the schema does not have (added with
     ``+``, as Hydra's own error message suggests for a typo) is refused, naming the nearest field."""
+    from memopt.hf_checkpoint import apply_shapes
+
     _refuse_unknown_keys(cfg, "")
+    apply_shapes(cfg.model)  # model.init_from: the directory's config.json decides the shapes
     return OmegaConf.to_object(cfg)
 
 

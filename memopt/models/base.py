@@ -62,6 +62,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original_max_pos / this are scaled
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original_max_pos / this are kept
     rope_original_max_pos: int = 8192  # llama3 scaling: the context length the frequencies were trained at
+    init_from: str | None = None  # a Hugging Face checkpoint directory (GPT-2, Llama): its config.json gives the
+    # shapes, its safetensors the initial weights (memopt/hf_checkpoint.py); None: the seeded init
 
     @property
     def ff(self) -> int:

@@ -126,3 +126,115 @@ def llama_config_from_hf(hf: dict) -> dict:
                    rope_high_freq_factor=float(rope["high_freq_factor"]),
                    rope_original_max_pos=int(rope["original_max_position_embeddings"]))
     return out
+
+
+# ---- GPT-2 (GPT2LMHeadModel) ----------------------------------------------------------------------
+# Same tensors, other names; GPT-2's projections are ``Conv1D`` modules whose weight is (in, out), the
+# transpose of ``nn.Linear``'s (out, in): those four are transposed on the way in and out.
+#
+#     transformer.wte.weight / wpe.weight                 wte.weight / wpe.weight
+#     transformer.h.{i}.ln_1.* / ln_2.*                   blocks.{i}.ln1.* / ln2.*
+#     transformer.h.{i}.attn.c_attn.* / attn.c_proj.*     blocks.{i}.attn.qkv.* / attn.proj.*   (weights transposed)
+#     transformer.h.{i}.mlp.c_fc.* / mlp.c_proj.*         blocks.{i}.mlp.fc.* / mlp.proj.*      (weights transposed)
+#     transformer.ln_f.*                                  ln_f.*
+#     lm_head.weight                                      lm_head.weight (absent when tied: wte.weight)
+_GPT2_BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+               "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_GPT2_CONV1D = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+
+
+def hf_gpt2_name(name: str) -> tuple[str, bool]:
+    """The Hugging Face name of memopt GPT parameter ``name`` and whether its layout is transposed (Conv1D)."""
+    if name == "lm_head.weight":
+        return name, False
+    if name in ("wte.weight", "wpe.weight") or name.startswith("ln_f."):
+        return f"transformer.{name}", False
+    m = re.fullmatch(r"blocks\.(\d+)\.(ln1|ln2|attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj)\.(weight|bias)", name)
+    if not m:
+        raise ConfigError(f"parameter {name!r} has no GPT-2 (GPT2LMHeadModel) counterpart")
+    i, part, leaf = m.groups()
+    return f"transformer.h.{i}.{_GPT2_BLOCK[part]}.{leaf}", part in _GPT2_CONV1D and leaf == "weight"
+
+
+def hf_name(arch: str, name: str) -> tuple[str, bool]:
+    """(Hugging Face name, transposed) of memopt parameter ``name`` of model family ``arch``."""
+    if arch == "llama":
+        return hf_llama_name(name), False
+    if arch == "gpt":
+        return hf_gpt2_name(name)
+    raise ConfigError(f"model.arch={arch!r} has no Hugging Face layout here (gpt: GPT2LMHeadModel, llama: LlamaForCausalLM)")
+
+
+def gpt2_config_from_hf(hf: dict) -> dict:
+    """``ModelConfig`` fields from a GPT-2 ``config.json``; what memopt's GPT cannot compute is refused naming the key."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ConfigError(f"config.json model_type={hf.get('model_type')!r} is not GPT-2 (model_type gpt2)")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"config.json activation_function={act!r}: memopt's GPT has the tanh GELU only "
+                          "(gelu_new, gelu_pytorch_tanh)")
+    if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
+        raise ConfigError("config.json scale_attn_weights/scale_attn_by_inverse_layer_idx: memopt's GPT scales "
+                          "attention scores by 1/sqrt(head dim) only (scale_attn_weights true, by_inverse_layer_idx false)")
+    C = hf["n_embd"]
+    return dict(arch="gpt", n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=None, d_model=C,
+                d_ff=hf.get("n_inner") or 4 * C, seq_len=hf["n_positions"], vocab_size=hf["vocab_size"],
+                pos_emb="learned", bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_scaling=None)
+
+
+# config.json architectures/model_type -> memopt's model.arch
+HF_FAMILIES = {"GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
+HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
+
+
+def family_of(hf: dict) -> str:
+    """memopt's ``model.arch`` for a ``config.json`` (a dict); ConfigError naming the field otherwise."""
+    archs = hf.get("architectures") or []
+    for a in archs:
+        if a not in HF_FAMILIES:
+            raise ConfigError(f"config.json architectures={archs}: {a!r} is not one memopt reads "
+                              f"(one of: {', '.join(HF_FAMILIES)})")
+    mt = hf.get("model_type")
+    if mt is None and not archs:
+        raise ConfigError("config.json has neither architectures nor model_type: the architecture is unknown")
+    if mt is not None and mt not in HF_MODEL_TYPES:
+        raise ConfigError(f"config.json model_type={mt!r} is not one memopt reads (one of: {', '.join(HF_MODEL_TYPES)})")
+    fams = {HF_FAMILIES[a] for a in archs} | ({HF_MODEL_TYPES[mt]} if mt else set())
+    if len(fams) != 1:
+        raise ConfigError(f"config.json architectures={archs} and model_type={mt!r} disagree")
+    return fams.pop()
+
+
+def config_from_hf(hf: dict) -> dict:
+    """``ModelConfig`` fields of a GPT-2 or Llama ``config.json`` (a dict)."""
+    return gpt2_config_from_hf(hf) if family_of(hf) == "gpt" else llama_config_from_hf(hf)
+
+
+def hf_config(cfg) -> dict:
+    """The ``config.json`` that ``transformers`` builds memopt model config ``cfg`` from (export)."""
+    if cfg.arch == "gpt":
+        if cfg.pos_emb != "learned" or not cfg.bias:
+            raise ConfigError(f"model {cfg.name}: pos_emb={cfg.pos_emb}, bias={cfg.bias}; GPT-2 (GPT2LMHeadModel) has "
+                              "learned positions and biases")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+                "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                "n_inner": cfg.ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.ln_eps,
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+                "scale_attn_weights": True, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
+    if cfg.arch == "llama":
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        scaling = None
+        if cfg.rope_scaling == "llama3":
+            scaling = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                       "high_freq_factor": cfg.rope_high_freq_factor,
+                       "original_max_position_embeddings": cfg.rope_original_max_pos}
+            rope = {**scaling, "rope_theta": cfg.rope_theta}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.d_model, "intermediate_size": cfg.ff, "num_hidden_layers": cfg.n_layer,
+                "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+                "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.ln_eps,
+                "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": rope,
+                "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+                "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
+    raise ConfigError(f"model.arch={cfg.arch!r}: export writes GPT-2 (arch gpt) and Llama (arch llama) only")
