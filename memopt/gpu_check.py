@@ -264,7 +264,7 @@ def format_text(results: dict) -> str:
     if flash:
         lines.append("")
         lines.append("FlashAttention fwd+bwd, causal (memopt Triton vs SDPA flash; errors vs fp32 math):")
-        lines.append(f"{'dtype':<9}{'D':>4}{'N':>7}{'BxH':>6}  {'impl':<7}{'fwd ms':>8}{'f+b ms':>8}{'f+b TF/s':>9}{'f+b iso':>9}"
+        lines.append(f"{'dtype':<9}{'D':>4}{'N':>7}{'BxH':>6}  {'impl':<7}{'fwd ms':>8}{'f+b ms':>8}{'f+b TF/s':>9}{'f+b iso':>9}{'f+b host':>9}"
                      f"{'peak':>11}{'err out':>9}{'err dq':>9}{'err dk':>9}{'err dv':>9}")
         for c in flash:
             head = f"{c.get('dtype', '?'):<9}{c.get('head_dim', 0):>4}{c.get('n', 0):>7}{c.get('batch_heads', 0):>6}  "
@@ -278,7 +278,7 @@ def format_text(results: dict) -> str:
                     continue
                 e = r.get("max_abs_err") or {}
                 lines.append(head + f"{impl:<7}{_fmt(r.get('fwd_ms'), '.3f'):>8}{_fmt(r.get('fwdbwd_ms'), '.3f'):>8}"
-                             f"{_fmt(r.get('fwdbwd_tflops'), '.1f'):>9}{_fmt(r.get('fwdbwd_isolated_ms'), '.3f'):>9}{_fmt_bytes(r.get('peak_bytes')):>11}"
+                             f"{_fmt(r.get('fwdbwd_tflops'), '.1f'):>9}{_fmt(r.get('fwdbwd_isolated_ms'), '.3f'):>9}{_fmt(r.get('fwdbwd_host_ms'), '.3f'):>9}{_fmt_bytes(r.get('peak_bytes')):>11}"
                              f"{_fmt(e.get('out'), '.1e'):>9}{_fmt(e.get('dq'), '.1e'):>9}{_fmt(e.get('dk'), '.1e'):>9}{_fmt(e.get('dv'), '.1e'):>9}")
                 head = " " * len(head)
     comps = ((secs.get("compositions") or {}).get("result") or {}).get("runs") or []
@@ -809,18 +809,24 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
             out["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
             out["peak_over_start_bytes"] = out["peak_bytes"] - base
 
+        host: dict[int, list[float]] = {}
+
         def timed(f, queued: bool) -> float:
             """Median of FLASH_REPS timings. Isolated: one call between two events, the GPU idle before it,
             so the host's launch latency counts. Queued: FLASH_QUEUED calls back to back between two events
-            (per call), the GPU kept busy as in training, so only GPU time counts."""
+            (per call), the GPU kept busy as in training, so only GPU time counts unless the host is slower
+            than the GPU: the host's own time per queued call (launching, before the synchronize) is kept
+            beside it (``*_host_ms``: above the queued time, the call is bound by the host)."""
             ts = []
             calls = FLASH_QUEUED if queued else 1
             for _ in range(FLASH_REPS):
                 if dev.type == "cuda":
                     a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
+                    t_host = time.perf_counter()
                     for _ in range(calls):
                         f()
+                    host.setdefault(id(f), []).append(1e3 * (time.perf_counter() - t_host) / calls)
                     b_.record()
                     torch.cuda.synchronize(dev)
                     ts.append(a.elapsed_time(b_) / calls)
@@ -835,10 +841,15 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
         with torch.no_grad():
             for _ in range(FLASH_WARMUP):
                 fn(q, k, v)
-            out["fwd_ms"] = timed(lambda: fn(q, k, v), queued=True)
-            out["fwd_isolated_ms"] = timed(lambda: fn(q, k, v), queued=False)
+            fwd = lambda: fn(q, k, v)  # noqa: E731
+            out["fwd_ms"] = timed(fwd, queued=True)
+            out["fwd_isolated_ms"] = timed(fwd, queued=False)
         out["fwdbwd_ms"] = timed(fwdbwd, queued=True)
         out["fwdbwd_isolated_ms"] = timed(fwdbwd, queued=False)
+        for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+            if host.get(id(f)):
+                ms = sorted(host[id(f)][:FLASH_REPS])  # the queued timings' host times
+                out[f"{name}_host_ms"] = ms[len(ms) // 2]
         out["fwd_tflops"] = fwd_flops / (out["fwd_ms"] * 1e-3) / 1e12
         out["fwdbwd_tflops"] = fb_flops / (out["fwdbwd_ms"] * 1e-3) / 1e12
     except Exception as exc:  # noqa: BLE001
