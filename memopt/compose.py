@@ -62,6 +62,15 @@ def model_record(cfg) -> dict:
                              for s, o in selected(cfg, "model") if s.architecture}}
 
 
+def saved_model(cfg, items):
+    """model.pt's record and the (name, tensor) pairs it holds, from the engine's ``iter_full_state``
+    pairs: the strategies' ``saved`` in order (lora merges its adapters or keeps them alone)."""
+    record = model_record(cfg)
+    for strategy, opts in selected(cfg, "model"):
+        record, items = strategy.saved(record, items, opts, cfg)
+    return record, items
+
+
 def active_params(cfg) -> int:
     """Parameters one token meets in the composed model (moe: its top_k experts only; dense: all)."""
     n = model_class(cfg.model).num_params(cfg.model)

@@ -137,6 +137,9 @@ def validate(cfg) -> None:
         return
     s = cfg.strategy
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
+    if cfg.model.freeze:
+        raise ConfigError(f"model.freeze={list(cfg.model.freeze)} is not built for engine=deepspeed (its optimizer and "
+                          "checkpoints are handed every parameter); use engine=memopt (ZeRO 1-3, cpu_offload) or +strategy=chunk")
     deepspeed_moe.validate(cfg)
     if s.moe is not None and (cfg.trainer.checkpoint_every or cfg.trainer.resume):
         raise ConfigError("resumable checkpoints (trainer.checkpoint_every, trainer.resume) with +strategy=moe and "

@@ -97,6 +97,9 @@ def validate(cfg) -> None:
                 f"{'sharded optimizer states with replicated gradients' if n == 'zero1' else 'plain data parallelism'} "
                 "use engine=memopt or engine=deepspeed")
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
+    if cfg.model.freeze:
+        raise ConfigError(f"model.freeze={list(cfg.model.freeze)} is not built for engine=fsdp2 (its AdamW and checkpoints "
+                          "cover every parameter); use engine=memopt (ZeRO 1-3, cpu_offload) or +strategy=chunk")
     if s.zero2 is None and s.zero3 is None:
         raise ConfigError("engine=fsdp2 needs a sharding strategy: +strategy=zero3 (reshard_after_forward=True) "
                           "or +strategy=zero2 (reshard_after_forward=False)")
