@@ -295,3 +295,36 @@ def meta_plain_model(state: dict):
     model = model_class(cfg)(cfg)
     model.load_state_dict({k: v for k, v in state.items() if "lora" not in k})
     return model
+
+
+# -- resume ------------------------------------------------------------------------------------------
+
+def _resume_exact(tmp_path, name, overrides):
+    """2 + 2 steps: the resumed run's losses and model.pt equal the straight run's, bit for bit (the
+    checkpoints hold base weights and adapters unmerged, and the adapters' optimizer states)."""
+    from tests.e2e.test_resume import pair, records, run_in_process
+
+    jobs = pair(tmp_path, name, ["model=gpt_tiny", "optim.lr=1e-2", *overrides], steps=4)
+    run_in_process(jobs)
+    (_, straight), (_, resumed) = jobs
+    import json
+
+    for d in (straight, resumed):
+        s = json.loads(open(f"{d}/summary.json").read())
+        assert s["status"] == "ok" and name in d, s
+    a, b = records(straight), records(resumed)
+    assert sorted(b) == [2, 3] and [a[s] for s in (2, 3)] == [b[s] for s in (2, 3)]
+    wa, wb = (torch.load(f"{d}/model.pt", weights_only=True)["state_dict"] for d in (straight, resumed))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return wa
+
+
+def test_lora_resume_is_exact(tmp_path):
+    w = _resume_exact(tmp_path, "lora", ["+strategy=lora", "strategy.lora.save=adapters"])
+    assert all(k.endswith(("lora_A", "lora_B")) for k in w)
+
+
+@pytest.mark.slow  # the chunk engine and a frozen memopt run: 8 more short runs
+@pytest.mark.parametrize("extra", [["+strategy=[chunk,lora]"], ["model.freeze=[wte.*,blocks.0.*]", "+strategy=zero2"]])
+def test_frozen_resume_is_exact_chunk_and_zero(tmp_path, extra):
+    _resume_exact(tmp_path, "r", extra)
