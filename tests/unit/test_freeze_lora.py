@@ -328,3 +328,17 @@ def test_lora_resume_is_exact(tmp_path):
 @pytest.mark.parametrize("extra", [["+strategy=[chunk,lora]"], ["model.freeze=[wte.*,blocks.0.*]", "+strategy=zero2"]])
 def test_frozen_resume_is_exact_chunk_and_zero(tmp_path, extra):
     _resume_exact(tmp_path, "r", extra)
+
+
+# -- the planner counts them so --------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [["+strategy=lora"], [FREEZE, "+strategy=zero2"], ["+strategy=[chunk,lora]"]])
+def test_plan_equals_the_run(tmp_path, extra):
+    """trainer.mode=plan runs the same build and step on fake tensors: the same params / grads / optim /
+    chunks bytes as the measured run."""
+    ran = train(BASE + extra, str(tmp_path / "run"))
+    planned = train(BASE + extra + ["trainer.mode=plan"], str(tmp_path / "plan"))
+    assert ran["status"] == planned["status"] == "ok"
+    for cat in ("params", "grads", "optim", "chunks"):
+        for dev in ("cpu", "host"):
+            assert peak(planned, cat, dev) == peak(ran, cat, dev), (cat, dev)
