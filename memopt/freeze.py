@@ -44,3 +44,28 @@ def freeze(model: torch.nn.Module, globs) -> list[str]:
         raise ConfigError(f"model.freeze={list(globs)} freezes every parameter: nothing is left to train "
                           "(narrow the globs, or use trainer.mode=plan / evaluation for a frozen model)")
     return names
+
+
+def check(cfg) -> None:
+    """``config.validate``: the globs against the composed model's names, on meta, before any rank starts
+    (the architecture strategies installed as ``memopt.load_model`` does, lora's adapters added)."""
+    if not cfg.model.freeze:
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt.models import model_class
+    from memopt.strategies.base import selected
+
+    with _disable_current_modes(), torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+        for s, opts in selected(cfg, "model"):
+            if s.architecture:
+                s.install(model, opts, cfg.model)
+            elif s.name == "lora":
+                from memopt.strategies.lora import install_adapters, targeted
+
+                names = targeted(model, opts)
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                install_adapters(model, names, opts.rank, opts.alpha, opts.dropout)
+    freeze(model, cfg.model.freeze)

@@ -342,3 +342,25 @@ def test_plan_equals_the_run(tmp_path, extra):
     for cat in ("params", "grads", "optim", "chunks"):
         for dev in ("cpu", "host"):
             assert peak(planned, cat, dev) == peak(ran, cat, dev), (cat, dev)
+
+
+def test_lora_on_llama_defaults_to_its_attention_projections(tmp_path):
+    m = meta(["model=llama_tiny", "+strategy=lora"])
+    _, t = counts(m)
+    cfg = m.cfg
+    D = cfg.head_dim
+    q, kv = cfg.n_head * D, cfg.kv_heads * D
+    C = cfg.d_model
+    assert t == cfg.n_layer * 8 * ((C + q) + 2 * (C + kv) + (q + C))  # q, k, v, o of every block at rank 8
+    s = train(BASE + ["model=llama_tiny", "+strategy=[lora,zero2]"], str(tmp_path / "l"))
+    assert s["status"] == "ok" and peak(s, "grads") == 4 * t and peak(s, "optim") == 8 * t
+
+
+def test_freeze_glob_refused_before_any_rank_starts():
+    from memopt.config import to_dataclass, validate
+    from tests.conftest import compose
+
+    cfg = to_dataclass(compose(BASE + ["model.freeze=[blocks.9.*]", "+strategy=zero3", "trainer.nproc_per_node=2"]))
+    with pytest.raises(ConfigError, match="'blocks.9.\\*' matches no parameter"):
+        validate(cfg)
+    validate(to_dataclass(compose(BASE + ["+strategy=lora", "model.freeze=[*.lora_A]"])))  # adapters' names are known
