@@ -101,7 +101,16 @@ class ChunkedLoss:
         if getattr(head, "bias", None) is not None:
             raise ValueError("chunked_loss expects an output layer without bias")
         flat = x.reshape(-1, x.size(-1))  # (N, C)
-        return None, ChunkedCrossEntropy.apply(flat, head.weight, targets.reshape(-1), self.chunk_tokens)
+        tgt = targets.reshape(-1)
+        # through the head's own call, so that engines hooking its module (the chunk engine fetches the
+        # weight's chunk before the forward and again before the backward, where the loss recomputes
+        # the logits from it) see the head used, as for the plain head's ``head(x)``
+        head.forward = lambda h: ChunkedCrossEntropy.apply(h, head.weight, tgt, self.chunk_tokens)
+        try:
+            loss = head(flat)
+        finally:
+            del head.forward
+        return None, loss
 
 
 @register

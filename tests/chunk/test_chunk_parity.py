@@ -39,6 +39,8 @@ REFS = {"fp32": [], "fp16": ["+strategy=fp16", *FP16], "bf16": ["+strategy=bf16"
 CASES = {
     "chunk": (["+strategy=chunk"], "fp32"),
     "chunk_tight": (["+strategy=chunk", *tight(12)], "fp32"),
+    # the loss recomputes the logits from the tied weight in its backward: the head's chunk is fetched again
+    "chunk_chunked_loss_tight": (["+strategy=[chunk,chunked_loss]", "strategy.chunked_loss.chunk_tokens=64", *tight(12)], "fp32"),
     "chunk_ckpt_tight": (["+strategy=[chunk,ckpt]", *tight(7)], "fp32"),
     "chunk_ckpt_act_offload_tight": (["+strategy=[chunk,ckpt,act_offload]", *tight(6.5)], "fp32"),
     "chunk_grad_accum_tight": (["+strategy=chunk", "trainer.micro_batch_size=2", "trainer.grad_accum=2", *tight(8)], "fp32"),
