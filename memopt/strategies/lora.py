@@ -158,7 +158,11 @@ class Lora(Strategy):
             raise ConfigError(f"strategy.lora.dropout={c.dropout} must be in [0, 1)")
         if c.save not in SAVES:
             raise ConfigError(f"strategy.lora.save={c.save!r} is not one of: {', '.join(SAVES)}")
-        targeted(_meta_model(cfg), c)  # the globs against the model's Linear layers, on meta
+        names = targeted(_meta_model(cfg), c)  # the globs against the model's Linear layers, on meta
+        if "lm_head" in names and getattr(cfg.strategy, "chunked_loss", None) is not None:
+            raise ConfigError("strategy.lora.targets includes lm_head with +strategy=chunked_loss, whose loss reads the "
+                              "head's weight directly (the adapter would be skipped); leave lm_head out of the targets "
+                              "or drop chunked_loss")
 
     def apply(self, model, c: LoraConfig, build: Build) -> None:
         names = targeted(model, c)

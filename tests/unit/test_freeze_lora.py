@@ -58,6 +58,7 @@ def test_freeze_marks_matching_names_and_ties():
     (["+strategy=lora", "strategy.lora.save=both"], "strategy.lora.save='both'"),
     (["+strategy=lora", "strategy.lora.targets=[*.ln1]"], "'*.ln1' matches no Linear layer"),
     (["+strategy=lora", "strategy.lora.targets=[lm_head]"], "tied embeddings"),
+    (["model=llama_tiny", "+strategy=[lora,chunked_loss]", "strategy.lora.targets=[lm_head]"], "lm_head with +strategy=chunked_loss"),
     (["+strategy=[lora,tp]", "parallel.tp=2", "trainer.nproc_per_node=2"], "mutually exclusive"),
     (["+strategy=[lora,zero2]", "engine=deepspeed"], "strategy lora has no DeepSpeed"),
     (["+strategy=zero2", FREEZE, "engine=deepspeed"], "not built for engine=deepspeed"),
