@@ -138,6 +138,7 @@ def test_frozen_bytes_zero2_zero3_two_ranks(tmp_path):
     run2 = ["logger=none", "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.max_steps=2"]
     jobs = {"ddp": ["+strategy=ddp", FREEZE], "zero2": ["+strategy=zero2", FREEZE], "zero3": ["+strategy=zero3", FREEZE],
             "zero3_lora": ["+strategy=[zero3,lora]"], "zero2_offload": ["+strategy=[zero2,cpu_offload]", FREEZE],
+            "zero3_offload": ["+strategy=[zero3,cpu_offload]", FREEZE], "chunk": ["+strategy=chunk", FREEZE],
             "fsdp2": ["engine=fsdp2", "+strategy=zero2", FREEZE], "fsdp2_lora": ["engine=fsdp2", "+strategy=[zero3,lora]"]}
     out = dict(zip(jobs, run_jobs_on_ranks(2, [(BASE + run2 + x, str(tmp_path / k)) for k, x in jobs.items()])))
     assert all(s["status"] == "ok" for s in out.values()), out
@@ -152,7 +153,9 @@ def test_frozen_bytes_zero2_zero3_two_ranks(tmp_path):
         # weights: every parameter's shard, the root unit, a gathered block and its prefetch (frozen groups
         # are gathered and released with their block's, in the forward and in the backward)
         assert peak(out["zero3"], "params", rank=r) <= 4 * n / 2 + 4 * root + 2 * 4 * block + pad
-        assert peak(out["zero2_offload"], "optim", rank=r) == 0
+        assert peak(out["zero2_offload"], "optim", rank=r) == peak(out["zero3_offload"], "optim", rank=r) == 0
+        assert abs(peak(out["zero3_offload"], "optim", "host", rank=r) - 12 * t / 2) <= pad
+        assert abs(peak(out["zero3_offload"], "params", "host", rank=r) - 4 * n / 2) <= pad  # every shard, frozen too
         assert abs(peak(out["zero2_offload"], "optim", "host", rank=r) - 12 * t / 2) <= pad
         # FSDP2: each parameter's dim 0 padded to the 2 ranks; frozen ones sharded with no gradient, no state
         assert abs(peak(out["fsdp2"], "optim", rank=r) - 8 * t / 2) <= pad
@@ -164,7 +167,7 @@ def test_frozen_bytes_zero2_zero3_two_ranks(tmp_path):
     assert max(abs(a - b) for a, b in zip(losses(str(tmp_path / "fsdp2_lora")), losses(str(tmp_path / "zero3_lora")))) < 1e-5
     ref = losses(str(tmp_path / "ddp"))  # the same 2-rank job without partitioning: the same two steps
     assert len(ref) == 2
-    for k in ("zero2", "zero3", "zero2_offload", "fsdp2"):
+    for k in ("zero2", "zero3", "zero2_offload", "zero3_offload", "chunk", "fsdp2"):
         assert max(abs(a - b) for a, b in zip(losses(str(tmp_path / k)), ref)) < 1e-5, k
 
 
@@ -230,7 +233,7 @@ def reference(model, first: dict):
     return {k: t.detach() for k, t in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("engine", ["memopt", pytest.param("chunk", marks=pytest.mark.slow)])  # chunk: ~10 s
+@pytest.mark.parametrize("engine", ["memopt", "chunk"])
 def test_frozen_trajectory_against_float64(engine):
     extra = [FREEZE] + (["+strategy=chunk"] if engine == "chunk" else [])
     first, last = engine_run(extra)
