@@ -379,3 +379,30 @@ def test_freeze_glob_refused_before_any_rank_starts():
     with pytest.raises(ConfigError, match="'blocks.9.\\*' matches no parameter"):
         validate(cfg)
     validate(to_dataclass(compose(BASE + ["+strategy=lora", "model.freeze=[*.lora_A]"])))  # adapters' names are known
+
+
+RESUME_TWO_RANKS = {"zero3_lora": ["+strategy=[zero3,lora]"], "zero2_offload_frozen": ["+strategy=[zero2,cpu_offload]", "model.freeze=[wte.*,blocks.0.*]"],
+                    "chunk_lora": ["+strategy=[chunk,lora]", "strategy.chunk.chunk_size=65536"],
+                    "fsdp2_lora": ["engine=fsdp2", "+strategy=[zero3,lora]"],
+                    "deepspeed_frozen": ["engine=deepspeed", "+strategy=zero2", "model.freeze=[wte.*,blocks.0.*]"],
+                    "deepspeed_lora": ["engine=deepspeed", "+strategy=[zero3,lora]", "strategy.lora.save=adapters"]}
+
+
+@pytest.mark.slow  # one 2-rank launch of 12 short runs
+def test_frozen_and_lora_resume_is_exact_two_ranks(tmp_path):
+    """2 + 2 steps on 2 ranks for every engine: the resumed run's losses and model.pt equal the straight run's."""
+    import json
+
+    from memopt.api import run_jobs_on_ranks
+    from tests.e2e.test_resume import pair, records
+
+    jobs = [j for name, o in RESUME_TWO_RANKS.items() for j in pair(tmp_path, name, ["model=gpt_tiny", "optim.lr=1e-2", *o], steps=4)]
+    run_jobs_on_ranks(2, jobs)
+    for (_, straight), (_, resumed) in zip(jobs[::2], jobs[1::2]):
+        for d in (straight, resumed):
+            s = json.loads(open(f"{d}/summary.json").read())
+            assert s["status"] == "ok", (d, s)
+        a, b = records(straight), records(resumed)
+        assert sorted(b) == [2, 3] and [a[s] for s in (2, 3)] == [b[s] for s in (2, 3)], straight
+        wa, wb = (torch.load(f"{d}/model.pt", weights_only=True)["state_dict"] for d in (straight, resumed))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), straight
