@@ -17,6 +17,10 @@ def load_model(path: str, device: str = "cpu"):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}: a finished run directory holds model.pt")
     ckpt = torch.load(path, map_location=device, weights_only=True)
+    if ckpt.get("lora"):
+        raise ValueError(f"{path} holds LoRA adapters alone (strategy.lora.save=adapters), not a model: put them on "
+                         "the base model with memopt.strategies.lora.load_adapters(model, path), or train with "
+                         "strategy.lora.save=merged for a plain model.pt")
     model = logical_model(ckpt, device)
     model.load_state_dict(ckpt["state_dict"])
     return model.eval()

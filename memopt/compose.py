@@ -2,7 +2,9 @@
 
     model on meta                      memopt.models.MODELS[cfg.model.arch]
     -> model-phase strategies          in registry order: flash_attn (attention_core slot),
-                                       ckpt (block_runner slot), act_offload (the runner's inputs)
+                                       ckpt (block_runner slot), act_offload (the runner's inputs),
+                                       lora (adapters on the targeted Linear layers, the rest frozen)
+    -> model.freeze                    matching parameters get requires_grad=False (memopt.freeze)
     -> the engine (engines.resolve):   precision -> partitioner (ddp / ZeRO flat groups, chunk
                                        manager, DeepSpeed, FSDP2) -> materialise and initialise
                                        from the seed -> optimizer (offload: on the host)
@@ -36,6 +38,9 @@ def model_on_meta(cfg, device: torch.device, dims, tracker) -> Model:
     build = Build(cfg, device, dims, tracker)
     for strategy, opts in selected(cfg, "model"):
         strategy.apply(model, opts, build)
+    from memopt.freeze import freeze
+
+    freeze(model, cfg.model.freeze)  # after the strategies: a glob may name what they added
     return model
 
 
@@ -55,6 +60,15 @@ def model_record(cfg) -> dict:
     return {"model_config": OmegaConf.to_container(OmegaConf.structured(cfg.model)),
             "architecture": {s.name: OmegaConf.to_container(OmegaConf.structured(o))
                              for s, o in selected(cfg, "model") if s.architecture}}
+
+
+def saved_model(cfg, items):
+    """model.pt's record and the (name, tensor) pairs it holds, from the engine's ``iter_full_state``
+    pairs: the strategies' ``saved`` in order (lora merges its adapters or keeps them alone)."""
+    record = model_record(cfg)
+    for strategy, opts in selected(cfg, "model"):
+        record, items = strategy.saved(record, items, opts, cfg)
+    return record, items
 
 
 def active_params(cfg) -> int:

@@ -183,6 +183,9 @@ def validate(cfg: TrainConfig) -> None:
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     check_hardware(cfg.hardware)
     validate_strategies(cfg)
+    from memopt.freeze import check as check_freeze
+
+    check_freeze(cfg)  # model.freeze's globs against the composed model's names (on meta)
     engines.validate(cfg)
 
 

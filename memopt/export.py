@@ -29,6 +29,9 @@ def export(run_dir: str, out: str) -> str:
     if not os.path.isfile(path):
         raise ConfigError(f"no model.pt at {path}: a finished run directory holds one")
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if ckpt.get("lora"):
+        raise ConfigError(f"{path} holds LoRA adapters alone (strategy.lora.save=adapters): export needs the whole "
+                          "model; train with strategy.lora.save=merged (the adapters merged into the base weights)")
     if ckpt.get("architecture"):
         raise ConfigError(f"{path}: the model was changed by +strategy={', '.join(ckpt['architecture'])}, which "
                           "Hugging Face's GPT-2 and Llama classes do not have")

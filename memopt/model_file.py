@@ -34,6 +34,11 @@ def logical_model(record: dict, device: str | torch.device = "meta"):
         model = model_class(cfg)(cfg)
         for name, opts in record.get("architecture", {}).items():  # strategies that changed the model (moe)
             strategies[name].install(model, strategies[name].Config(**opts), cfg)
+        if record.get("lora"):  # strategy.lora.save=adapters: the layout of the adapted model
+            from memopt.strategies.lora import install_adapters
+
+            lo = record["lora"]
+            install_adapters(model, lo["modules"], lo["rank"], lo["alpha"], 0.0)
     return model
 
 
@@ -49,7 +54,7 @@ class Discard:
         host_fp32(value)
 
 
-def stream(engine, writer: "ModelFileWriter | Discard | None", check: bool = True) -> bool:
+def stream(engine, writer: "ModelFileWriter | Discard | None", check: bool = True, items=None) -> bool:
     """Every rank: iterate the engine's weights (a collective), rank 0 (``writer``) writing each as it
     arrives; whether every weight was finite (``check=False``: not looked at, the planner's fake
     tensors have no values). The planner runs this same loop (``Discard`` on rank 0), so what it plans
@@ -57,7 +62,7 @@ def stream(engine, writer: "ModelFileWriter | Discard | None", check: bool = Tru
     from memopt.guards import all_finite
 
     finite = True
-    for name, value in engine.iter_full_state():
+    for name, value in (engine.iter_full_state() if items is None else items):  # items: compose.saved_model's
         finite = finite and (not check or all_finite([value]))  # (identical on every rank: each sees every weight)
         if writer is not None and finite:
             writer.put(name, value)
@@ -86,6 +91,10 @@ class ModelFileWriter:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         layout = logical_model(record).state_dict(keep_vars=True)
+        if record.get("lora"):  # strategy.lora.save=adapters: the adapters alone
+            from memopt.strategies.lora import is_adapter
+
+            layout = {n: t for n, t in layout.items() if is_adapter(n)}
         fake, by_id = {}, {}
         with FakeTensorMode():
             for name, t in layout.items():  # tied weights: one fake tensor, hence one storage

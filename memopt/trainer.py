@@ -359,9 +359,10 @@ class Trainer:
         """model.pt: the weights in fp32 plus the model config and the architecture strategies' options
         (``compose.model_record``); load with ``memopt.load_model``. A collective: every rank streams
         the weights (``Engine.iter_full_state``), rank 0 writes each as it arrives (``model_file``)."""
-        writer = model_file.ModelFileWriter(os.path.join(self.run_dir, "model.pt"), compose.model_record(self.cfg)) if self.rank == 0 else None
+        record, items = compose.saved_model(self.cfg, engine.iter_full_state())  # lora: merged, or its adapters alone
+        writer = model_file.ModelFileWriter(os.path.join(self.run_dir, "model.pt"), record) if self.rank == 0 else None
         try:
-            finite = model_file.stream(engine, writer)
+            finite = model_file.stream(engine, writer, items=items)
         except BaseException:
             if writer is not None:
                 writer.abort()

@@ -124,7 +124,7 @@ from memopt.strategies.precision import Precision
 from memopt.strategies.zero import selected_stage
 
 NAME, LABEL = "deepspeed", "DeepSpeed"
-SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe")
+SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe", "lora")
 # DeepSpeed's data-parallel world and DeepSpeed-MoE's expert groups; MiCS/hpZ (replicate x shard) are not translated
 PARALLEL = ("dp_shard", "ep")
 LOOP_OWNED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -285,7 +285,7 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedEngine":
             _retag_partitions(model, tracker, s.cpu_offload is not None and s.cpu_offload.offload_param)
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():  # distinct parameters (the tied head appears once)
-        if id(p) not in seen:
+        if id(p) not in seen and p.requires_grad:  # frozen parameters (model.freeze, lora): no optimizer state
             seen.add(id(p))
             ndim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.ndim  # a ZeRO-3 partition's data is flat
             (decay if ndim >= 2 else no_decay).append(p)

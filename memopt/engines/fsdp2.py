@@ -75,7 +75,7 @@ from memopt.parallel.dims import expected_world, resolve_sizes
 from memopt.strategies.precision import Precision
 
 NAME, LABEL = "fsdp2", "FSDP2"
-SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "tp")
+SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "tp", "lora")
 PARALLEL = ("dp_replicate", "dp_shard", "tp")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
 
 
@@ -165,7 +165,9 @@ def build(cfg, device: torch.device, dims, tracker) -> "FSDP2Engine":
             p.to_local().copy_(shard.to_local())
 
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in model.parameters():  # the trainable ones: frozen parameters (model.freeze, lora) get no state
+        if not p.requires_grad:
+            continue
         (decay if p.ndim >= 2 else no_decay).append(p)
     o = cfg.optim
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
@@ -188,11 +190,11 @@ class FSDP2Engine(PrecisionEngine):
     def __init__(self, model, optimizer, precision, device, dims, tracker, grad_clip: float, offload: bool = False):
         self.model, self.optimizer, self.precision, self.offload = model, optimizer, precision, offload
         self.device, self.dims, self.tracker, self.grad_clip = device, dims, tracker, grad_clip
-        self.params = list(model.parameters())
+        self.params = [p for p in model.parameters() if p.requires_grad]  # trainable: frozen ones have no grad, no state
         tp = model.tensor_parallel  # +strategy=tp: split parameters' squared norms are summed over tp too
         self.tp = tp.dim if tp is not None and tp.dim.enabled else None
         split = tp.sharded if self.tp is not None else set()
-        self.tp_split = [n in split for n, _ in model.named_parameters()]
+        self.tp_split = [n in split for n, p in model.named_parameters() if p.requires_grad]
         with tracker.category("optim"), _on_host(tracker, offload):  # Adam's moments, created now as torch would on the first step
             for p in self.params:
                 st = optimizer.state[p]
@@ -201,8 +203,9 @@ class FSDP2Engine(PrecisionEngine):
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if tracker.enabled:
             where = HOST if offload else None  # states DTensor made out of the tracker's sight are placed here
-            for p in self.params:
+            for p in model.parameters():
                 tracker.register(_local(p), "params", device=where)
+            for p in self.params:
                 for k in ("exp_avg", "exp_avg_sq"):
                     tracker.register(_local(optimizer.state[p][k]), "optim", device=where)
             for b in model.buffers():
@@ -325,7 +328,7 @@ class FSDP2Engine(PrecisionEngine):
         return self.checkpoint_model()  # each rank reads back the same part it saved
 
     def checkpoint_state(self) -> dict:
-        optim = {name: dict(self.optimizer.state[p]) for name, p in self.model.named_parameters()}
+        optim = {name: dict(self.optimizer.state[p]) for name, p in self.model.named_parameters() if p.requires_grad}
         return {self._optim_key(): optim, rank_key(): {"scaler": self.scaler_state()}}
 
     @torch.no_grad()
@@ -343,6 +346,8 @@ class FSDP2Engine(PrecisionEngine):
             _local(t).copy_(_local(src))
         optim = state[self._optim_key()]
         for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
             live = self.optimizer.state[p]
             for k, v in optim[name].items():
                 if v is not live[k]:

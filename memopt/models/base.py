@@ -28,7 +28,7 @@ outside ``memopt/models/`` names a model's attributes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -64,6 +64,8 @@ class ModelConfig:
     rope_original_max_pos: int = 8192  # llama3 scaling: the context length the frequencies were trained at
     init_from: str | None = None  # a Hugging Face checkpoint directory (GPT-2, Llama): its config.json gives the
     # shapes, its safetensors the initial weights (memopt/hf_checkpoint.py); None: the seeded init
+    freeze: list[str] = field(default_factory=list)  # fnmatch globs over parameter names (e.g. [wte.*,blocks.0.*]):
+    # those parameters keep their initial values and hold no gradient and no optimizer state (memopt/freeze.py)
 
     @property
     def ff(self) -> int:

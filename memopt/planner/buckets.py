@@ -35,6 +35,7 @@ def bucket_layout(cfg, rank: int, world: int) -> dict | None:
         model = model_on_meta(cfg, torch.device("cpu"), dims, NullTracker())
         plan = plan_groups(model, stage, opts.bucket_mb, Precision.of(cfg).param_dtype, model.param_dims())
     out = {}
+    plan = [(g, members, d) for g, members, d in plan if not g.startswith("frozen_")]  # frozen: no gradient buckets
     for dim in sorted({d or "" for _, _, d in plan}):  # "": the engine's own dimension; MoE experts: edp
         sizes = sorted((sum(p.numel() for _, p in members) for _, members, d in plan if (d or "") == dim), reverse=True)
         pre = f"{dim} " if dim else ""

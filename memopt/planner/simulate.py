@@ -372,7 +372,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     planned run (gloo for CPU devices, nccl for GPUs), for its scratch buffers."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-    from memopt import checkpoint, engines, model_file
+    from memopt import checkpoint, compose, engines, model_file
     from memopt.data import TokenBatches, load_tokens
     from memopt.parallel.dims import build_dims
 
@@ -429,7 +429,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         engine.eval_loss(x.to(device), y.to(device))
                 if t.save_checkpoint:  # fp32 CPU copies: host memory of a GPU run (the device itself on a CPU run)
                     with tracker.category("other"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
-                        model_file.stream(engine, model_file.Discard() if rank == 0 else None, check=False)  # the save's loop
+                        items = compose.saved_model(cfg, engine.iter_full_state())[1]  # lora: the merge's copies too
+                        model_file.stream(engine, model_file.Discard() if rank == 0 else None, check=False, items=items)  # the save's loop
                 if t.checkpoint_every:  # a resumable checkpoint's state dict (the weights' copies): a temporary, as the run counts it
                     with tracker.category("temp"), (tracker.host_scope() if backend != "gloo" else contextlib.nullcontext()):
                         checkpoint.parts(engine)

@@ -86,6 +86,11 @@ class Strategy:
         """Put this strategy's modules into a single-process ``model`` (``architecture`` strategies)."""
         raise NotImplementedError
 
+    def saved(self, record: dict, items, opts, cfg):
+        """What model.pt holds: the record and the (name, tensor) pairs the engine streams, changed by a
+        strategy that saves something else (lora: merged weights, or its adapters alone)."""
+        return record, items
+
     def active_params(self, n: int, opts, cfg) -> int:
         """Parameters one token meets once this strategy is applied (moe: only its top_k experts)."""
         return self.num_params(n, opts, cfg)

@@ -122,6 +122,16 @@ def check_moe(runs):
     assert peak(moe, "params") == 4 * (P + L * per_block)
 
 
+def check_lora(runs):
+    plain, _ = runs("plain", [])
+    lo, ll = runs("lora", ["+strategy=lora"])  # rank 8 on every block's qkv (C -> 3C) and proj (C -> C)
+    adapters = L * 8 * ((C + 3 * C) + (C + C))
+    assert peak(lo, "params") == 4 * (P + adapters)  # the frozen base weights and the adapters
+    assert peak(lo, "grads") == 4 * adapters and peak(lo, "optim") == 8 * adapters  # the adapters' alone
+    assert peak(plain, "grads") == 4 * P
+    assert ll == runs("plain", [])[1]  # lora_B starts at zero: the first forward is the base model's
+
+
 # -- precision -----------------------------------------------------------------------------------
 
 def check_fp16(runs):
@@ -290,7 +300,7 @@ def check_mem_cache(two):
 
 
 ONE_RANK = {"ckpt": check_ckpt, "act_offload": check_act_offload, "chunked_loss": check_chunked_loss,
-            "flash_attn": check_flash_attn, "moe": check_moe, "fp16": check_fp16, "bf16": check_bf16,
+            "flash_attn": check_flash_attn, "moe": check_moe, "lora": check_lora, "fp16": check_fp16, "bf16": check_bf16,
             "chunk": check_chunk, "static_partition": check_static_partition, "hybrid_adam": check_hybrid_adam,
             "cpu_offload": check_cpu_offload, "auto": check_auto}
 TWO = {"ddp": check_ddp, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,

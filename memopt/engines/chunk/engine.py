@@ -42,7 +42,8 @@ def device_capacity_bytes(cfg, device: torch.device) -> int:
 
 DEFAULT_HOST_SHARE = 0.8  # PatrickStar's overall_cpu_mem_ratio (null: this, unless a plan decided the placement)
 NAME, LABEL = "chunk", "the chunk engine"
-SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe", "chunked_loss")
+SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe",
+            "chunked_loss", "lora")
 # chunks are partitioned over dp_shard; the other dimensions must be 1 (moe: ep=1, experts packed with the rest)
 PARALLEL = ("dp_shard",)
 

@@ -60,7 +60,7 @@ def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
     tracker.register_module(model)
     part = Partitioner(model, groups, stage, part_dim, overlap=opts.overlap_comm, prefetch=stage == 3 and opts.prefetch)
     off = cfg.strategy.cpu_offload
-    optimizer = ShardedAdamW(groups, cfg.optim, precision, part_dim, tracker, offload=off is not None,
+    optimizer = ShardedAdamW([g for g in groups if not g.frozen], cfg.optim, precision, part_dim, tracker, offload=off is not None,
                              pin_memory=off is not None and off.pin_memory, tp=model.tensor_parallel)
     return MemoptEngine(model, part, optimizer, precision, device, dims, tracker)
 

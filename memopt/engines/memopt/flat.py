@@ -47,6 +47,8 @@ class FlatGroup:
         self.lo = ctx.rank * self.shard_size
         self.hi = self.lo + self.shard_size
         self.sharded = stage >= 1 and W > 1  # does this rank own only a slice?
+        # every parameter frozen (``plan_groups`` never mixes): weights only, no gradient, no optimizer state
+        self.frozen = bool(self.params) and not any(p.requires_grad for p in self.params)
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None  # zero3: the owned slice, persistent
         self.flat_grad: torch.Tensor | None = None  # ddp/zero1: persistent full gradient buffer
@@ -104,7 +106,7 @@ class FlatGroup:
             p.data = self.full[off : off + n].view(shape)
         if self.stage == 3:
             self.release()
-        if self.stage <= 1:
+        if self.stage <= 1 and not self.frozen:
             with self.tracker.category("grads"):
                 self.flat_grad = torch.empty(self.padded, dtype=self.dtype, device=self.device)
             self.free_grad_buffer()
@@ -250,18 +252,23 @@ def plan_groups(model, stage: int, bucket_mb: float, dtype: torch.dtype,
     ``param_dims`` (``Model.param_dims()``) names another data-parallel dimension for some
     parameters (MoE experts: ``edp``): they get groups of their own, planned the same way after the
     others and named ``<dim>_<group>``; dim None is the engine's own dimension. Without such
-    parameters the plan is the one-dimension plan."""
+    parameters the plan is the one-dimension plan. Frozen parameters (``requires_grad=False``) are
+    planned the same way after the trainable ones, in groups named ``frozen_<group>`` that hold no
+    gradient and that the optimizer never sees (zero3: ``frozen_block<i>`` is gathered with ``block<i>``)."""
     param_dims = param_dims or {}
     named, seen = [], set()
     for name, p in model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
             named.append((name, p))
-    plan = [(g, members, None) for g, members in _plan(model, stage, bucket_mb, dtype,
-                                                        [(n, p) for n, p in named if n not in param_dims])]
-    for dim in sorted(set(param_dims.values())):
-        mine = [(n, p) for n, p in named if param_dims.get(n) == dim]
-        plan += [(f"{dim}_{g}", members, dim) for g, members in _plan(model, stage, bucket_mb, dtype, mine)]
+    plan = []
+    for frozen in (False, True):  # frozen parameters (model.freeze, lora) in groups of their own, planned last
+        pre = "frozen_" if frozen else ""
+        mine = [(n, p) for n, p in named if n not in param_dims and p.requires_grad != frozen]
+        plan += [(pre + g, members, None) for g, members in _plan(model, stage, bucket_mb, dtype, mine)]
+        for dim in sorted(set(param_dims.values())):
+            mine = [(n, p) for n, p in named if param_dims.get(n) == dim and p.requires_grad != frozen]
+            plan += [(f"{pre}{dim}_{g}", members, dim) for g, members in _plan(model, stage, bucket_mb, dtype, mine)]
     return plan
 
 

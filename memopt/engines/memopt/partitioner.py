@@ -118,17 +118,20 @@ class Partitioner:
                 continue
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
             prv = blocks[i - 1] if i > 0 else None
+            # frozen groups get no gradient hook to release them after their backward: the next block's
+            # are released when the backward reaches this block (the next one is done with its weights)
+            done = [g for g in nxt if g.frozen] if nxt else []
 
             def pre(_m, _args, gs=gs, nxt=nxt):
                 _wait(gs)
                 if nxt and self.prefetch and not self.in_backward:
                     _gather(nxt, async_op=True)
 
-            def post(_m, _args, out, gs=gs, prv=prv):
+            def post(_m, _args, out, gs=gs, prv=prv, done=done):
                 if not self.in_backward:
                     _release(gs)
                 if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-                    return _GatherBeforeBackward.apply(out, gs, prv if self.prefetch else None)
+                    return _GatherBeforeBackward.apply(out, gs, prv if self.prefetch else None, done)
                 return out
 
             block.register_forward_pre_hook(pre)
@@ -155,13 +158,14 @@ class _GatherBeforeBackward(torch.autograd.Function):
     before autograd reaches the block's own backward."""
 
     @staticmethod
-    def forward(ctx, x, groups, prev):
-        ctx.groups, ctx.prev = groups, prev
+    def forward(ctx, x, groups, prev, done=()):
+        ctx.groups, ctx.prev, ctx.done = groups, prev, done
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
+        _release(ctx.done)  # the next block's frozen groups: its backward is over
         _wait(ctx.groups)
         if ctx.prev:
             _gather(ctx.prev, async_op=True)
-        return grad, None, None
+        return grad, None, None, None
