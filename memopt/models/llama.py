@@ -46,7 +46,7 @@ def count_params(cfg: ModelConfig) -> int:
     Per block: q and o (C x H D each), k and v (C x K D each), gate, up and down (C x F each), two
     RMSNorm weights (C each); biases when ``bias``. Plus the embedding V C, the final norm C and the
     untied head V C. Llama 3.1 8B: 8,030,261,248."""
-    C, L, V, F_, D = cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.ff, cfg.head_dim
+    C, L, V, D = cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.head_dim
     H, K, b = cfg.n_head, cfg.kv_heads, 1 if cfg.bias else 0
     attn = C * H * D + 2 * C * K * D + H * D * C + b * (H * D + 2 * K * D + C)
     block = attn + mlp_params(cfg) + 2 * C
