@@ -21,6 +21,8 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 """
 from __future__ import annotations
 
+import os
+
 from memopt.planner.plan import fmt, limits_of
 from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow
@@ -166,35 +168,76 @@ def _strategies(names: list[str]) -> str:
     return f"+strategy=[{','.join(names)}]" if names else "+strategy=[]"
 
 
-def search(cfg, hw, base: list[str], progress=None) -> list[dict]:
-    """Every candidate planned, ranked: fitting ones by predicted step time, then the others.
-    ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
-    many candidates takes minutes, and said nothing until it ended)."""
+def plan_row(overrides: list[str], hw, limits: dict) -> dict:
+    """One candidate planned, as its row of the ranked table (module level and plain data in and out, so a
+    worker process can plan it). A chunk candidate the engine refuses at a moment it names fixes for
+    (warm-up budget) is planned again with them (the preflight's suggestion does the same): the row then
+    carries them."""
     from memopt.planner.preflight import plan_with_fixes
 
+    plan, fixes, err = plan_with_fixes(overrides, [], hw, limits)
+    ov = [*overrides, *fixes]
+    row = {"overrides": ov, "fits": False}
+    if plan is not None:
+        row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
+                   peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
+                   dominant=plan.get("step_time", {}).get("dominant"))
+    elif isinstance(err, PlanOverflow):
+        row["why"] = err.reason or f"{err.device} over at {err.category}"
+    elif err is not None:
+        row["why"] = f"refused: {str(err)[:80]}"
+    return row
+
+
+def _worker_init(runtime: int) -> None:
+    """A planning worker counts the runtime this process measured (its own resident set is not a rank's)."""
+    from memopt.planner import plan
+
+    plan._RUNTIME[:] = [runtime]
+
+
+PARALLEL_FROM = 16  # candidates from which the search plans in worker processes (each starts in a few seconds)
+
+
+def search(cfg, hw, base: list[str], progress=None, workers: int | None = None) -> list[dict]:
+    """Every candidate planned, ranked: fitting ones by predicted step time, then the others.
+    ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
+    many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
+    candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
+    process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order."""
     base, carry, moe_named = split_base(base)
     limits = limits_of(hw, cfg.trainer.nproc_per_node)
     rows, best = [], None
-    todo = candidates(cfg, hw, carry, moe_named)
-    for ov in todo:
-        # a chunk candidate the engine refuses at a moment it names fixes for (warm-up budget) is
-        # planned again with them (the preflight's suggestion does the same): the row then carries them
-        plan, fixes, err = plan_with_fixes([*base, *ov], [], hw, limits)
-        ov = [*ov, *fixes]
-        row = {"overrides": ov, "label": " ".join(ov), "fits": False}
-        if plan is not None:
-            row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
-                       peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
-                       dominant=plan.get("step_time", {}).get("dominant"))
-        elif isinstance(err, PlanOverflow):
-            row["why"] = err.reason or f"{err.device} over at {err.category}"
-        elif err is not None:
-            row["why"] = f"refused: {str(err)[:80]}"
+    todo = [[*base, *ov] for ov in candidates(cfg, hw, carry, moe_named)]
+    n = len(base)
+    workers = workers or min(os.cpu_count() or 1, 4)
+
+    def add(row: dict, i: int) -> None:
+        nonlocal best
+        row["_order"] = i  # the candidate's place in the list: ties rank as in a one-process search
+        row["overrides"] = row["overrides"][n:]  # the candidate's own overrides, as the table prints them
+        row["label"] = " ".join(row["overrides"])
         rows.append(row)
         if row["fits"] and row.get("step_s") is not None and (best is None or row["step_s"] < best["step_s"]):
             best = row
         if progress is not None:
             progress(len(rows), len(todo), row, best)
+
+    if workers > 1 and len(todo) >= PARALLEL_FROM:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        from memopt.planner.plan import runtime_bytes
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                 initargs=(runtime_bytes(),)) as pool:
+            futures = {pool.submit(plan_row, ov, hw, limits): i for i, ov in enumerate(todo)}
+            for fut in as_completed(futures):
+                add(fut.result(), futures[fut])
+    else:
+        for i, ov in enumerate(todo):
+            add(plan_row(ov, hw, limits), i)
+    rows.sort(key=lambda r: r.pop("_order"))
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
 

@@ -246,3 +246,18 @@ def test_search_reports_each_candidate_and_the_best_so_far():
     assert [d for d, *_ in seen] == list(range(1, len(rows) + 1)) and {t for _, t, *_ in seen} == {len(rows)}
     fitting = [r for _, _, r, _ in seen if r["fits"]]
     assert fitting and seen[-1][3]["step_s"] == min(r["step_s"] for r in fitting) == rows[0]["step_s"]
+
+
+@pytest.mark.slow
+def test_search_in_worker_processes_ranks_as_one_process():
+    """The candidates planned side by side in worker processes give the rows of the one-process search, in
+    the same order (each plan is a function of its overrides alone)."""
+    from memopt.planner.search import PARALLEL_FROM, search
+
+    over = ["model=gpt_tiny", "model.seq_len=32", "+strategy=auto"]
+    cfg = typed(over)
+    one = search(cfg, small_hw(512), over, workers=1)
+    two = search(cfg, small_hw(512), over, workers=2)
+    assert len(one) >= PARALLEL_FROM
+    keys = ("label", "fits", "step_s", "peak", "why")
+    assert [tuple(r.get(k) for k in keys) for r in one] == [tuple(r.get(k) for k in keys) for r in two]
