@@ -25,11 +25,9 @@ import os
 import torch
 
 from memopt.errors import ConfigError
-from memopt.models.hf import config_from_hf, family_of, hf_name
+from memopt.models.hf import config_from_hf, family_of, match, normalise
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-# tensors a checkpoint may carry that are no parameters (buffers older transformers versions saved)
-_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 # fields the directory decides; the others (seq_len of a Llama, dropout, attention, init) stay the run's
 _SHAPE_FIELDS = ("arch", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "seq_len", "vocab_size", "pos_emb",
                  "bias", "tie_embeddings", "ln_eps", "rope_theta", "rope_scaling", "rope_factor",
@@ -137,13 +135,6 @@ def _expected(cfg) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied head: wte.weight alone
 
 
-def _normalise(arch: str, name: str) -> str:
-    """GPT-2 directories written from ``GPT2Model`` (the original hub checkpoint) lack the ``transformer.`` prefix."""
-    if arch == "gpt" and not name.startswith(("transformer.", "lm_head.")):
-        return f"transformer.{name}"
-    return name
-
-
 def plan(cfg) -> dict[str, tuple[str, str, bool]]:
     """memopt parameter -> (the directory's tensor name, its file, transposed), after every check: the
     family, the shards, every parameter present with its shape, no tensor left over. Headers only."""
@@ -155,7 +146,8 @@ def plan(cfg) -> dict[str, tuple[str, str, bool]]:
     if arch != cfg.arch:
         raise ConfigError(f"model.init_from={path!r} is a model.arch={arch} checkpoint; the model is model.arch={cfg.arch}")
     files = _shard_map(path)
-    found: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # normalised name -> (name, file, shape)
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}  # normalised name -> (name, shape)
+    file_of: dict[str, str] = {}
     by_file: dict[str, list[str]] = {}
     for n, f in files.items():
         by_file.setdefault(f, []).append(n)
@@ -166,24 +158,10 @@ def plan(cfg) -> dict[str, tuple[str, str, bool]]:
                 if n not in keys:
                     raise ConfigError(f"model.init_from={path!r}: tensor {n!r} is listed in {INDEX} but absent from "
                                       f"{os.path.basename(f)}")
-                found[_normalise(arch, n)] = (n, f, tuple(fh.get_slice(n).get_shape()))
-    out = {}
-    for name, shape in _expected(cfg).items():
-        want, transposed = hf_name(arch, name)
-        if want not in found:
-            raise ConfigError(f"model.init_from={path!r} has no tensor {want!r} (memopt's {name})")
-        n, f, have = found[want]
-        hf_shape = tuple(reversed(shape)) if transposed else shape
-        if have != hf_shape:
-            raise ConfigError(f"model.init_from={path!r}: tensor {n!r} has shape {have}; the model from its "
-                              f"config.json expects {hf_shape}")
-        out[name] = (n, f, transposed)
-    used = {v[0] for v in out.values()}
-    for key, (n, _, _) in sorted(found.items()):
-        if n in used or n.endswith(_BUFFERS) or (cfg.tie_embeddings and key == "lm_head.weight"):
-            continue
-        raise ConfigError(f"model.init_from={path!r}: tensor {n!r} has no place in the model ({cfg.name})")
-    return out
+                found[normalise(arch, n)] = (n, tuple(fh.get_slice(n).get_shape()))
+                file_of[n] = f
+    matched = match(cfg, _expected(cfg), found, f"model.init_from={path!r}")
+    return {name: (n, file_of[n], transposed) for name, (n, transposed) in matched.items()}
 
 
 def check(cfg) -> None:

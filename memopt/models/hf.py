@@ -63,36 +63,52 @@ def hf_llama_name(name: str) -> str:
     return f"model.layers.{i}.{back[part]}.{rest}"
 
 
-def llama_state_from_hf(hf_state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """memopt names for a Hugging Face Llama state dict (the tensors themselves, no copy). With ``tied``
-    the head is the embedding: a ``lm_head.weight`` in ``hf_state`` (``state_dict()`` lists both) is dropped."""
+# tensors a checkpoint may carry that are no parameters (buffers older transformers versions saved)
+BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def normalise(arch: str, name: str) -> str:
+    """GPT-2 directories written from ``GPT2Model`` (the original hub checkpoint) lack the ``transformer.`` prefix."""
+    if arch == "gpt" and not name.startswith(("transformer.", "lm_head.")):
+        return f"transformer.{name}"
+    return name
+
+
+def match(cfg, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[str, tuple[int, ...]]],
+          where: str) -> dict[str, tuple[str, bool]]:
+    """memopt parameter -> (the checkpoint's tensor name, transposed), after every check, whatever holds the
+    tensors (a directory's headers, a state dict): every parameter of ``expected`` (name -> shape) present
+    in ``found`` (normalised Hugging Face name -> (its name, shape)) with its shape, no tensor left over
+    (buffers and a tied head's ``lm_head.weight`` aside). Refusals name the tensor; ``where``: what holds them."""
     out = {}
-    for k, v in hf_state.items():
-        if k.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved: recomputed from the config
+    for name, shape in expected.items():
+        want, transposed = hf_name(cfg.arch, name)
+        if want not in found:
+            raise ConfigError(f"{where} has no tensor {want!r} (memopt's {name})")
+        n, have = found[want]
+        hf_shape = tuple(reversed(shape)) if transposed else tuple(shape)
+        if tuple(have) != hf_shape:
+            raise ConfigError(f"{where}: tensor {n!r} has shape {tuple(have)}; the model ({cfg.name}) expects {hf_shape}")
+        out[name] = (n, transposed)
+    used = {v[0] for v in out.values()}
+    for key, (n, _) in sorted(found.items()):
+        if n in used or n.endswith(BUFFERS) or (cfg.tie_embeddings and key == "lm_head.weight"):
             continue
-        if tied and k == "lm_head.weight":
-            continue
-        out[llama_name(k)] = v
+        raise ConfigError(f"{where}: tensor {n!r} has no place in the model ({cfg.name})")
     return out
 
 
 @torch.no_grad()
-def load_llama_state(model, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face Llama state dict into memopt's ``Llama`` (whole, on one process): every
-    parameter must be present with its shape, nothing else; ConfigError naming the tensor otherwise."""
-    state = llama_state_from_hf(hf_state, model.cfg.tie_embeddings)
+def load_state(model, hf_state: dict[str, torch.Tensor]) -> None:
+    """Copy a Hugging Face GPT-2 or Llama state dict into memopt's model (whole, on one process), after
+    ``match``'s checks: a refused state changes nothing."""
+    arch = model.cfg.arch
+    found = {normalise(arch, k): (k, tuple(v.shape)) for k, v in hf_state.items()}
     params = dict(model.named_parameters())  # tied head: only wte.weight
-    for name, p in params.items():  # every check before the first copy: a refused state changes nothing
-        if name not in state:
-            raise ConfigError(f"the checkpoint has no tensor {hf_llama_name(name)!r} (memopt's {name})")
-        if tuple(state[name].shape) != tuple(p.shape):
-            raise ConfigError(f"tensor {hf_llama_name(name)!r} has shape {tuple(state[name].shape)}; the model "
-                              f"({model.cfg.name}) expects {tuple(p.shape)}")
-    extra = sorted(set(state) - set(params))
-    if extra:
-        raise ConfigError(f"tensor {hf_llama_name(extra[0])!r} has no place in the model ({model.cfg.name})")
-    for name, p in params.items():
-        p.copy_(state[name])
+    plan = match(model.cfg, {n: tuple(p.shape) for n, p in params.items()}, found, "the checkpoint")
+    for name, (n, transposed) in plan.items():
+        t = hf_state[n]
+        params[name].copy_(t.t() if transposed else t)
 
 
 def llama_config_from_hf(hf: dict) -> dict:

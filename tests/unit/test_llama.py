@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from memopt.errors import ConfigError
 from memopt.models import model_class
 from memopt.models.base import ModelConfig
-from memopt.models.hf import hf_llama_name, llama_config_from_hf, llama_name, load_llama_state
+from memopt.models.hf import hf_llama_name, llama_config_from_hf, llama_name, load_state
 from memopt.models.llama import Llama, rope_cache, rope_frequencies
 from tests.conftest import typed
 
@@ -47,7 +47,7 @@ def hf_pair(case: str, attention: str = "sdpa"):
     cfg = ModelConfig(name=case, seq_len=128, attention=attention, **fields)
     Llama.validate(cfg)
     model = Llama(cfg).eval()
-    load_llama_state(model, ref.state_dict())
+    load_state(model, ref.state_dict())
     return ref, model
 
 
@@ -106,16 +106,16 @@ def test_names_map_both_ways_and_unknown_tensors_are_named():
     state["model.layers.1.mlp.up_proj.weight"] = up[:100]
     before = model.wte.weight.clone()
     with pytest.raises(ConfigError, match=r"model.layers.1.mlp.up_proj.weight.*\(100, 64\).*\(176, 64\)"):
-        load_llama_state(model, torch.nn.Module.state_dict(ref) | {"model.layers.1.mlp.up_proj.weight": up[:100],
+        load_state(model, torch.nn.Module.state_dict(ref) | {"model.layers.1.mlp.up_proj.weight": up[:100],
                                                                     "model.embed_tokens.weight": up.new_zeros(256, 64)})
     assert torch.equal(model.wte.weight, before)  # refused before anything was copied
     state["model.layers.1.mlp.up_proj.weight"] = up
     state["model.layers.1.mlp.extra.weight"] = up
     with pytest.raises(ConfigError, match="model.layers.1.mlp.extra.weight"):
-        load_llama_state(model, state)
+        load_state(model, state)
     del state["model.layers.1.mlp.extra.weight"], state["model.norm.weight"]
     with pytest.raises(ConfigError, match="model.norm.weight"):
-        load_llama_state(model, state)
+        load_state(model, state)
 
 
 # ---- counts from the architecture, written here independently of memopt/models/llama.py ------------
