@@ -18,18 +18,24 @@ import torch
 from memopt.errors import ConfigError
 
 
-def matching(model: torch.nn.Module, globs, field: str = "model.freeze") -> list[str]:
-    """Parameter names (tied names included) matched by any glob; a glob that matches none is refused."""
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+def match_globs(names: list[str], globs, field: str, what: str, model_name: str) -> list[str]:
+    """The ``names`` any of the fnmatch ``globs`` matches, in glob order, once each; a glob that matches
+    none is refused naming ``field``, the glob and a sample of the ``what`` names it was matched against."""
     out: list[str] = []
     for g in globs:
         hit = [n for n in names if fnmatch.fnmatchcase(n, g)]
         if not hit:
             sample = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            raise ConfigError(f"{field}: the glob {g!r} matches no parameter of model={model.cfg.name} "
-                              f"(fnmatch over parameter names such as {sample})")
+            raise ConfigError(f"{field}: the glob {g!r} matches no {what} of model={model_name} "
+                              f"(fnmatch over {what} names such as {sample})")
         out += [n for n in hit if n not in out]
     return out
+
+
+def matching(model: torch.nn.Module, globs, field: str = "model.freeze") -> list[str]:
+    """Parameter names (tied names included) matched by any glob; a glob that matches none is refused."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    return match_globs(names, globs, field, "parameter", model.cfg.name)
 
 
 def freeze(model: torch.nn.Module, globs) -> list[str]:
@@ -61,11 +67,6 @@ def check(cfg) -> None:
         for s, opts in selected(cfg, "model"):
             if s.architecture:
                 s.install(model, opts, cfg.model)
-            elif s.name == "lora":
-                from memopt.strategies.lora import install_adapters, targeted
-
-                names = targeted(model, opts)
-                for p in model.parameters():
-                    p.requires_grad_(False)
-                install_adapters(model, names, opts.rank, opts.alpha, opts.dropout)
+            elif s.name == "lora":  # its adapters are parameters the globs may name
+                s.adapt(model, opts)
     freeze(model, cfg.model.freeze)

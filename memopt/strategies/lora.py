@@ -22,7 +22,6 @@ the base weight names, a plain model for ``memopt.load_model`` and ``python -m m
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from memopt.errors import ConfigError
+from memopt.freeze import match_globs
 from memopt.strategies.base import Build, Strategy, register
 
 SAVES = ("adapters", "merged")
@@ -83,14 +83,7 @@ def targeted(model: nn.Module, c: LoraConfig) -> list[str]:
     if not globs:
         raise ConfigError(f"strategy.lora.targets is empty and model.arch={model.cfg.arch} has no default targets; "
                           f"name the Linear layers, e.g. strategy.lora.targets=[{next(iter(linears), '*.proj')}]")
-    out: list[str] = []
-    for g in globs:
-        hit = [n for n in linears if fnmatch.fnmatchcase(n, g)]
-        if not hit:
-            sample = ", ".join(list(linears)[:6]) + (", ..." if len(linears) > 6 else "")
-            raise ConfigError(f"strategy.lora.targets: the glob {g!r} matches no Linear layer of model={model.cfg.name} "
-                              f"(fnmatch over module names such as {sample})")
-        out += [n for n in hit if n not in out]
+    out = match_globs(list(linears), globs, "strategy.lora.targets", "Linear layer", model.cfg.name)
     owners: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(n)
@@ -164,11 +157,17 @@ class Lora(Strategy):
                               "head's weight directly (the adapter would be skipped); leave lm_head out of the targets "
                               "or drop chunked_loss")
 
-    def apply(self, model, c: LoraConfig, build: Build) -> None:
+    @staticmethod
+    def adapt(model: nn.Module, c: LoraConfig) -> None:
+        """The targeted Linear layers made ``LoRALinear``, every other parameter frozen (``apply``;
+        ``memopt.freeze.check`` builds the same model on meta to check its globs)."""
         names = targeted(model, c)
         for p in model.parameters():
             p.requires_grad_(False)
         install_adapters(model, names, c.rank, c.alpha, c.dropout)
+
+    def apply(self, model, c: LoraConfig, build: Build) -> None:
+        self.adapt(model, c)
         model.init_tensor = AdapterInit(model.init_tensor)
 
     def num_params(self, n: int, c: LoraConfig, cfg) -> int:
