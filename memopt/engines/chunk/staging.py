@@ -28,15 +28,8 @@ class HostStaging:
 
     def fetch(self, k: int, src: torch.Tensor | None) -> None:
         """Start copying ``src`` (a device chunk's gradients; None: nothing to copy) into slot ``k % 2``."""
-        if src is None:
-            return
-        buf = self.bufs[k % 2].narrow(0, 0, src.numel())
-        if self.cuda:
-            with torch.cuda.stream(self.stream):
-                buf.copy_(src, non_blocking=True)
-                self.done[k % 2] = self.stream.record_event()
-        else:
-            buf.copy_(src)
+        if src is not None:
+            self._copy(k, self.bufs[k % 2].narrow(0, 0, src.numel()), src)
 
     def host_view(self, k: int, numel: int) -> torch.Tensor:
         """Slot ``k % 2``'s first ``numel`` elements, once its last copy has finished."""
@@ -47,13 +40,16 @@ class HostStaging:
 
     def put(self, k: int, dst: torch.Tensor) -> None:
         """Start copying slot ``k % 2`` (the new parameters) into ``dst``."""
-        buf = self.bufs[k % 2].narrow(0, 0, dst.numel())
+        self._copy(k, dst, self.bufs[k % 2].narrow(0, 0, dst.numel()))
+
+    def _copy(self, k: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy touching slot ``k % 2``: on the side stream, its event the slot's last (CUDA); else now."""
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                dst.copy_(buf, non_blocking=True)
+                dst.copy_(src, non_blocking=True)
                 self.done[k % 2] = self.stream.record_event()
         else:
-            dst.copy_(buf)
+            dst.copy_(src)
 
     def finish(self) -> None:
         """The compute stream waits for the last parameter copy (the next forward reads them)."""
