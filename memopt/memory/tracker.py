@@ -221,17 +221,15 @@ class MemoryTracker(TorchDispatchMode):
                     self._window.append(("new", key, (dev, category, info.nbytes)))
                 if self._captures:
                     self._captures[-1].append(key)
-            self._update_peak(info.device)
-            if self.budget is not None and info.device == self._compute_key:
-                self._check_budget(info)
+            total = self._update_peak(info.device)
+            if self.budget is not None and total > self.budget and info.device == self._compute_key:
+                self._over_budget(info, total)
 
-    def _check_budget(self, info: _Info) -> None:
+    def _over_budget(self, info: _Info, total: int) -> None:
+        """Raise DeviceBudgetExceeded for the op whose output took the device's live bytes to ``total``."""
         live: dict[str, int] = defaultdict(int)  # a forward's transient bytes are the activations it is making
         for c, b in self.live[info.device].items():
             live["activations" if c == "_forward" else c.lstrip("_")] += b
-        total = sum(live.values())
-        if total <= self.budget:
-            return
         budget, self.budget = self.budget, None  # once: what runs while the error unwinds is not refused again
         largest = max(live, key=live.get)
         raise DeviceBudgetExceeded(
@@ -254,7 +252,7 @@ class MemoryTracker(TorchDispatchMode):
                 if self._window is not None:
                     self._window.append(("free", key, (info.device, info.category, info.nbytes)))
 
-    def _update_peak(self, device: str) -> None:
+    def _update_peak(self, device: str) -> int:
         live, peak = self.live[device], self.peak[device]
         total = 0
         for cat, b in live.items():
@@ -263,6 +261,7 @@ class MemoryTracker(TorchDispatchMode):
                 peak[cat] = b
         if total > peak["total"]:
             peak["total"] = total
+        return total
 
     def register(self, t: torch.Tensor, category: str, device: str | None = None) -> None:
         """Count (or re-tag) a tensor that exists already, e.g. parameters or a grad."""
