@@ -826,7 +826,8 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
                     t_host = time.perf_counter()
                     for _ in range(calls):
                         f()
-                    host.setdefault(id(f), []).append(1e3 * (time.perf_counter() - t_host) / calls)
+                    if queued:
+                        host.setdefault(id(f), []).append(1e3 * (time.perf_counter() - t_host) / calls)
                     b_.record()
                     torch.cuda.synchronize(dev)
                     ts.append(a.elapsed_time(b_) / calls)
@@ -848,7 +849,7 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
         out["fwdbwd_isolated_ms"] = timed(fwdbwd, queued=False)
         for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
             if host.get(id(f)):
-                ms = sorted(host[id(f)][:FLASH_REPS])  # the queued timings' host times
+                ms = sorted(host[id(f)])
                 out[f"{name}_host_ms"] = ms[len(ms) // 2]
         out["fwd_tflops"] = fwd_flops / (out["fwd_ms"] * 1e-3) / 1e12
         out["fwdbwd_tflops"] = fb_flops / (out["fwdbwd_ms"] * 1e-3) / 1e12
