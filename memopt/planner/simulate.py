@@ -162,8 +162,8 @@ class PlanTracker(MemoryTracker):
         live = self.live[device]
         return sum(live.values()) - sum(live.get(c, 0) for c in NOT_COMPUTE)
 
-    def _update_peak(self, device: str) -> None:
-        super()._update_peak(device)
+    def _update_peak(self, device: str) -> int:
+        total = super()._update_peak(device)
         if self.backward_nonmodel is not None:
             b = self._compute_bytes(device)
             if b > self.backward_nonmodel.get(device, 0):
@@ -183,6 +183,7 @@ class PlanTracker(MemoryTracker):
                     live[c] += b
             if sum(live.values()) > limit:
                 raise PlanOverflow("all", dict(live), limit)
+        return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # a fake tensor's device, asked from C++ (Python indexing, autograd's checks): a third of

@@ -61,12 +61,13 @@ class MemTracer:
         orig = tracker._update_peak
         key = tracker.compute_key
 
-        def update_peak(device, _orig=orig):
-            _orig(device)
+        def update_peak(device, _orig=orig) -> int:
+            total = _orig(device)
             me = ref()
             if me is not None and device == key:
                 live = tracker.live[device]
                 me._observe(sum(live.values()) - live.get("chunks", 0))
+            return total  # the budget check reads it
 
         tracker._update_peak = update_peak
         self._hooked = True
