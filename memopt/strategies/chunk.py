@@ -8,7 +8,9 @@ Budgets, in the order they are derived:
 
 * device capacity ``C`` = ``hardware.device_memory_gb`` (read from the machine when unset: the GPU's
   memory, or the host RAM on a CPU-only machine).
-* device budget ``D`` = ``device_budget_gb`` when set, else ``C * overall_gpu_mem_ratio``. Everything
+* device budget ``D`` = ``device_budget_gb`` when set, else ``C * overall_gpu_mem_ratio`` (null: 0.95,
+  not PatrickStar's 0.8: memopt's tracker counts every tensor the run makes, so the reserve only has to
+  hold what no tracker sees: the CUDA context, NCCL's buffers, the allocator's fragmentation). Everything
   the engine places on the compute device (chunks) plus what the run allocates there besides them
   (activations, temporaries: "non-model" memory) should fit in ``D``.
 * warm-up chunk budget ``W`` = ``warmup_gpu_chunk_mem_ratio * D`` (null: 0.1, raised to hold two
@@ -45,7 +47,7 @@ class ChunkConfig:
     # chunk bytes on the device during warm-up / D; null: 0.1 raised to hold two communication units
     # (engines/chunk/defaults.py)
     warmup_gpu_chunk_mem_ratio: float | None = None
-    overall_gpu_mem_ratio: float = 0.8  # D / device capacity (when device_budget_gb is null)
+    overall_gpu_mem_ratio: float | None = None  # D / device capacity (when device_budget_gb is null); null: 0.95
     # host budget / host RAM (the build's check); null: PatrickStar's 0.8, or 1.0 when the placement is
     # decided (strategy.hybrid_adam.device_groups set by a plan that counted the node's host exactly)
     overall_cpu_mem_ratio: float | None = None

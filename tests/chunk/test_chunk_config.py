@@ -7,12 +7,18 @@ from memopt.config import ConfigError
 from tests.conftest import typed
 
 
-def test_hybrid_adam_preset_pulls_in_chunk_and_fp16():
-    cfg = typed(["+strategy=hybrid_adam"])
+def test_hybrid_adam_preset_pulls_in_chunk_chunked_loss_and_fp16():
+    from memopt.engines.chunk.engine import device_budget_bytes
+
+    cfg = typed(["+strategy=hybrid_adam", "hardware.device_memory_gb=32"])
     s = cfg.strategy
     assert s.chunk is not None and s.fp16 is not None and s.hybrid_adam is not None
-    assert set(s.selected()) == {"chunk", "fp16", "hybrid_adam"}
-    assert (s.chunk.overall_gpu_mem_ratio, s.chunk.margin_use_ratio, s.chunk.mem_cache) == (0.8, 0.8, 2)  # PatrickStar defaults
+    assert set(s.selected()) == {"chunk", "chunked_loss", "fp16", "hybrid_adam"}
+    assert (s.chunk.margin_use_ratio, s.chunk.mem_cache) == (0.8, 2)  # PatrickStar defaults
+    # the device share is left to the engine: 0.95 of the device (PatrickStar: 0.8); an explicit one wins
+    assert s.chunk.overall_gpu_mem_ratio is None and device_budget_bytes(cfg, None) == int(0.95 * 32 * 2**30)
+    cfg.strategy.chunk.overall_gpu_mem_ratio = 0.8
+    assert device_budget_bytes(cfg, None) == int(0.8 * 32 * 2**30)
     # left to the engine: PatrickStar's 0.8 of the host, or all of it when a plan decided the placement
     assert s.chunk.overall_cpu_mem_ratio is None
     # left to the engine: PatrickStar's 0.1 and group all-gather unless two units do not fit (defaults.py)
@@ -26,12 +32,12 @@ def test_hybrid_adam_preset_pulls_in_chunk_and_fp16():
 
 def test_hybrid_adam_bf16_preset():
     s = typed(["+strategy=hybrid_adam_bf16"]).strategy
-    assert set(s.selected()) == {"chunk", "bf16", "hybrid_adam"} and s.bf16.params == "bf16"
+    assert set(s.selected()) == {"chunk", "chunked_loss", "bf16", "hybrid_adam"} and s.bf16.params == "bf16"
 
 
 def test_hybrid_adam_fp32_preset():
     s = typed(["+strategy=hybrid_adam_fp32"]).strategy
-    assert set(s.selected()) == {"chunk", "hybrid_adam"}  # no precision strategy: fp32
+    assert set(s.selected()) == {"chunk", "chunked_loss", "hybrid_adam"}  # no precision strategy: fp32
 
 
 def test_static_partition_pulls_in_chunk_and_combines():
@@ -39,7 +45,7 @@ def test_static_partition_pulls_in_chunk_and_combines():
     s = typed(["+strategy=[chunk,static_partition]"]).strategy
     assert s.chunk is not None and s.static_partition is not None
     s = typed(["+strategy=[static_partition,hybrid_adam]"]).strategy
-    assert {"chunk", "static_partition", "hybrid_adam", "fp16"} == set(s.selected())
+    assert {"chunk", "chunked_loss", "static_partition", "hybrid_adam", "fp16"} == set(s.selected())
 
 
 @pytest.mark.parametrize(

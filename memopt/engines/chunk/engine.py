@@ -41,6 +41,11 @@ def device_capacity_bytes(cfg, device: torch.device) -> int:
 
 
 DEFAULT_HOST_SHARE = 0.8  # PatrickStar's overall_cpu_mem_ratio (null: this, unless a plan decided the placement)
+# overall_gpu_mem_ratio's null: PatrickStar's 0.8 kept a fifth of the device for what its sampled tracer
+# missed; memopt's tracker counts every tensor, so 5% holds what none sees (CUDA context, NCCL buffers,
+# fragmentation: 0.07 GiB over the tracker on an H100). On PatrickStar's node it is 1.3 more optimizer
+# groups per V100 (the 28.2B plan of issue #29, docs/design.md).
+DEFAULT_DEVICE_SHARE = 0.95
 NAME, LABEL = "chunk", "the chunk engine"
 SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe",
             "chunked_loss", "lora")
@@ -53,9 +58,13 @@ def build(cfg, device, dims, tracker) -> "ChunkEngine":
 
 
 def device_budget_bytes(cfg, device) -> int:
-    """The device budget D: ``strategy.chunk.device_budget_gb``, or the capacity x ``overall_gpu_mem_ratio``."""
+    """The device budget D: ``strategy.chunk.device_budget_gb``, or the capacity x ``overall_gpu_mem_ratio``
+    (null: ``DEFAULT_DEVICE_SHARE``)."""
     ccfg = cfg.strategy.chunk
-    return int(ccfg.device_budget_gb * GiB) if ccfg.device_budget_gb else int(device_capacity_bytes(cfg, device) * ccfg.overall_gpu_mem_ratio)
+    if ccfg.device_budget_gb:
+        return int(ccfg.device_budget_gb * GiB)
+    share = DEFAULT_DEVICE_SHARE if ccfg.overall_gpu_mem_ratio is None else ccfg.overall_gpu_mem_ratio
+    return int(device_capacity_bytes(cfg, device) * share)
 
 
 def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) -> "ChunkEngine":
