@@ -45,9 +45,16 @@ def runtime_bytes() -> int:
     return _RUNTIME[0]
 
 
-def limits_of(hw, local_ranks: int) -> dict[str, int]:
-    """Per-rank limits for ``simulate_rank`` (the preflight stops at the first op over them)."""
-    host = int(hw.host_memory_gb * GiB / local_ranks) - runtime_bytes()
+def limits_of(hw, local_ranks: int, cfg=None) -> dict[str, int]:
+    """Per-rank limits for ``simulate_rank`` (the preflight stops at the first op over them): the node's
+    host shared evenly, except for a chunk-engine ``cfg``, whose ranks own unequal chunk counts and whose
+    node host is the sum of its ranks (``node_rank_peaks``): one rank may take more than an even share
+    while another takes less, so its limit is the node's host less every rank's runtime, and the plan's
+    node sum judges the fit."""
+    if cfg is not None and local_ranks > 1 and getattr(cfg.strategy, "chunk", None) is not None:
+        host = int(hw.host_memory_gb * GiB) - local_ranks * runtime_bytes()
+    else:
+        host = int(hw.host_memory_gb * GiB / local_ranks) - runtime_bytes()
     if hw.device_is_host:
         return {"all": host}
     return {"device": int(hw.device_memory_gb * GiB), "host": host}

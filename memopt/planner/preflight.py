@@ -78,7 +78,7 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
     local = cfg.trainer.nproc_per_node
     what = f"{cfg.model.name} ({fmt_params(compose.num_params(cfg))} params) with {'+'.join(cfg.strategy.selected()) or 'no strategy'}"
     try:
-        plan = plan_placed(cfg, hw, limits_of(hw, local))  # Hybrid Adam: its groups placed before step 0
+        plan = plan_placed(cfg, hw, limits_of(hw, local, cfg))  # Hybrid Adam: its groups placed before step 0
     except PlanUnsupported as e:
         warnings.warn(f"preflight skipped: {e}", stacklevel=2)
         return None
@@ -138,7 +138,7 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
                 f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")}
     base = [o for o in (overrides or []) if not o.lstrip("+~").startswith("strategy")]
     world = cfg.trainer.nproc_per_node * nodes
-    limits = limits_of(hw, cfg.trainer.nproc_per_node)
+    limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     tried = []
     for names, opts in _compositions(overrides or [], world):
         fixes: list[str] = []  # the engine's fixes found at one micro-batch hold at the smaller ones

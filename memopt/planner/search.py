@@ -206,7 +206,7 @@ def search(cfg, hw, base: list[str], progress=None, workers: int | None = None) 
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
     process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order."""
     base, carry, moe_named = split_base(base)
-    limits = limits_of(hw, cfg.trainer.nproc_per_node)
+    limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     rows, best = [], None
     todo = [[*base, *ov] for ov in candidates(cfg, hw, carry, moe_named)]
     n = len(base)
@@ -275,7 +275,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
         cfg = to_dataclass(compose_config(["trainer.mode=plan", *base, f"{field}={n}"]))  # planned, not run here
         validate(cfg)
         try:
-            plan = plan_placed(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node))  # as the run's preflight plans it
+            plan = plan_placed(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node, cfg))  # as the run's preflight plans it
             ok = plan["fits"] and "error" not in plan
         except (PlanOverflow, ConfigError):  # over a limit, or refused by the engine at build (the chunk engine's host check)
             plan, ok = None, False

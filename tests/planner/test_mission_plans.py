@@ -40,6 +40,21 @@ def test_patrickstars_models_and_more_fit_as_typed(tmp_path):
     assert abs(host[0] - host[1] - group) < 0.01 * group
     runtime = node["runtime_bytes_per_rank"]
     assert node["node_host_bytes"] == 4 * host[0] + 4 * host[1] + 8 * runtime
+    assert host[0] > 240 * 2**30 / 8 - runtime  # rank 0 holds more than an even share of the host ...
+    # ... so the preflight's per-rank limit (what a run's gate and the largest-model search plan with)
+    # must not stop it there: planned as a run's preflight plans it, it fits too
+    from memopt.planner.placement import plan_placed
+    from memopt.planner.plan import limits_of
+    from tests.conftest import typed
+
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+
+    cfg = typed([*NODE, *CKPT8, "model.n_layer=139", "trainer.nproc_per_node=8"])
+    hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+    gated = plan_placed(cfg, hw, limits_of(hw, 8, cfg))
+    assert gated["fits"] and gated["node_host_bytes"] == node["node_host_bytes"]
 
 
 @pytest.mark.slow
