@@ -212,3 +212,17 @@ def test_pp2_x_dp2_follows_single_process(tmp_path):
     a, b = torch.load(f"{tmp_path}/pp/model.pt")["state_dict"], torch.load(f"{tmp_path}/ref/model.pt")["state_dict"]
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=W_ATOL, msg=k)
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_pp4_follows_single_process(tmp_path):
+    """Four stages of one block: a middle stage neither embeds nor has the loss, and the tied layer's
+    gradient is summed over a group of the first and last rank only (not the whole pipeline)."""
+    (s,) = run_jobs_on_ranks(4, [(BASE + ["+strategy=pipeline", "parallel.pp=4"], str(tmp_path / "pp4"))])
+    run_job(BASE, str(tmp_path / "ref"))
+    assert s["status"] == "ok" and s["parallel"]["pp"] == 4
+    assert rel_err(losses(str(tmp_path / "pp4")), losses(str(tmp_path / "ref"))) <= 1e-5
+    assert rel_err(metric(str(tmp_path / "pp4"), "grad_norm"), metric(str(tmp_path / "ref"), "grad_norm")) <= 1e-5
+    a, b = torch.load(f"{tmp_path}/pp4/model.pt")["state_dict"], torch.load(f"{tmp_path}/ref/model.pt")["state_dict"]
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=W_ATOL, msg=k)
