@@ -76,10 +76,6 @@ class Pipeline(Strategy):
         if cfg.engine.name != "memopt":
             raise ConfigError(f"+strategy=pipeline with engine={cfg.engine.name} is not built: its stages run in memopt's "
                               "pipeline engine (DeepSpeed's PipelineModule and FSDP2 are not wired in); use engine=memopt")
-        if cfg.trainer.mode == "plan":
-            raise ConfigError("trainer.mode=plan with +strategy=pipeline is not built: the planner simulates one rank's "
-                              "whole model, not a stage and its micro-batches in flight; the schedule's per-stage "
-                              "activation count and bubble are in memopt.engines.pipeline.schedules (see docs/design.md)")
         if m.arch != "gpt":
             raise ConfigError(f"model.arch={m.arch!r} with +strategy=pipeline: stages are built for model.arch=gpt (its "
                               "embeddings, blocks, final norm and head); use model.arch=gpt")

@@ -167,6 +167,30 @@ def test_stage_activation_peak_is_the_schedules_count(runs, schedule):
     assert in_flight(schedule, 0, 2, M) == (M if schedule == "gpipe" else 2)  # the formula itself: 1F1B holds pp - s
 
 
+def test_plan_gives_each_stage_its_measured_peaks(runs):
+    """The planner runs the pipeline engine on fake tensors as rank 0 (first stage) and rank 1 (last):
+    parameters, gradients and optimizer states as the run measured them per rank, activations within
+    5%, the boundary's send bytes (the steady step: B T C fp32 per micro-batch), and a step time whose
+    compute is stretched by the 1F1B bubble (pp - 1) / (m + pp - 1) = 1 / 5."""
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import step_time
+    from memopt.planner.simulate import simulate_rank
+
+    cfg = typed(BASE + PP + SCHEDULES["1f1b"] + ["trainer.nproc_per_node=2"])
+    measured = runs["summaries"]["1f1b"]["peak_bytes"]
+    for rank in (0, 1):
+        sim = simulate_rank(cfg, rank, 2)
+        got, want = sim["peaks"]["device"], measured[str(rank)]["cpu"]
+        for cat in ("params", "grads", "optim"):
+            assert got[cat] == want[cat], (rank, cat, got[cat], want[cat])
+        assert abs(got["activations"] - want["activations"]) <= 0.05 * want["activations"], (rank, got, want)
+        assert sim["comm_per_step"]["ops"]["send"]["bytes"] == M * 4 * B * T * cfg.model.d_model
+    hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+    t = step_time(cfg, hw, sim)
+    assert t["bubble_fraction"] == pytest.approx(1 / 5)
+    assert t["compute_s"] == pytest.approx(sim["flops"] / (t["peak_tflops"] * t["compute_efficiency"] * 1e12) * 5 / 4)
+
+
 # ---- refusals, before anything is allocated ------------------------------------------------------------
 TWO = ["trainer.nproc_per_node=2"]
 REFUSED = {
@@ -186,7 +210,6 @@ REFUSED = {
     "fsdp2": (["engine=fsdp2", *PP], "engine=fsdp2 is not built"),
     "chunked_loss_unsupported": (["+strategy=[pipeline,chunked_loss]", "parallel.pp=2"],
                                "chunked_loss is not built for the pipeline engine.*drop \\+strategy=chunked_loss"),
-    "plan_mode": ([*PP, "trainer.mode=plan"], "trainer.mode=plan with \\+strategy=pipeline is not built"),
     "llama": ([*PP, "model=llama_tiny"], "model.arch='llama' .* model.arch=gpt"),
 }
 

@@ -90,6 +90,9 @@ class PipelineEngine(PrecisionEngine):
         self.n_micro = cfg.trainer.grad_accum
         target = stages if opts.schedule in MULTI else stages[0]
         self.schedule = cls(target, self.n_micro, loss_fn=self._loss, scale_grads=False)
+        self.fake = dist.get_backend(self.pp.group) == "fake"  # the planner's simulated world (no data moves)
+        if self.fake:
+            self.schedule._warmup_p2p = _static_without_vote
         self._stages = stages
         self._xs, self._ys, self._losses = [], [], []
         self._comm_tagged = False
@@ -201,10 +204,22 @@ class PipelineEngine(PrecisionEngine):
         """Every stage's fp32 copies gathered over pp (a collective): the single-process state dict,
         the tied pair under both names."""
         mine = {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+        if self.fake:  # fake tensors do not pickle: the other stages' copies, made from the model's shapes
+            return {**self._whole_shapes(), **mine}
         out = {}
         for part in self.pp.gather_objects(mine):
             out.update(part)
         return out
+
+    def _whole_shapes(self) -> dict[str, torch.Tensor]:
+        """Empty fp32 tensors of every weight of the single-process model (what the gather returns)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from memopt.models import model_class
+
+        with _disable_current_modes(), torch.device("meta"):
+            shapes = {k: v.shape for k, v in model_class(self.cfg.model)(self.cfg.model).state_dict().items()}
+        return {k: torch.empty(shape, dtype=torch.float32) for k, shape in shapes.items()}
 
     def checkpoint_state(self) -> dict:
         return {rank_key(): {"optim": self.optimizer.state_dict(), "scaler": self.scaler_state()}}
@@ -222,6 +237,16 @@ class PipelineEngine(PrecisionEngine):
         mine = state[rank_key()]
         self.optimizer.load_state_dict(mine["optim"])
         self.load_scaler_state(mine["scaler"])
+
+
+def _static_without_vote(stages, has_backward, p2p_done) -> None:
+    """The planner's fake process group delivers nothing, so torch's first-step vote (does every stage
+    know its shapes?) would read no answer and fall back to inferring them by running the stages; every
+    stage does know them (``PipelineEngine._shapes``), which is the vote's answer in a real run."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for st in stages:
+        st._inference_mode = InferenceMode.STATIC
 
 
 def _embedding_group(dims):

@@ -42,3 +42,24 @@ def boundary_bytes(pp: int, virtual: int, m: int, batch: int, seq: int, d_model:
     """Bytes one step sends between stages, over all ranks of one pipeline: each of the pp x v - 1
     boundaries carries every micro-batch's (batch, seq, d_model) activation forward and its gradient back."""
     return (pp * virtual - 1) * m * 2 * batch * seq * d_model * nbytes
+
+
+def stages_of(cfg) -> int:
+    """Stages of a ``+strategy=pipeline`` run: parallel.pp x virtual stages."""
+    from memopt.parallel.dims import expected_world, resolve_sizes
+    from memopt.strategies.pipeline import virtual_stages
+
+    return resolve_sizes(cfg.parallel, expected_world(cfg))["pp"] * virtual_stages(cfg.strategy.pipeline)
+
+
+def planned_bubble(cfg) -> float | None:
+    """The bubble fraction the planner puts in a step's compute time (None without a pipeline). The
+    zero-bubble schedule is given the interleaved schedule's bubble: an upper bound, its own depends
+    on how the weight gradients fill the gaps."""
+    opts = getattr(cfg.strategy, "pipeline", None)
+    if opts is None:
+        return None
+    from memopt.strategies.pipeline import virtual_stages
+
+    v = virtual_stages(opts)
+    return bubble_fraction(stages_of(cfg) // v, cfg.trainer.grad_accum, v)
