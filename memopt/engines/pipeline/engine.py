@@ -19,6 +19,8 @@ in any case. Receive buffers that torch allocates for every micro-batch are coun
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -96,6 +98,10 @@ class PipelineEngine(PrecisionEngine):
         self._stages = stages
         self._xs, self._ys, self._losses = [], [], []
         self._comm_tagged = False
+        self._busy = self._wall = 0.0  # seconds in the stages' compute / in the schedule, this step
+        for st in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(st, name, self._timed(getattr(st, name)))
 
     def _shapes(self, k: int) -> dict:
         """Stage k's input and output as meta tensors (torch's static mode): without them torch infers
@@ -132,8 +138,10 @@ class PipelineEngine(PrecisionEngine):
         for g in self.groups:
             g.ensure_grad_buffer()
         args = (xs,) if self.is_first else ()
+        self._busy, t0 = 0.0, time.perf_counter()
         with self.tracker.category("temp"):
             self.schedule.step(*args, target=ys if self.is_last else None, return_outputs=False)
+        self._wall = time.perf_counter() - t0
         if not self._comm_tagged:
             self._tag_receive_buffers()
         total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=self.device)
@@ -165,6 +173,29 @@ class PipelineEngine(PrecisionEngine):
 
     def step(self, lr: float) -> StepResult:
         return self.optimizer.step(lr)
+
+    # ---- the bubble, measured ---------------------------------------------------------------------
+    metrics_key = "pipeline"  # the trainer logs ``step_metrics`` under this key
+
+    def _timed(self, fn):
+        """``fn`` (a stage's forward / backward of one micro-batch) adding its seconds to this step's
+        busy time. Host time: on a GPU it would time the kernel launches, not the kernels."""
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._busy += time.perf_counter() - t0
+        return run
+
+    def step_metrics(self) -> dict:
+        """Each pipeline rank's idle share of the last schedule (1 - its stages' compute seconds / the
+        schedule's seconds: the measured bubble, waiting on sends and receives included), gathered over
+        pp (call on every rank), beside the schedule's formula for equal stages."""
+        from memopt.engines.pipeline.schedules import planned_bubble
+
+        idle = 1 - self._busy / self._wall if self._wall else None
+        return {"idle": self.pp.gather_objects(idle), "formula": planned_bubble(self.cfg)}
 
     # ---- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
