@@ -43,6 +43,7 @@ SCHEDULES = {
     "zero_bubble": ["strategy.pipeline.schedule=zero_bubble"],
 }
 BF16 = ["strategy.bf16.params=bf16"]
+FP16 = ["strategy.fp16.init_scale=1024"]
 
 
 def metric(run_dir: str, key: str) -> list:
@@ -60,9 +61,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     jobs = [(BASE + PP + o, str(root / n)) for n, o in SCHEDULES.items()]
     jobs.append((BASE + ["+strategy=[pipeline,ckpt,bf16]", "parallel.pp=2", *BF16], str(root / "ckpt_bf16")))
+    jobs.append((BASE + ["+strategy=[pipeline,fp16]", "parallel.pp=2", *FP16], str(root / "fp16")))
     resume = pair(str(root), "resume", [*DENSE, *PP, "trainer.grad_accum=2"])
     summaries = run_jobs_on_ranks(2, jobs + resume)
-    refs = {"fp32": run_job(BASE, str(root / "ref")), "bf16": run_job(BASE + ["+strategy=bf16", *BF16], str(root / "ref_bf16"))}
+    refs = {"fp32": run_job(BASE, str(root / "ref")), "bf16": run_job(BASE + ["+strategy=bf16", *BF16], str(root / "ref_bf16")),
+            "fp16": run_job(BASE + ["+strategy=fp16", *FP16], str(root / "ref_fp16"))}
     return {"root": root, "summaries": dict(zip([os.path.basename(d) for _, d in jobs], summaries)), "refs": refs,
             "resume": resume}
 
@@ -91,6 +94,15 @@ def test_checkpointing_and_bf16_compose(runs):
     root = runs["root"]
     assert runs["summaries"]["ckpt_bf16"]["status"] == "ok"
     assert rel_err(losses(str(root / "ckpt_bf16")), losses(str(root / "ref_bf16"))) <= 4e-2
+
+
+def test_fp16_composes(runs):
+    """fp16 weights with the loss scale in the schedule's loss function and the stages' overflow vote:
+    the one-process fp16 run's losses (the suite's 5e-3) and loss scales."""
+    root = runs["root"]
+    assert runs["summaries"]["fp16"]["status"] == "ok"
+    assert rel_err(losses(str(root / "fp16")), losses(str(root / "ref_fp16"))) <= 5e-3
+    assert metric(str(root / "fp16"), "loss_scale") == metric(str(root / "ref_fp16"), "loss_scale")
 
 
 def test_resume_is_exact(runs):

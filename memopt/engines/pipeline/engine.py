@@ -194,6 +194,8 @@ class PipelineEngine(PrecisionEngine):
         pp (call on every rank), beside the schedule's formula for equal stages."""
         from memopt.engines.pipeline.schedules import planned_bubble
 
+        if self.fake:  # the planner's world: no times to report, and no objects cross it
+            return {"formula": planned_bubble(self.cfg)}
         idle = 1 - self._busy / self._wall if self._wall else None
         return {"idle": self.pp.gather_objects(idle), "formula": planned_bubble(self.cfg)}
 
