@@ -89,8 +89,9 @@ def main() -> None:
         (s,) = run_jobs_on_ranks(4, [(base + PP + [f"trainer.grad_accum={args.micro_batches // 2}"], d)])
         rows.append(row("pp=2 x dp=2 (4 ranks, 1f1b)", s, d))
     print(machine_line())
-    print(f"model={args.model} seq_len={args.seq_len} micro_batch={args.micro_batch} x {args.micro_batches} micro-batches "
-          f"per step (one pipeline; dp=2: half per rank), steps={args.steps}, fp32, gloo, 1 thread per rank")
+    print(f"model={args.model} seq_len={args.seq_len} micro_batch={args.micro_batch} x {args.micro_batches} "
+          f"micro-batches per step (one pipeline; dp=2: half per rank), steps={args.steps}, fp32, gloo, "
+          "1 thread per rank")
     print(table(["config", "peak MiB per rank", "activations MiB per rank", "idle measured per rank",
                  "bubble formula", "sent p2p MiB/step (rank 0)", "collectives MiB/step (rank 0)", "tokens/s", "step s"],
                 rows))

@@ -74,15 +74,20 @@ class Pipeline(Strategy):
         if c.schedule not in SCHEDULES:
             raise ConfigError(f"{p}.schedule={c.schedule!r} is not one of: {', '.join(SCHEDULES)}")
         if cfg.engine.name != "memopt":
-            raise ConfigError(f"+strategy=pipeline with engine={cfg.engine.name} is not built: its stages run in memopt's "
-                              "pipeline engine (DeepSpeed's PipelineModule and FSDP2 are not wired in); use engine=memopt")
+            raise ConfigError(f"+strategy=pipeline with engine={cfg.engine.name} is not built: its stages run in "
+                              "memopt's pipeline engine (DeepSpeed's PipelineModule and FSDP2 are not wired in); "
+                              "use engine=memopt")
         if m.arch != "gpt":
-            raise ConfigError(f"model.arch={m.arch!r} with +strategy=pipeline: stages are built for model.arch=gpt (its "
-                              "embeddings, blocks, final norm and head); use model.arch=gpt")
+            raise ConfigError(f"model.arch={m.arch!r} with +strategy=pipeline: stages are built for model.arch=gpt "
+                              "(its embeddings, blocks, final norm and head); use model.arch=gpt")
+        if m.freeze:
+            raise ConfigError(f"model.freeze={list(m.freeze)} with +strategy=pipeline is not built: a tied output "
+                              "layer is a copy on the last stage under another name, which the globs would not "
+                              "freeze with its embedding; use model.freeze=[] (or a run without pipeline)")
         pp = resolve_sizes(cfg.parallel, expected_world(cfg))["pp"]
         if pp < 2:
-            raise ConfigError(f"+strategy=pipeline with parallel.pp={pp} splits nothing: set parallel.pp>=2 (the stages; "
-                              "e.g. parallel.pp=2 trainer.nproc_per_node=2), or drop +strategy=pipeline")
+            raise ConfigError(f"+strategy=pipeline with parallel.pp={pp} splits nothing: set parallel.pp>=2 (the "
+                              "stages; e.g. parallel.pp=2 trainer.nproc_per_node=2), or drop +strategy=pipeline")
         v = virtual_stages(c)
         if c.schedule in MULTI and v < 2:
             raise ConfigError(f"{p}.virtual_stages={v} with {p}.schedule={c.schedule}: interleaved schedules place "
@@ -101,8 +106,8 @@ class Pipeline(Strategy):
         else:
             split = list(c.split)
             if len(split) != n or any(b < 1 for b in split) or sum(split) != m.n_layer:
-                raise ConfigError(f"{p}.split={split} must list {n} stages (parallel.pp={pp} x virtual_stages={v}) of at "
-                                  f"least one block each, summing to model.n_layer={m.n_layer}")
+                raise ConfigError(f"{p}.split={split} must list {n} stages (parallel.pp={pp} x virtual_stages={v}) "
+                                  f"of at least one block each, summing to model.n_layer={m.n_layer}")
         why = micro_batch_rule(c.schedule, cfg.trainer.grad_accum, pp)
         if why:
             raise ConfigError(why)

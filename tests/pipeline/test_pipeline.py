@@ -64,7 +64,8 @@ def runs(tmp_path_factory):
     jobs.append((BASE + ["+strategy=[pipeline,fp16]", "parallel.pp=2", *FP16], str(root / "fp16")))
     resume = pair(str(root), "resume", [*DENSE, *PP, "trainer.grad_accum=2"])
     summaries = run_jobs_on_ranks(2, jobs + resume)
-    refs = {"fp32": run_job(BASE, str(root / "ref")), "bf16": run_job(BASE + ["+strategy=bf16", *BF16], str(root / "ref_bf16")),
+    refs = {"fp32": run_job(BASE, str(root / "ref")),
+            "bf16": run_job(BASE + ["+strategy=bf16", *BF16], str(root / "ref_bf16")),
             "fp16": run_job(BASE + ["+strategy=fp16", *FP16], str(root / "ref_fp16"))}
     return {"root": root, "summaries": dict(zip([os.path.basename(d) for _, d in jobs], summaries)), "refs": refs,
             "resume": resume}
@@ -223,6 +224,8 @@ REFUSED = {
     "chunked_loss_unsupported": (["+strategy=[pipeline,chunked_loss]", "parallel.pp=2"],
                                "chunked_loss is not built for the pipeline engine.*drop \\+strategy=chunked_loss"),
     "llama": ([*PP, "model=llama_tiny"], "model.arch='llama' .* model.arch=gpt"),
+    "freeze": ([*PP, "model.freeze=[wte.*]"],
+               "model.freeze=\\['wte.\\*'\\] with \\+strategy=pipeline is not built.*model.freeze=\\[\\]"),
 }
 
 
@@ -239,7 +242,8 @@ def test_pp2_x_dp2_follows_single_process(tmp_path):
     """pp=2 x dp=2: each dp rank's pipeline runs 2 micro-batches of 2; one process sees the same 4
     micro-batches of 2 (the data's global batch is cut the same way), gradients averaged over dp."""
     base = [o for o in BASE if not o.startswith("trainer.grad_accum")]
-    (s,) = run_jobs_on_ranks(4, [(base + ["+strategy=[pipeline,ddp]", "parallel.pp=2", "trainer.grad_accum=2"], str(tmp_path / "pp"))])
+    pp_dp = base + ["+strategy=[pipeline,ddp]", "parallel.pp=2", "trainer.grad_accum=2"]
+    (s,) = run_jobs_on_ranks(4, [(pp_dp, str(tmp_path / "pp"))])
     run_job(base + ["trainer.grad_accum=4"], str(tmp_path / "ref"))
     assert s["status"] == "ok" and s["parallel"]["pp"] == 2 and s["parallel"]["dp"] == 2
     assert rel_err(losses(str(tmp_path / "pp")), losses(str(tmp_path / "ref"))) <= 1e-5

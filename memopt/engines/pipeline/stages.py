@@ -84,7 +84,8 @@ class StageModule(nn.Module):
             if self.wpe is not None:
                 x = x + self.wpe(torch.arange(T, device=idx.device))
             x = self.drop(x)
-        rope = None if self.cfg.pos_emb == "learned" else rope_cache(T, self.cfg.head_dim, x.device, self.cfg.rope_theta)
+        c = self.cfg
+        rope = None if c.pos_emb == "learned" else rope_cache(T, c.head_dim, x.device, c.rope_theta)
         x = self.runner(list(self.blocks), x, rope)  # (B, T, C)
         if self.last:
             x = self.ln_f(x)
