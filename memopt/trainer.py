@@ -187,7 +187,7 @@ class Trainer:
                     rec["val_loss"] = val_loss
                 step_metrics = getattr(engine, "step_metrics", None)
                 if step_metrics is not None:  # engine-specific placement (the chunk engine's chunks on device, ...)
-                    rec["chunk"] = step_metrics()
+                    rec[getattr(engine, "metrics_key", "chunk")] = step_metrics()  # (pipeline: its stages' busy time)
                 rec.update(engine.model.step_metrics())  # statistics of the model's parts (MoE routing: "moe"), nested
                 if tracker.enabled:
                     rec["peak_bytes"] = {d: v["total"] for d, v in tracker.peaks().items()}

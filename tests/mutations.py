@@ -94,6 +94,15 @@ MUTATIONS = [
     Mutation("static_partition", "memopt/engines/chunk/engine.py",
              "warmup, s.static_partition is not None, tracer", "warmup, False, tracer",
              (effect("static_partition"),)),
+    Mutation("pipeline_tied", "memopt/engines/pipeline/engine.py",
+             "if self.embed_group is not None and (self.is_first or self.is_last):",
+             "if False:", ("tests/pipeline/test_pipeline.py::test_schedule_follows_single_process",)),
+    Mutation("pipeline_norm", "memopt/engines/pipeline/engine.py",
+             "tracker, pp=pp)", "tracker, pp=None)",
+             ("tests/pipeline/test_pipeline.py::test_schedule_follows_single_process",)),
+    Mutation("pipeline_tied_norm", "memopt/engines/pipeline/engine.py",
+             'g.norm_elsewhere = gname == "tied_head"', "g.norm_elsewhere = False",
+             ("tests/pipeline/test_pipeline.py::test_schedule_follows_single_process",)),
 ]
 
 

@@ -18,8 +18,9 @@ ENGINES = {
     "chunk": "memopt.engines.chunk",
     "deepspeed": "memopt.engines.deepspeed",
     "fsdp2": "memopt.engines.fsdp2",
+    "pipeline": "memopt.engines.pipeline",
 }
-PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk is chosen by its strategy
+PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk and pipeline are chosen by their strategies
 
 
 def resolve(cfg) -> str:
@@ -44,13 +45,14 @@ def validate(cfg) -> None:
     """The engine's support of the selected strategies and of the parallel dimensions, then its own rules."""
     mod = engine_module(cfg)
     sizes = resolve_sizes(cfg.parallel, expected_world(cfg))
-    for dim in ("dp_replicate", "ep", "tp"):
+    for dim in ("pp", "dp_replicate", "ep", "tp"):
         if sizes[dim] > 1 and dim not in mod.PARALLEL:
             raise ConfigError(
                 f"parallel.{dim}={sizes[dim]} is not supported by {mod.LABEL} (engine={cfg.engine.name}): it uses "
                 f"the {', '.join(mod.PARALLEL)} dimension only; set parallel.{dim}=1"
-                + (" (replicate x shard is built for engine=fsdp2: HSDP)" if dim == "dp_replicate" else ""))
-    for dim in ("ep", "tp"):  # model-parallel dimensions: some selected strategy must split work over them
+                + (" (replicate x shard is built for engine=fsdp2: HSDP)" if dim == "dp_replicate" else "")
+                + (" (pipeline stages are built by +strategy=pipeline with engine=memopt)" if dim == "pp" else ""))
+    for dim in ("pp", "ep", "tp"):  # model-parallel dimensions: some selected strategy must split work over them
         if sizes[dim] > 1 and not any(dim in s.uses for s, _ in selected(cfg)):
             users = [n for n, s in registry().items() if dim in s.uses]
             raise ConfigError(f"parallel.{dim}={sizes[dim]} is not supported without a strategy that splits work over "

@@ -37,8 +37,9 @@ class ShardedAdamW:
     """AdamW over the owned range of every flat group (everything, for one rank or ddp)."""
 
     def __init__(self, groups: list, cfg, precision: Precision, ctx: Dim, tracker, offload: bool = False,
-                 pin_memory: bool = True, tp=None):
+                 pin_memory: bool = True, tp=None, pp=None):
         self.groups, self.cfg, self.precision, self.ctx, self.tracker = groups, cfg, precision, ctx, tracker
+        self.pp = pp  # pipeline parallelism: the stages' norms and overflow votes are combined (``StepSequence``)
         self.offload = offload
         self.step_count = 0
         dev = groups[0].device if groups else torch.device("cpu")
@@ -89,7 +90,8 @@ class ShardedAdamW:
                 with self.tracker.category("grads"):
                     grads[i] = torch.zeros_like(self.groups[i].full if self.groups[i].stage != 3 else self.groups[i].shard, dtype=torch.float32)[: self.master[i].numel()]
         dev = grads[0].device if grads else torch.device("cpu")
-        seq = StepSequence(self.precision, self.cfg.grad_clip, self.ctx, summed_over=self.ctx.size, device=dev, tp=self.tp)
+        seq = StepSequence(self.precision, self.cfg.grad_clip, self.ctx, summed_over=self.ctx.size, device=dev, tp=self.tp,
+                           pp=self.pp)
         bad = None
         if self.precision.scaler is not None:  # overflow check, agreed by every rank
             bad = torch.zeros((), dtype=torch.float32, device=dev)
@@ -116,7 +118,7 @@ class ShardedAdamW:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
         other = [i for i, gr in enumerate(self.groups) if gr.ctx is not self.ctx]  # over another dimension (experts: edp)
         for i, g in enumerate(grads):
-            if i in other:
+            if i in other or self.groups[i].norm_elsewhere:  # (a tied copy another pipeline stage counts)
                 continue
             for sl in slices(i):
                 if low[i]:

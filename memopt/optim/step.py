@@ -10,7 +10,9 @@
 
 With tensor parallelism (``tp``: the mesh's tp dimension) the split gradients differ between tp ranks:
 they vote on overflow too, and the other tp ranks' squared norms of their split gradients are added
-(replicated gradients, identical on every tp rank, count once).
+(replicated gradients, identical on every tp rank, count once). With pipeline parallelism (``pp``) every
+stage holds different parameters: the stages vote on overflow and their squared norms are summed (the
+engine leaves out of its share what another stage counts already: a tied output layer).
 
 The engine supplies the local pieces (which gradients it owns, in which dtype and where); the
 collectives and decisions are here, so the three engines cannot drift apart.
@@ -37,13 +39,15 @@ class StepSequence:
     ``dim``: the dimension whose ranks own the gradients (its collectives); ``summed_over``: how many
     ranks' gradients were summed into each one (1 where the reduction already averaged);
     ``device``: where the collectives' tensors live (NCCL reduces device tensors only); ``tp``: the
-    tensor-parallel dimension when some gradients are split over it.
+    tensor-parallel dimension when some gradients are split over it; ``pp``: the pipeline dimension
+    whose stages hold the other parameters.
     """
 
     def __init__(self, precision, grad_clip: float, dim, summed_over: int = 1, device: torch.device | str = "cpu",
-                 tp=None):
+                 tp=None, pp=None):
         self.precision, self.grad_clip, self.dim, self.device = precision, grad_clip, dim, device
         self.tp = tp if tp is not None and tp.enabled else None
+        self.pp = pp if pp is not None and pp.enabled else None
         self.scale = precision.loss_scale
         self.inv = 1.0 / (self.scale * summed_over)
 
@@ -57,6 +61,8 @@ class StepSequence:
         if self.tp is not None:
             self.tp.all_reduce_(flag, op=dist.ReduceOp.MAX)
         self.dim.all_reduce_(flag, op=dist.ReduceOp.MAX)
+        if self.pp is not None:
+            self.pp.all_reduce_(flag, op=dist.ReduceOp.MAX)
         overflow = bool(flag.item())
         self.precision.scaler.update(overflow)
         return overflow
@@ -69,6 +75,9 @@ class StepSequence:
         if sharded and self.dim.enabled:
             local_sq = local_sq.to(self.device, torch.float32)
             self.dim.all_reduce_(local_sq)
+        if self.pp is not None:  # every stage's parameters: the sum of the stages' squared norms
+            local_sq = local_sq.to(self.device, torch.float32)
+            self.pp.all_reduce_(local_sq)
         norm = math.sqrt(local_sq.item())
         clip = self.grad_clip
         return norm, (clip / (norm + 1e-6) if clip > 0 and norm > clip else None)

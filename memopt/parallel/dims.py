@@ -1,10 +1,11 @@
 """Named parallel dimensions on a device mesh: which ranks each collective runs over.
 
-The world is ``dp_replicate x dp_shard x tp`` ranks. The expert dimension ``ep`` is carved out of
+The world is ``pp x dp_replicate x dp_shard x tp`` ranks. The expert dimension ``ep`` is carved out of
 ``dp_shard`` (``dp_shard = dp_shard_mod_ep x ep``), as DeepSpeed-MoE and torchtitan do: expert
 groups are consecutive data-parallel ranks, and dense parameters stay data-parallel over all of
-them. Mesh dimensions, outermost first: ``dp_replicate, dp_shard_mod_ep, ep, tp`` (tp innermost,
-so the chattiest dimension spans the nearest ranks).
+them. Mesh dimensions, outermost first: ``pp, dp_replicate, dp_shard_mod_ep, ep, tp`` (tp innermost,
+so the chattiest dimension spans the nearest ranks; pp outermost, as in torchtitan and Megatron: a
+pipeline sends one activation per micro-batch, the least traffic, so its stages may span nodes).
 
 The groups the code names (``dims.<name>``):
 
@@ -14,6 +15,7 @@ The groups the code names (``dims.<name>``):
     ep        expert parallelism (the all_to_all of tokens)
     edp       ranks that hold the same experts (replicate x shard_mod_ep): expert gradients
     tp        tensor parallelism
+    pp        pipeline parallelism (+strategy=pipeline): the ranks holding the stages of one replica
 
 A dimension of size 1 has no process group and its collectives return at once, so a single process
 never touches ``torch.distributed``; with every size but data-parallel equal to 1, ``dp`` and
@@ -33,7 +35,7 @@ from memopt.errors import ConfigError
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 # named groups -> the mesh dimensions they flatten
 GROUPS = {
     "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
@@ -41,6 +43,7 @@ GROUPS = {
     "ep": ("ep",),
     "edp": ("dp_replicate", "dp_shard_mod_ep"),
     "tp": ("tp",),
+    "pp": ("pp",),
 }
 
 
@@ -48,6 +51,7 @@ GROUPS = {
 class ParallelConfig:
     """The ``parallel`` group: how the world is split. Sizes multiply to the world size."""
 
+    pp: int = 1  # pipeline-parallel degree: stages of the model (+strategy=pipeline); the outermost dimension
     dp_replicate: int = 1  # data-parallel replicas (HSDP's outer dimension)
     dp_shard: int = -1  # data-parallel ranks that partition states; -1: world / (dp_replicate * tp)
     ep: int = 1  # expert-parallel degree (divides dp_shard)
@@ -56,30 +60,31 @@ class ParallelConfig:
 
 def resolve_sizes(cfg: ParallelConfig, world: int) -> dict[str, int]:
     """Sizes of the mesh dimensions for ``world`` ranks; ConfigError naming the numbers otherwise."""
-    for name in ("dp_replicate", "ep", "tp"):
+    for name in ("pp", "dp_replicate", "ep", "tp"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(cfg, name)} must be >= 1")
     if cfg.dp_shard == 0 or cfg.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard={cfg.dp_shard} must be >= 1, or -1 to take what the world leaves")
-    rest = cfg.dp_replicate * cfg.tp
+    pp = cfg.pp
+    rest = pp * cfg.dp_replicate * cfg.tp
     shard = cfg.dp_shard
     if shard == -1:
         if world % rest:
             raise ConfigError(
-                f"parallel.dp_replicate={cfg.dp_replicate} x parallel.tp={cfg.tp} = {rest} does not divide the world "
-                f"size {world}; choose sizes whose product is {world}")
+                f"parallel.pp={pp} x parallel.dp_replicate={cfg.dp_replicate} x parallel.tp={cfg.tp} = {rest} does not "
+                f"divide the world size {world}; choose sizes whose product is {world}")
         shard = world // rest
-    if cfg.dp_replicate * shard * cfg.tp != world:
+    if pp * cfg.dp_replicate * shard * cfg.tp != world:
         raise ConfigError(
-            f"parallel sizes dp_replicate={cfg.dp_replicate} x dp_shard={shard} x tp={cfg.tp} = "
-            f"{cfg.dp_replicate * shard * cfg.tp} ranks, but the world has {world} "
+            f"parallel sizes pp={pp} x dp_replicate={cfg.dp_replicate} x dp_shard={shard} x tp={cfg.tp} = "
+            f"{pp * cfg.dp_replicate * shard * cfg.tp} ranks, but the world has {world} "
             f"(trainer.nproc_per_node x nodes); make the product {world}, e.g. parallel.dp_shard=-1")
     if shard % cfg.ep:
         raise ConfigError(
             f"parallel.ep={cfg.ep} does not divide the data-parallel shard size dp_shard={shard} (world {world}): "
             f"experts are split over data-parallel ranks; use an ep among "
             f"{[d for d in range(1, shard + 1) if shard % d == 0]}")
-    return {"dp_replicate": cfg.dp_replicate, "dp_shard_mod_ep": shard // cfg.ep, "ep": cfg.ep, "tp": cfg.tp}
+    return {"pp": pp, "dp_replicate": cfg.dp_replicate, "dp_shard_mod_ep": shard // cfg.ep, "ep": cfg.ep, "tp": cfg.tp}
 
 
 def expected_world(cfg) -> int:
@@ -168,11 +173,12 @@ class ParallelDims:
         return self.world.rank == 0
 
     def describe(self) -> str:
-        return ", ".join(f"{n}={self.dims[n].size}" for n in ("dp", "dp_shard", "ep", "tp")) + f" (world {self.world.size})"
+        return ", ".join(f"{n}={self.dims[n].size}" for n in ("pp", "dp", "dp_shard", "ep", "tp")) + f" (world {self.world.size})"
 
     def summary(self) -> dict[str, int]:
-        """What the run records keep: the size of every named dimension."""
-        return {n: d.size for n, d in self.dims.items()}
+        """What the run records keep: the size of every named dimension (pp only where it is used, so
+        the records and resumable checkpoints written before the dimension existed still compare equal)."""
+        return {n: d.size for n, d in self.dims.items() if n != "pp" or d.size > 1}
 
 
 def build_dims(cfg: ParallelConfig, device_type: str) -> ParallelDims:

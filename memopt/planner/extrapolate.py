@@ -54,6 +54,11 @@ def period(cfg) -> int:
     moe = getattr(s, "moe", None)
     if moe is not None:
         p = math.lcm(p, moe.every_k_layers)
+    pipe = getattr(s, "pipeline", None)
+    if pipe is not None:  # every stage gains a block at once (an even split); a given split: exact only
+        from memopt.engines.pipeline.schedules import stages_of
+
+        p = math.lcm(p, n if pipe.split is not None else stages_of(cfg))
     return p
 
 

@@ -10,7 +10,8 @@ Fit rules (one node; every node of a data-parallel run holds the same):
 
 Step time = compute + offload + communication + optimizer, not overlapped (an upper estimate; the plan
 says which term dominates): FLOPs counted on the simulated step / (peak FLOP/s of the compute dtype x
-``compute_efficiency``, the fraction of the datasheet peak dense training reaches), host<->device bytes /
+``compute_efficiency``, the fraction of the datasheet peak dense training reaches; a pipeline stage's
+compute divided by 1 - its schedule's bubble), host<->device bytes /
 ``host_device_gbps``, collective bus bytes / ``device_device_gbps``, and the parameters whose AdamW step
 runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk engine's host optimizer groups;
 per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. Measured on one H100 on
@@ -147,12 +148,17 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
         "comm_s": sim["traffic"].get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None,
         "optimizer_s": 0.0 if not host_params else host_params * ranks_per_node / (rate * 1e9) if rate else None,
     }
+    from memopt.engines.pipeline.schedules import planned_bubble
+
+    bubble = planned_bubble(cfg)  # pipeline stages idle (pp - 1) of (m + pp - 1) micro-batch slots
+    if bubble and terms["compute_s"] is not None:
+        terms["compute_s"] /= 1 - bubble
     known = {k: v for k, v in terms.items() if v is not None}
     total = sum(known.values()) if terms["compute_s"] is not None else None  # comm alone would rank wrongly
     tokens = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * cfg.model.seq_len
     return {**terms, "total_s": total, "dominant": max(known, key=known.get)[:-2] if known else None,
             "compute_dtype": dtype, "peak_tflops": peak, "compute_efficiency": eff,
-            "host_optim_params": host_params, "host_adam_gparams_s": rate,
+            "host_optim_params": host_params, "host_adam_gparams_s": rate, **({"bubble_fraction": bubble} if bubble else {}),
             "tokens_per_s_per_device": tokens / total if total else None}
 
 

@@ -225,7 +225,8 @@ class PlanTracker(MemoryTracker):
 
     def _count_collective(self, func, args, kwargs, out) -> None:
         """Bus bytes of one collective (nccl-tests' convention): all-reduce 2(n-1)/n x size,
-        all-gather / reduce-scatter / all-to-all (n-1)/n x the full buffer, broadcast x size; n is the
+        all-gather / reduce-scatter / all-to-all (n-1)/n x the full buffer, broadcast and send x size
+        (a receive counts nothing: its sender counts the transfer, on a full-duplex link); n is the
         size of its group (a ProcessGroup argument, or the group name of a functional collective).
         Kinds of ``memopt.parallel.comm`` also get calls and payload bytes (its convention)."""
         from memopt.parallel.comm import KINDS, _bytes, _payload
@@ -237,7 +238,8 @@ class PlanTracker(MemoryTracker):
         if kind is None:  # wait_tensor, barrier, ...: nothing of their own crosses a link
             return
         payload = _bytes(_payload(func.namespace, kind, args, out))
-        factor = 2 * (n - 1) / n if kind == "all_reduce" else 1.0 if kind in ("broadcast", "reduce") else (n - 1) / n
+        factor = 2 * (n - 1) / n if kind == "all_reduce" else 1.0 if kind in ("broadcast", "reduce", "send") else \
+            0.0 if kind == "recv" else (n - 1) / n  # point-to-point: the sender's payload (links are full duplex)
         bus = int(payload * factor)
         self.traffic["comm_bytes"] += bus
         rec = self.comm_ops[kind]

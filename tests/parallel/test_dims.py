@@ -11,16 +11,17 @@ from tests.conftest import typed
 
 
 @pytest.mark.parametrize("cfg, world, want", [
-    (ParallelConfig(), 1, {"dp_replicate": 1, "dp_shard_mod_ep": 1, "ep": 1, "tp": 1}),
-    (ParallelConfig(), 8, {"dp_replicate": 1, "dp_shard_mod_ep": 8, "ep": 1, "tp": 1}),
-    (ParallelConfig(tp=2), 8, {"dp_replicate": 1, "dp_shard_mod_ep": 4, "ep": 1, "tp": 2}),
-    (ParallelConfig(dp_replicate=2, ep=2), 8, {"dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 2, "tp": 1}),
-    (ParallelConfig(dp_replicate=2, dp_shard=2, tp=2), 8, {"dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 1, "tp": 2}),
+    (ParallelConfig(), 1, {"pp": 1, "dp_replicate": 1, "dp_shard_mod_ep": 1, "ep": 1, "tp": 1}),
+    (ParallelConfig(), 8, {"pp": 1, "dp_replicate": 1, "dp_shard_mod_ep": 8, "ep": 1, "tp": 1}),
+    (ParallelConfig(tp=2), 8, {"pp": 1, "dp_replicate": 1, "dp_shard_mod_ep": 4, "ep": 1, "tp": 2}),
+    (ParallelConfig(dp_replicate=2, ep=2), 8, {"pp": 1, "dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 2, "tp": 1}),
+    (ParallelConfig(dp_replicate=2, dp_shard=2, tp=2), 8, {"pp": 1, "dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 1, "tp": 2}),
+    (ParallelConfig(pp=2, tp=2), 8, {"pp": 2, "dp_replicate": 1, "dp_shard_mod_ep": 2, "ep": 1, "tp": 2}),
 ])
 def test_sizes_fill_the_world(cfg, world, want):
     got = resolve_sizes(cfg, world)
     assert got == want
-    assert got["dp_replicate"] * got["dp_shard_mod_ep"] * got["ep"] * got["tp"] == world
+    assert got["pp"] * got["dp_replicate"] * got["dp_shard_mod_ep"] * got["ep"] * got["tp"] == world
 
 
 @pytest.mark.parametrize("cfg, world, words", [
@@ -29,6 +30,8 @@ def test_sizes_fill_the_world(cfg, world, want):
     (ParallelConfig(ep=4), 6, ["parallel.ep=4", "dp_shard=6", "[1, 2, 3, 6]"]),
     (ParallelConfig(tp=0), 2, ["parallel.tp=0", ">= 1"]),
     (ParallelConfig(dp_shard=0), 2, ["parallel.dp_shard=0"]),
+    (ParallelConfig(pp=3), 4, ["parallel.pp=3", "does not divide the world size 4"]),
+    (ParallelConfig(pp=2, dp_shard=4), 4, ["pp=2 x dp_replicate=1 x dp_shard=4", "world has 4"]),
 ])
 def test_impossible_sizes_are_refused_with_the_numbers(cfg, world, words):
     with pytest.raises(ConfigError) as e:
@@ -95,3 +98,9 @@ def test_four_ranks_form_the_documented_groups():
         g = res[r]
         assert g["ep"][0] == [r - r % 2, r - r % 2 + 1] and g["edp"][0] == [r % 2, r % 2 + 2]
         assert g["dp"][0] == [0, 1, 2, 3] and g["ep"][3] == sum(g["ep"][0]) and g["edp"][3] == sum(g["edp"][0])
+    # pipeline stages outermost: a pipeline spans the far ranks, each stage's data parallelism the near ones
+    res = launch(4, groups_of_this_rank, {"pp": 2})
+    for r in range(4):
+        g = res[r]
+        assert g["pp"][0] == [r % 2, r % 2 + 2] and g["pp"][1] == r // 2 and g["pp"][3] == sum(g["pp"][0])
+        assert g["dp"][0] == [r - r % 2, r - r % 2 + 1] and g["dp_shard"][0] == g["dp"][0] and g["dp"][3] == sum(g["dp"][0])

@@ -210,6 +210,7 @@ TWO_RANK = {
     "tp": ["+strategy=tp", "parallel.tp=2"],
     "chunk": ["+strategy=chunk"],
     "chunk_nocache": ["+strategy=chunk", "strategy.chunk.mem_cache=0"],
+    "pipeline": ["+strategy=pipeline", "parallel.pp=2", "strategy.pipeline.schedule=gpipe"],
 }
 
 
@@ -299,13 +300,24 @@ def check_mem_cache(two):
     assert chunk <= extra <= 2 * 2 * chunk, (extra, chunk)  # at least one remote chunk, at most mem_cache=2 units
 
 
+def check_pipeline(two):
+    """Each stage holds its half of the blocks (the first the embeddings, the last the final norm and
+    its copy of the tied output layer: V x C more in all), activations cross with send / recv, and the
+    loss is the one-process loss."""
+    s, lp = two["pipeline"]
+    p0, p1 = peak(s, "params", rank="0"), peak(s, "params", rank="1")
+    assert p0 + p1 == 4 * (P + V * C) and max(p0, p1) < 0.75 * 4 * P
+    assert comm(s, "send") >= 4 * B * T * C
+    assert rel(lp, two["one_process"][1]) < 1e-5
+
+
 ONE_RANK = {"ckpt": check_ckpt, "act_offload": check_act_offload, "chunked_loss": check_chunked_loss,
             "flash_attn": check_flash_attn, "moe": check_moe, "lora": check_lora, "fp16": check_fp16, "bf16": check_bf16,
             "chunk": check_chunk, "static_partition": check_static_partition, "hybrid_adam": check_hybrid_adam,
             "cpu_offload": check_cpu_offload, "auto": check_auto}
 TWO = {"ddp": check_ddp, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
        "cpu_offload.offload_param": check_offload_param, "chunk.two_ranks": check_chunk_two_ranks,
-       "chunk.mem_cache": check_mem_cache}
+       "chunk.mem_cache": check_mem_cache, "pipeline": check_pipeline}
 
 
 def test_every_registered_strategy_has_an_effect_check():

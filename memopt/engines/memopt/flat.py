@@ -26,6 +26,10 @@ from memopt.parallel import Dim
 class FlatGroup:
     """A set of parameters packed into one flat buffer, sharded evenly over the ranks."""
 
+    # the gradient norm leaves this group out: another rank counts the same values (pipeline
+    # parallelism's tied output layer, a copy of the first stage's embedding and of its gradient)
+    norm_elsewhere = False
+
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter, tuple[int, ...]]], ctx: Dim,
                  dtype: torch.dtype, device: torch.device, stage: int, tracker, grad_dtype: torch.dtype = torch.float32,
                  param_host: bool = False):
