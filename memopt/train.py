@@ -190,7 +190,9 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
         p = plan["placement"]
         why = ("this plan's warm-up decision" if p["device_groups"] == p.get("warmup_groups", p["device_groups"]) else
                f"the most the warm-up's moments allow with other parameter chunks evicted; its own margin held "
-               f"{p['warmup_groups']}")
+               f"{p['warmup_groups']}" if p["device_groups"] == p.get("device_max") else
+               f"{p['device_max']} allowed by the warm-up's moments, fewer left room for the device's transients; "
+               f"its own margin held {p['warmup_groups']}")
         hint = (f"\n  Hybrid Adam: {p['device_groups']} optimizer group(s) per rank on the device from step 0 "
                 f"(strategy.hybrid_adam.device_groups={p['device_groups']}, {why}); node host "
                 f"{fmt(p['node_host_bytes_warmup_placed'])} if placed after the warm-up") + hint

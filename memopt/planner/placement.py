@@ -39,11 +39,15 @@ def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
     warm-up). The count: the warm-up's own (PatrickStar's margin: every parameter chunk kept on the
     device), or, when that plan does not fit, the most the warm-up's moments allow (the device budget
     less the fullest moment with every chunk it does not compute with evicted: parameter chunks then
-    move between host and device each step so that the host holds fewer optimizer bytes).
+    move between host and device each step so that the host holds fewer optimizer bytes). When that many
+    leave the device too little room (the plan's device peak over the device: a moment's transients
+    beyond what its warm-up recorded), the groups the overflow takes go back to the host and the run is
+    planned again, down to the warm-up's count.
 
     The first plan (the probe, ``probe_config``) runs without ``limits`` and without the engine's host
     check: the warm-up must run to decide, and the run may fit only once the groups are placed (a model
     whose states alone exceed the host RAM may fit with groups on the devices)."""
+    from memopt.memory.tracker import HOST
     from memopt.planner.plan import make_plan
     from memopt.planner.simulate import PlanOverflow
 
@@ -58,19 +62,47 @@ def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
         host_check(cfg)  # the probe skipped it: the engine refuses the run as typed here, as at its build
         return first
     n, most = decided
-    tries = [k for k in dict.fromkeys((n, most)) if k]
-    for i, k in enumerate(tries):
+    if n and n != most:  # the warm-up's own count first: PatrickStar's margin, no parameter chunk moves for it
+        try:
+            placed = make_plan(with_device_groups(cfg, n), hw, limits)
+            if placed["fits"]:
+                return _noted(placed, n, n, most, first)
+        except PlanOverflow:
+            pass
+    group = 12 * _chunk_size(cfg)  # one optimizer group: fp32 master, momentum, variance of a chunk
+    k = most
+    while True:
         try:
             placed = make_plan(with_device_groups(cfg, k), hw, limits)
-        except PlanOverflow:
-            if i == len(tries) - 1:
+        except PlanOverflow as e:
+            if e.device == HOST or e.reason is not None or k <= n:
                 raise
+            k = max(n, k - max(1, -(-(e.total - e.limit) // group)))
             continue
-        if placed.get("fits") or i == len(tries) - 1:
-            placed["placement"] = {"device_groups": k, "warmup_groups": n, "device_max": most,
-                                   "node_host_bytes_warmup_placed": first["node_host_bytes"]}
-            return placed
-    return first  # unreachable: tries is not empty
+        dev = placed["fit"].get("device")
+        if placed["fits"] or dev is None or dev["fits"] or k <= n:
+            return _noted(placed, k, n, most, first)
+        # the groups leave the device's transients too little room (a moment's bytes beyond the ones its
+        # warm-up recorded): the groups the overflow takes go back to the host, and the run is planned again
+        k = max(n, k - max(1, -(-(-dev["margin"]) // group)))
+
+
+def _noted(placed: dict, k: int, n: int, most: int, first: dict) -> dict:
+    placed["placement"] = {"device_groups": k, "warmup_groups": n, "device_max": most,
+                           "node_host_bytes_warmup_placed": first["node_host_bytes"]}
+    return placed
+
+
+def _chunk_size(cfg) -> int:
+    """The chunk size the engine chooses for ``cfg`` (its layout on rank 0, nothing allocated)."""
+    import copy
+
+    from memopt.parallel.dims import expected_world
+    from memopt.planner.extrapolate import _layout
+
+    probe = copy.deepcopy(cfg)
+    probe.hardware.host_memory_gb = float(2**40)  # the layout alone: the host check is the plan's to judge
+    return _layout(probe, 0, expected_world(cfg))["chunk_size"]
 
 
 def host_check(cfg) -> None:
