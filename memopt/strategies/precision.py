@@ -108,8 +108,13 @@ class Precision:
         return cls.from_strategies(getattr(cfg.strategy, "fp16", None), getattr(cfg.strategy, "bf16", None))
 
     def autocast(self, device: torch.device):
-        """Context manager for the forward pass."""
-        return torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
+        """Context manager for the forward pass. Without autocast's weight cache: it keeps the cast copy of
+        every parameter until the forward ends, so under ZeRO-3 (parameters gathered one layer at a time)
+        a forward held a compute-dtype copy of the whole model (Llama-3-70B on 8 ranks: 131 GiB a rank,
+        planned), and checkpointing could not free the copies a checkpointed block's matmuls saved. Each
+        use casts again instead (the same values; one cast per use, what a single-use weight costs anyway)."""
+        return torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32,
+                              cache_enabled=False)
 
     @property
     def loss_scale(self) -> float:
