@@ -72,3 +72,20 @@ def test_a_run_whose_preflight_planned_takes_the_plans_placement(tmp_path, monke
     n = t.strategy.hybrid_adam.device_groups
     assert n is not None and n >= 1 and cfg.strategy.hybrid_adam.device_groups == n
     assert f"strategy.hybrid_adam.device_groups={n}" in capsys.readouterr().err
+
+
+def test_a_run_that_fits_with_the_warm_ups_count_is_left_to_its_warm_up(tmp_path):
+    """gpt_1b's width at 4 layers under a 2.5 GB chunk budget on an H100 profile (the GPU check's chunk
+    row): the warm-up places no group and the run fits so; the most the moments allow (more than none)
+    would make parameter chunks move between host and device every step (5x the step on the H100). The
+    reference: the same command with the placement typed as none."""
+    cmd = ["logger=none", "data=synthetic", "model=gpt_1b", "model.n_layer=4", "hardware=h100_sxm",
+           "hardware.host_memory_gb=120", "+strategy=[hybrid_adam,ckpt]", "strategy.chunk.device_budget_gb=2.5",
+           "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.6", "trainer.micro_batch_size=1", "trainer.mode=plan"]
+    auto, none = tmp_path / "auto", tmp_path / "none"
+    assert cli_main([*cmd, f"hydra.run.dir={auto}"]) == 0
+    assert cli_main([*cmd, "strategy.hybrid_adam.device_groups=0", f"hydra.run.dir={none}"]) == 0
+    a, z = (json.loads((d / "plan.json").read_text()) for d in (auto, none))
+    assert a["fits"] and a["optim_groups_device_max"]["0"] > 0  # the hard margin would allow groups ...
+    assert "placement" not in a  # ... but none is forced: the warm-up's own count (none) fits
+    assert a["peak_bytes"]["0"]["device"]["chunks"] == z["peak_bytes"]["0"]["device"]["chunks"]
