@@ -101,12 +101,26 @@ def _index(n: int, tp: int, rank: int, blocks: int = 1) -> torch.Tensor:
     return torch.cat([torch.arange(b * part + rank * step, b * part + (rank + 1) * step) for b in range(blocks)])
 
 
-def _plan(c: TPConfig, n_layer: int):
+# Each architecture's module names: (column-parallel Linears of attention with their (dim, blocks),
+# attention's row-parallel output, the MLP's column-parallel Linears, its row-parallel output, the
+# block's norms, the final norm, a learned position table or None). GPT fuses q, k and v (three parts,
+# each split); Llama's q, k and v are separate (grouped-query attention: k and v hold n_kv_head heads,
+# split over tp like q's n_head, so rank r's query heads use rank r's key/value heads) and its SwiGLU
+# has two column-parallel inputs (gate, up) into one row-parallel output (down).
+ARCH = {
+    "gpt": ({"attn.qkv": 3}, "attn.proj", ("mlp.fc",), "mlp.proj", ("ln1", "ln2"), "ln_f", "wpe"),
+    "llama": ({"attn.q_proj": 1, "attn.k_proj": 1, "attn.v_proj": 1}, "attn.o_proj",
+              ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj", ("attn_norm", "mlp_norm"), "norm", None),
+}
+
+
+def _plan(c: TPConfig, n_layer: int, arch: str = "gpt"):
     """{module path: ParallelStyle} and {parameter name: (dim, blocks)} for the chosen form."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                    SequenceParallel)
 
+    attn_in, attn_out, mlp_in, mlp_out, norms, final_norm, pos = ARCH[arch]
     sp = c.sequence_parallel
     seq = Shard(1) if sp else Replicate()
     logits = Shard(-1) if c.loss_parallel else Replicate()  # loss_parallel: the local (B, T, V/tp) columns
@@ -114,22 +128,22 @@ def _plan(c: TPConfig, n_layer: int):
             "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=logits)}
     split = {"wte.weight": (0, 1), "lm_head.weight": (0, 1)}
     if sp:
-        plan["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-        plan["ln_f"] = SequenceParallel()
+        if pos is not None:
+            plan[pos] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        plan[final_norm] = SequenceParallel()
     for i in range(n_layer):
         b = f"blocks.{i}"
         if c.form == "all_reduce":
-            plan.update({f"{b}.attn.qkv": ColwiseParallel(input_layouts=seq),
-                         f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
-                         f"{b}.mlp.fc": ColwiseParallel(input_layouts=seq),
-                         f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq)})
-            split.update({f"{b}.attn.qkv.weight": (0, 3), f"{b}.attn.qkv.bias": (0, 3),
-                          f"{b}.attn.proj.weight": (1, 1),
-                          f"{b}.mlp.fc.weight": (0, 1), f"{b}.mlp.fc.bias": (0, 1), f"{b}.mlp.proj.weight": (1, 1)})
+            for m, parts in [*attn_in.items(), *((m, 1) for m in mlp_in)]:
+                plan[f"{b}.{m}"] = ColwiseParallel(input_layouts=seq)
+                split.update({f"{b}.{m}.weight": (0, parts), f"{b}.{m}.bias": (0, parts)})
+            for m in (attn_out, mlp_out):
+                plan[f"{b}.{m}"] = RowwiseParallel(output_layouts=seq)
+                split[f"{b}.{m}.weight"] = (1, 1)
             if sp:
-                plan.update({f"{b}.ln1": SequenceParallel(), f"{b}.ln2": SequenceParallel()})
+                plan.update({f"{b}.{n}": SequenceParallel() for n in norms})
         else:  # every Linear column-parallel, its output all-gathered
-            for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"):
+            for m in (*attn_in, attn_out, *mlp_in, mlp_out):
                 plan[f"{b}.{m}"] = ColwiseParallel(output_layouts=Replicate())
                 split.update({f"{b}.{m}.weight": (0, 1), f"{b}.{m}.bias": (0, 1)})
     return plan, split
@@ -243,12 +257,13 @@ class TPStrategy(Strategy):
         if c.sequence_parallel and c.form != "all_reduce":
             raise ConfigError(f"{p}.sequence_parallel=true needs {p}.form=all_reduce: the all_gather form has no "
                               "row-parallel layer whose all-reduce becomes a reduce-scatter")
-        if m.arch != "gpt":
-            raise ConfigError(f"strategy tp has a plan for model.arch=gpt only (got {m.arch!r}): its plan splits the "
-                              "GPT's fused qkv and GELU MLP; a Llama plan (separate q/k/v with the key/value heads "
-                              "split over tp, SwiGLU's gate and up column-split) is not built. Use ZeRO "
-                              "(+strategy=zero3) or engine=fsdp2 to spread a Llama over ranks")
-        for field, n in (("n_head", m.n_head), ("d_ff", m.ff), ("vocab_size", m.vocab_size), ("d_model", m.d_model)):
+        if m.arch not in ARCH:
+            raise ConfigError(f"strategy tp has a plan for model.arch in {sorted(ARCH)} (got {m.arch!r}); use ZeRO "
+                              "(+strategy=zero3) or engine=fsdp2 to spread it over ranks")
+        dims = [("n_head", m.n_head), ("d_ff", m.ff), ("vocab_size", m.vocab_size), ("d_model", m.d_model)]
+        if m.arch == "llama":  # grouped-query attention: the key/value heads are split too (none replicated)
+            dims.insert(1, ("n_kv_head", m.kv_heads))
+        for field, n in dims:
             if n % tp:
                 raise ConfigError(f"model.{field}={n} is not divisible by parallel.tp={tp}: each tensor-parallel rank "
                                   f"holds {field} / tp of it; use a tp among "
@@ -265,7 +280,7 @@ class TPStrategy(Strategy):
 
         dim = build.dims.tp
         tp, rank = dim.size, dim.rank
-        plan, split = _plan(c, len(model.blocks))
+        plan, split = _plan(c, len(model.blocks), build.cfg.model.arch)
         tied = model.lm_head.weight is model.wte.weight
         parallelize_module(model, dim.mesh, plan)
         if tied:  # parallelize_module distributes each module's weight on its own: tie the two Shard(0) copies
@@ -273,7 +288,9 @@ class TPStrategy(Strategy):
         _to_local_params(model)
         if c.form == "all_reduce":
             for b in model.blocks:
-                b.attn.n_head //= tp  # this rank's heads
+                b.attn.n_head //= tp  # this rank's heads (and key/value heads: grouped-query attention)
+                if hasattr(b.attn, "n_kv_head"):
+                    b.attn.n_kv_head //= tp
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         full = {n: tuple(s) for n, s in _full_shapes(model, split, tp).items()}
         all_rules = {r: {n: Rule(full[n], d, _index(full[n][d], tp, r, k)) for n, (d, k) in split.items() if n in names}

@@ -294,3 +294,29 @@ def test_activations_of_a_block_split_as_predicted(tmp_path):
         act = [out[f"{name}{L}"]["peak_bytes"]["0"]["cpu"]["activations"] for L in (1, 2)]
         got = (act[1] - act[0]) / unit
         assert got == pytest.approx(want, rel=0.03), (name, got, want)  # LayerNorm statistics, sdpa's logsumexp
+
+
+def test_llama_tp2_splits_grouped_query_heads_and_follows_single_process(tmp_path):
+    """Llama (grouped-query attention: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rope)
+    at tp=2, Megatron's form with sequence parallelism and the vocabulary-parallel loss, and the
+    all-gather form: each rank holds its 2 query heads' key/value head, its halves of gate/up and of
+    down's columns; the plain single-process run is the reference (losses, gradient norms, weights)."""
+    llama = [o.replace("model=gpt_tiny", "model=llama_tiny") for o in BASE]
+    forms = {"sp": ["strategy.tp.sequence_parallel=true", "strategy.tp.loss_parallel=true"],
+             "ag": ["strategy.tp.form=all_gather"]}
+    out = run_jobs_on_ranks(2, [([*llama, "+strategy=tp", "parallel.tp=2", *extra], str(tmp_path / n))
+                                for n, extra in forms.items()])
+    run_job(llama, str(tmp_path / "ref"))
+    assert all(s["status"] == "ok" and s["parallel"]["tp"] == 2 for s in out)
+    for n in forms:
+        check_follows(str(tmp_path / n), str(tmp_path / "ref"))
+    m = typed([*llama, "+strategy=tp", "parallel.tp=2", "trainer.nproc_per_node=2"]).model
+    C, F, D = m.d_model, m.ff, m.head_dim
+    split = m.vocab_size * C * 2 + m.n_layer * (C * (m.n_head + 2 * m.kv_heads) * D + m.n_head * D * C + 3 * C * F)
+    replicated = m.n_layer * 2 * C + C  # RMSNorm weights
+    assert out[0]["peak_bytes"]["0"]["cpu"]["params"] == 4 * (replicated + split // 2)
+
+
+def test_llama_tp_needs_the_key_value_heads_divisible():
+    with pytest.raises(ConfigError, match=r"model.n_kv_head=2 is not divisible by parallel.tp=4"):
+        typed(["model=llama_tiny", "+strategy=tp", "parallel.tp=4", "trainer.nproc_per_node=4"])
