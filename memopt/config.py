@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from memopt import engines
-from memopt.data import BYTE_VOCAB, DataConfig
+from memopt.data import DataConfig
 from memopt.errors import ConfigError
 from memopt.memory.hardware import HardwareConfig, check_hardware
 from memopt.models import ModelConfig, model_class
@@ -176,9 +176,14 @@ def validate(cfg: TrainConfig) -> None:
                                   ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optim.{name}={value} must be {want}")
-    if cfg.model.vocab_size < BYTE_VOCAB:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte-level vocabulary of "
-                          f"data={cfg.data.name} ({BYTE_VOCAB} token ids); use model.vocab_size>={BYTE_VOCAB}")
+    from memopt.data import vocab_size
+
+    ids = vocab_size(cfg.data)  # a data.tokenizer is read here: refused before anything is built
+    if cfg.model.vocab_size < ids:
+        what = f"data.tokenizer={cfg.data.tokenizer!r}" if cfg.data.tokenizer else "the byte-level vocabulary of " \
+            f"data={cfg.data.name}"
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {what} ({ids} token ids); use "
+                          f"model.vocab_size>={ids}")
     _one_of("logger.name", cfg.logger.name, ("wandb", "none"))
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     check_hardware(cfg.hardware)

@@ -1,7 +1,9 @@
 """Token streams and the world-size-independent batch sampler.
 
-Corpora are byte-level: a token is one UTF-8 byte (vocabulary 256), so no tokenizer has to be
-downloaded. ``pydoc`` is the default corpus: the standard library's ``pydoc_data.topics`` (real
+Corpora are byte-level by default: a token is one UTF-8 byte (vocabulary 256), so no tokenizer has to
+be downloaded. ``data.tokenizer=DIR`` reads a local tokenizer directory instead (its ``tokenizer.json``,
+the format of Hugging Face's ``tokenizers`` package, which every Llama and GPT-2 checkpoint directory
+ships): the text corpora are encoded by it once, at load. ``pydoc`` is the default corpus: the standard library's ``pydoc_data.topics`` (real
 English text that ships with every CPython, ~460 KB).
 
 Batches: the global batch of step s is drawn by a generator seeded with (seed, s) and depends on
@@ -29,6 +31,7 @@ class DataConfig:
     path: str | None = None  # UTF-8 text file for name=text_file
     val_fraction: float = 0.05  # tail of the corpus held out for evaluation
     synthetic_tokens: int = 1_000_000  # corpus length for name=synthetic (uniform random bytes)
+    tokenizer: str | None = None  # a directory with tokenizer.json (the tokenizers package); null: bytes
 
 
 class DataError(ConfigError):
@@ -36,8 +39,44 @@ class DataError(ConfigError):
     before the model is built, so the run is ``refused`` like any other bad input."""
 
 
+def tokenizer_of(cfg: DataConfig):
+    """The ``tokenizers.Tokenizer`` of ``data.tokenizer`` (None: byte tokens), refused with the reason."""
+    if not cfg.tokenizer:
+        return None
+    if cfg.name == "synthetic":
+        raise DataError("data.tokenizer applies to text corpora (data=pydoc or data=text_file); data=synthetic "
+                        "draws random byte tokens: drop data.tokenizer")
+    path = os.path.join(os.path.expanduser(cfg.tokenizer), "tokenizer.json")
+    if not os.path.isfile(path):
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r}: no tokenizer.json there; give a directory holding "
+                        "the tokenizers package's tokenizer.json (a Hugging Face model directory has one)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError("data.tokenizer needs the tokenizers package (pip install tokenizers)") from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the library's own parse error: name the file
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r}: {path} is not a tokenizer the tokenizers package reads "
+                        f"({type(e).__name__}: {e})") from None
+
+
+def vocab_size(cfg: DataConfig) -> int:
+    """Token ids the corpus may hold: the tokenizer's vocabulary (added tokens included), or 256 bytes."""
+    tok = tokenizer_of(cfg)
+    return BYTE_VOCAB if tok is None else tok.get_vocab_size(with_added_tokens=True)
+
+
 def load_tokens(cfg: DataConfig, seed: int = 0) -> torch.Tensor:
-    """The whole corpus as a 1-D uint8 tensor of byte tokens."""
+    """The whole corpus as a 1-D tensor of token ids: uint8 bytes, or int32 ids of ``data.tokenizer``."""
+    raw = _load_bytes(cfg, seed)
+    tok = tokenizer_of(cfg)
+    if tok is None or raw.dtype != torch.uint8 or cfg.name == "synthetic":
+        return raw
+    return torch.tensor(tok.encode(bytes(raw.numpy()).decode("utf-8")).ids, dtype=torch.int32)
+
+
+def _load_bytes(cfg: DataConfig, seed: int) -> torch.Tensor:
     if cfg.name == "pydoc":
         from pydoc_data.topics import topics
 
