@@ -1,7 +1,9 @@
 """``python -m memopt.export RUN_DIR OUT``: a run's weights as a Hugging Face directory.
 
 Reads the run's ``model.pt`` (memory-mapped: one tensor at a time is touched) and writes ``OUT/config.json`` and
-``OUT/model.safetensors`` in the layout of ``GPT2LMHeadModel`` (model.arch=gpt) or ``LlamaForCausalLM``
+``OUT/model.safetensors`` (or, above ``--max-shard-gb``, shards ``model-0000k-of-0000n.safetensors`` with
+``model.safetensors.index.json``, as ``save_pretrained`` names them; one shard's tensors in memory at a
+time) in the layout of ``GPT2LMHeadModel`` (model.arch=gpt) or ``LlamaForCausalLM``
 (model.arch=llama), which ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads. The weights
 are written in fp32, as model.pt holds them; a tied head is written once (as the embedding). A model that
 Hugging Face's class cannot express (rotary GPT, no biases, MoE) is refused naming what.
@@ -18,13 +20,14 @@ import torch
 from memopt.errors import ConfigError
 
 
-def export(run_dir: str, out: str) -> str:
-    """Write ``out`` (a directory) from ``run_dir`` (a run directory or its model.pt); returns ``out``."""
-    from safetensors.torch import save_file
-
+def export(run_dir: str, out: str, max_shard_gb: float = 5.0) -> str:
+    """Write ``out`` (a directory) from ``run_dir`` (a run directory or its model.pt); returns ``out``.
+    Shards hold at most ``max_shard_gb`` GB each (Hugging Face's default 5 GB; a larger tensor alone)."""
     from memopt.models.base import ModelConfig
     from memopt.models.hf import hf_config, hf_name
 
+    if max_shard_gb <= 0:
+        raise ConfigError(f"--max-shard-gb={max_shard_gb} must be > 0 (Hugging Face's default: 5)")
     path = os.path.join(run_dir, "model.pt") if os.path.isdir(run_dir) else run_dir
     if not os.path.isfile(path):
         raise ConfigError(f"no model.pt at {path}: a finished run directory holds one")
@@ -37,26 +40,59 @@ def export(run_dir: str, out: str) -> str:
                           "Hugging Face's GPT-2 and Llama classes do not have")
     cfg = ModelConfig(**ckpt["model_config"])
     config = hf_config(cfg)
-    tensors = {}
-    for name, t in ckpt["state_dict"].items():
-        if cfg.tie_embeddings and name == "lm_head.weight":
-            continue  # the embedding, once (transformers ties it back)
-        hf, transposed = hf_name(cfg.arch, name)
-        tensors[hf] = (t.t() if transposed else t).contiguous()
+    names = [(name, *hf_name(cfg.arch, name)) for name in ckpt["state_dict"]
+             if not (cfg.tie_embeddings and name == "lm_head.weight")]  # a tied head: the embedding, once
+    shards = _shards([(hf, ckpt["state_dict"][name].nbytes) for name, hf, _ in names], int(max_shard_gb * 1e9))
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    _write(out, shards, {hf: (ckpt["state_dict"][name], transposed) for name, hf, transposed in names})
     with open(os.path.join(out, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
     return out
+
+
+def _shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Tensor names in order, cut into shards of at most ``limit`` bytes (a larger tensor alone)."""
+    shards, cur, used = [], [], 0
+    for name, n in sizes:
+        if cur and used + n > limit:
+            shards.append(cur)
+            cur, used = [], 0
+        cur.append(name)
+        used += n
+    return shards + [cur] if cur else shards
+
+
+def _write(out: str, shards: list[list[str]], tensors: dict) -> None:
+    """One ``model.safetensors``, or the shards and their index; a shard's tensors made contiguous (GPT-2's
+    transposed Conv1D weights copied) only while it is written."""
+    from safetensors.torch import save_file
+
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, names in zip(files, shards):
+        part = {}
+        for hf in names:
+            t, transposed = tensors[hf]
+            part[hf] = (t.t() if transposed else t).contiguous()
+            weight_map[hf] = file
+            total += part[hf].nbytes
+        save_file(part, os.path.join(out, file), metadata={"format": "pt"})
+        del part
+    if len(files) > 1:
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memopt.export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="a finished run directory (or its model.pt)")
     p.add_argument("out", help="the Hugging Face directory to write (config.json + model.safetensors)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="the largest shard in GB (default 5, as save_pretrained); a larger model is written in shards")
     a = p.parse_args(argv)
     try:
-        print(export(a.run_dir, a.out))
+        print(export(a.run_dir, a.out, a.max_shard_gb))
     except ConfigError as e:
         print(f"memopt.export: {e}", file=sys.stderr)
         return 2

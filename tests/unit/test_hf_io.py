@@ -92,7 +92,8 @@ def test_init_from_logits_equal_transformers(tmp_path, family, shards):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_run_export_round_trip(tmp_path, family):
+@pytest.mark.parametrize("shards", [False, True], ids=["one_file", "sharded"])
+def test_run_export_round_trip(tmp_path, family, shards):
     from memopt.export import main
 
     make, preset = FAMILIES[family]
@@ -100,7 +101,13 @@ def test_run_export_round_trip(tmp_path, family):
     d = save(ref, tmp_path / "hf")
     run = tmp_path / "run"
     train([preset, f"model.init_from={d}", *RUN], str(run))
-    assert main([str(run), str(tmp_path / "out")]) == 0
+    assert main([str(run), str(tmp_path / "out"), *(["--max-shard-gb=0.00002"] if shards else [])]) == 0
+    files = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors"))
+    if shards:  # 20 KB shards, as save_pretrained(max_shard_size="20KB") cuts them, with their index
+        assert len(files) > 2 and os.path.isfile(tmp_path / "out" / "model.safetensors.index.json")
+        assert all(os.path.getsize(tmp_path / "out" / f) < 20_000 + 200_000 for f in files)
+    else:
+        assert files == ["model.safetensors"]
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
     assert type(back) is type(ref) and back.dtype == torch.float32
     want = ref.state_dict()
