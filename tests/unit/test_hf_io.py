@@ -7,7 +7,7 @@ through the configuration path of ``python -m memopt.train`` and its logits must
 model.pt, ``memopt.export`` turns it back into a directory, and ``from_pretrained`` of it gives
 exactly the original logits. The refusals: a missing shard, a tensor of another shape, an unknown
 architecture, a shape override that disagrees with config.json, a preset of the other family.
-``slow``: the same round trip through ZeRO-3, the chunk engine, FSDP2 and (GPT-2) tp on 2 ranks (each rank
+``slow``: the same round trip through ZeRO-3, the chunk engine, FSDP2 and tp on 2 ranks (each rank
 fills only its part from the directory).
 """
 from __future__ import annotations
@@ -205,7 +205,7 @@ def test_moe_refused(tmp_path):
 # ---- every engine fills its own part from the directory ------------------------------------------
 @pytest.mark.slow
 def test_partitioned_engines_round_trip(tmp_path):
-    """ZeRO-3, the chunk engine, FSDP2 and (GPT-2) tp on 2 ranks (one launch): each rank fills its shards or chunks
+    """ZeRO-3, the chunk engine, FSDP2 and tp on 2 ranks (one launch): each rank fills its shards or chunks
     from the sharded directory; the exported weights are the directory's, exactly."""
     from memopt.api import run_jobs_on_ranks
     from memopt.export import export
@@ -216,9 +216,7 @@ def test_partitioned_engines_round_trip(tmp_path):
         d = save(refs[family], tmp_path / family, shards=True)
         for name, strategy in (("zero3", ["+strategy=zero3"]), ("chunk", ["+strategy=chunk"]),
                                ("fsdp2", ["+strategy=zero3", "engine=fsdp2"]),
-                               ("tp", ["+strategy=tp", "parallel.tp=2"] if family == "gpt2" else None)):
-            if strategy is None:  # Llama refuses tp (its plan is not built)
-                continue
+                               ("tp", ["+strategy=tp", "parallel.tp=2"])):
             jobs.append(([preset, f"model.init_from={d}", *RUN, *strategy, "logger=none", "trainer.progress_bar=false",
                           "trainer.device=cpu"], str(tmp_path / f"{family}-{name}")))
     summaries = run_jobs_on_ranks(2, jobs)
