@@ -18,8 +18,9 @@ ENGINES = {
     "chunk": "memopt.engines.chunk",
     "deepspeed": "memopt.engines.deepspeed",
     "fsdp2": "memopt.engines.fsdp2",
+    "ps": "memopt.engines.ps",
 }
-PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk is chosen by its strategy
+PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk and ps are chosen by their strategies
 
 
 def resolve(cfg) -> str:

@@ -217,6 +217,7 @@ def check_auto(runs):
 
 TWO_RANK = {
     "ddp": ["+strategy=ddp"],
+    "ps": ["+strategy=ps"],
     "zero1": ["+strategy=zero1"],
     "zero2": ["+strategy=zero2", "strategy.zero2.bucket_mb=0.25"],
     "zero3": ["+strategy=zero3", f"model.n_layer={2 * L}"],  # deep enough that one gathered block is a small part
@@ -252,6 +253,14 @@ def comm(summary, kind) -> int:
 def check_ddp(two):
     s, _ = two["ddp"]
     assert comm(s, "all_reduce") >= 4 * P  # every fp32 gradient all-reduced
+
+
+def check_ps(two):
+    """The server (rank 0) alone holds Adam's moments; it receives the worker's gradients and sends the
+    weights back point to point, with no all-reduce (parity with ddp: tests/distributed/test_ps.py)."""
+    s, _ = two["ps"]
+    assert peak(s, "optim") == 8 * P and peak(s, "optim", rank="1") == 0
+    assert comm(s, "recv") == 4 * P and comm(s, "send") >= 4 * P and comm(s, "all_reduce") == 0
 
 
 def check_zero1(two):
@@ -318,7 +327,7 @@ ONE_RANK = {"ckpt": check_ckpt, "act_offload": check_act_offload, "chunked_loss"
             "flash_attn": check_flash_attn, "moe": check_moe, "lora": check_lora, "fp16": check_fp16, "bf16": check_bf16,
             "chunk": check_chunk, "static_partition": check_static_partition, "hybrid_adam": check_hybrid_adam,
             "cpu_offload": check_cpu_offload, "auto": check_auto, "compile": check_compile}
-TWO = {"ddp": check_ddp, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
+TWO = {"ddp": check_ddp, "ps": check_ps, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
        "cpu_offload.offload_param": check_offload_param, "chunk.two_ranks": check_chunk_two_ranks,
        "chunk.mem_cache": check_mem_cache}
 
