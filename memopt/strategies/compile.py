@@ -141,6 +141,13 @@ class Compile(Strategy):
                               "(the eager plan is an upper bound of the compiled run's bytes), or measure it with "
                               "trainer.mode=train")
 
+    _remat_compiled: str | None = None  # the setting this process's dynamo cache was compiled under
+
     def apply(self, model, c: CompileConfig, build: Build) -> None:
+        # dynamo's cache is per code object (Block.forward) and does not guard on the partitioner's
+        # settings: a second run in this process with another ``remat`` would reuse the first's graphs
+        if Compile._remat_compiled not in (None, c.remat):
+            torch._dynamo.reset()
+        Compile._remat_compiled = c.remat
         for block in model.blocks:
             block.forward = CompiledForward(block.forward, c, build.tracker)
