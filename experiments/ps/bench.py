@@ -2,7 +2,7 @@
 bytes per step through the busiest rank (measured by the collectives counter, and the wire bytes each
 form implies) and step time.
 
-    python experiments/ps/bench.py [--model gpt_tiny] [--steps 5] [--ranks 2,4]
+    python experiments/ps/bench.py [--model gpt_tiny] [--steps 5] [--ranks 2,4] [--seq-len 64]
 
 Rank 0 is ddp's ring member and ps's server; its counter gives the payload of every operation it ran
 in the first step. Wire bytes per step on rank 0's link (P fp32 parameters, N ranks):
@@ -34,10 +34,13 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_tiny")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--seq-len", type=int, default=None, help="shorter sequences: less compute, so the traffic shows")
     args = ap.parse_args()
     base = [f"model={args.model}", "data=synthetic", "logger=none", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
             "trainer.log_every=1", "trainer.micro_batch_size=2", "trainer.progress_bar=false",
             "trainer.save_checkpoint=false", "trainer.count_comm=true"]
+    if args.seq_len:
+        base.append(f"model.seq_len={args.seq_len}")
     root, rows = bench_dir("ps"), []
     for n in (int(r) for r in args.ranks.split(",")):
         jobs = [(base + [f"+strategy={s}"], os.path.join(root, f"{s}_{n}")) for s in ("ddp", "ps")]
@@ -55,7 +58,7 @@ def main() -> None:
                          f"{statistics.median(st[1:]):.3f}", f"{s['final_loss']:.6f}"])
             print(f"done: {name} x{n}", file=sys.stderr)
     print(machine_line())
-    print(f"{args.model}, micro-batch 2 per rank, fp32\n")
+    print(f"{args.model}{f' seq_len {args.seq_len}' if args.seq_len else ''}, micro-batch 2 per rank, fp32\n")
     print(table(["form", "ranks", "rank 0 all-reduce payload MiB", "rank 0 recv MiB", "rank 0 send MiB",
                  "rank 0 wire in MiB (formula)", "rank 0 wire out MiB (formula)", "rank 0 optim MiB",
                  "last rank optim MiB", "step s (median)", "final loss"], rows))
