@@ -31,11 +31,14 @@ def weights(d) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ps")
+    mixed = ["trainer.grad_accum=2", "trainer.micro_batch_size=1"]  # with ckpt and bf16 autocast, two micro-steps
     out = run_jobs_on_ranks(2, [(BASE + TWO + ["+strategy=ddp"], str(root / "ddp")),
-                                (BASE + TWO + ["+strategy=ps"], str(root / "ps"))])
+                                (BASE + TWO + ["+strategy=ps"], str(root / "ps")),
+                                (BASE + mixed + ["+strategy=[ddp,ckpt,bf16]"], str(root / "ddp_mixed")),
+                                (BASE + mixed + ["+strategy=[ps,ckpt,bf16]"], str(root / "ps_mixed"))])
     one = train(BASE + ["trainer.micro_batch_size=4", "trainer.save_checkpoint=true"], str(root / "one"))
     assert one["status"] == "ok" and all(s["status"] == "ok" for s in out), out
-    return root, dict(zip(("ddp", "ps"), out))
+    return root, dict(zip(("ddp", "ps", "ddp_mixed", "ps_mixed"), out))
 
 
 def test_ps_follows_ddp_and_the_single_process(runs):
@@ -49,6 +52,11 @@ def test_ps_follows_ddp_and_the_single_process(runs):
         # one process sums the batch in another order; Adam's normalised update turns that last-bit
         # difference of a near-zero gradient into up to ~1e-5 of weight (lr 3e-3): ddp differs as much
         assert (wp[k] - w1[k]).abs().max() < 5e-5, k
+
+
+def test_ps_composes_with_checkpointing_bf16_autocast_and_accumulation(runs):
+    root, _ = runs
+    assert rel(losses(str(root / "ps_mixed")), losses(str(root / "ddp_mixed"))) < 1e-6
 
 
 def test_ps_server_owns_the_optimizer_and_traffic_is_push_pull(runs):
