@@ -19,8 +19,9 @@ ENGINES = {
     "deepspeed": "memopt.engines.deepspeed",
     "fsdp2": "memopt.engines.fsdp2",
     "pipeline": "memopt.engines.pipeline",
+    "ps": "memopt.engines.ps",
 }
-PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk and pipeline are chosen by their strategies
+PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk, pipeline and ps are chosen by their strategies
 
 
 def resolve(cfg) -> str:

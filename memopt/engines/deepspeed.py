@@ -124,7 +124,7 @@ from memopt.strategies.precision import Precision
 from memopt.strategies.zero import selected_stage
 
 NAME, LABEL = "deepspeed", "DeepSpeed"
-SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe", "lora")
+SUPPORTS = ("ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe", "lora", "compile")
 # DeepSpeed's data-parallel world and DeepSpeed-MoE's expert groups; MiCS/hpZ (replicate x shard) are not translated
 PARALLEL = ("dp_shard", "ep")
 LOOP_OWNED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",

@@ -267,6 +267,11 @@ class MemoryTracker(TorchDispatchMode):
         """Count (or re-tag) a tensor that exists already, e.g. parameters or a grad."""
         self._track(t, category, device=device, retag=True)
 
+    def count(self, t: torch.Tensor) -> None:
+        """Count a tensor made where the dispatch mode could not see it (a compiled region's outputs and
+        saved tensors) under the current category; a storage counted already is left as it is."""
+        self._track(t, self._category[-1])
+
     def register_module(self, module: torch.nn.Module) -> None:
         """Parameters as ``params``, buffers as ``other``, and a hook that tags grads as ``grads``."""
         for p in module.parameters():

@@ -24,7 +24,7 @@ KINDS = {
     "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
     "broadcast": "broadcast", "broadcast_": "broadcast", "reduce_": "reduce",
-    "send": "send", "recv_": "recv",  # point-to-point (pipeline stages): the tensor sent or received
+    "send": "send", "recv_": "recv",  # point to point (pipeline stages, the parameter server's push and pull)
 }
 
 

@@ -44,7 +44,7 @@ class Strategy:
     order     position among the model-phase strategies (lower is applied first)
     group     strategies of one group exclude each other (with ``group_why`` saying why)
     requires  strategies that must be selected with it (``requires_why`` says why)
-    excludes  strategies it cannot be combined with (``excludes_why`` says why)
+    excludes  strategies it cannot be combined with (``excludes_why`` says why: one text, or one per name)
     engine    the engine that implements it when ``engine=memopt`` (e.g. chunk); None: memopt's own
     """
 
@@ -57,7 +57,7 @@ class Strategy:
     requires: ClassVar[tuple[str, ...]] = ()
     requires_why: ClassVar[str] = ""
     excludes: ClassVar[tuple[str, ...]] = ()
-    excludes_why: ClassVar[str] = ""
+    excludes_why: ClassVar[str | dict[str, str]] = ""
     engine: ClassVar[Optional[str]] = None
     uses: ClassVar[tuple[str, ...]] = ()  # parallel dimensions besides data parallelism it splits work over (moe: ep)
 
@@ -148,7 +148,8 @@ def check_combination(names: list[str]) -> None:
                                   f"drop +strategy={b.name}, or drop {a.name} to use {b.name}")
             for x, y in ((a, b), (b, a)):
                 if y.name in x.excludes:
-                    raise ConfigError(f"strategies {x.name} and {y.name} are mutually exclusive: {x.excludes_why}; "
+                    why = x.excludes_why.get(y.name, "") if isinstance(x.excludes_why, dict) else x.excludes_why
+                    raise ConfigError(f"strategies {x.name} and {y.name} are mutually exclusive: {why}; "
                                       f"drop +strategy={y.name}, or drop {x.name} to use {y.name}")
 
 

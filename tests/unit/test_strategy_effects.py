@@ -132,6 +132,21 @@ def check_lora(runs):
     assert ll == runs("plain", [])[1]  # lora_B starts at zero: the first forward is the base model's
 
 
+COMPILE = ["model.n_layer=2", "model.seq_len=64", "model.d_model=64", "model.n_head=2", "trainer.max_steps=3"]
+
+
+def check_compile(runs):
+    """The compiled run follows the eager fp32 run, and keeps per block fewer activation bytes by the
+    point-wise outputs it recomputes: two LayerNorm outputs (B T C each) and GELU's (B T 4C)."""
+    e, le = runs("compile_eager", COMPILE)
+    c, lc = runs("compile", COMPILE + ["+strategy=compile"])
+    assert len(lc) == 3 and rel(lc, le) < 1e-5
+    for cat in ("params", "grads", "optim"):
+        assert peak(c, cat) == peak(e, cat) > 0
+    l_, t_, c_ = 2, 64, 64
+    assert peak(e, "activations") - peak(c, "activations") == l_ * (c_ + c_ + 4 * c_) * B * t_ * 4
+
+
 # -- precision -----------------------------------------------------------------------------------
 
 def check_fp16(runs):
@@ -202,6 +217,7 @@ def check_auto(runs):
 
 TWO_RANK = {
     "ddp": ["+strategy=ddp"],
+    "ps": ["+strategy=ps"],
     "zero1": ["+strategy=zero1"],
     "zero2": ["+strategy=zero2", "strategy.zero2.bucket_mb=0.25"],
     "zero3": ["+strategy=zero3", f"model.n_layer={2 * L}"],  # deep enough that one gathered block is a small part
@@ -238,6 +254,14 @@ def comm(summary, kind) -> int:
 def check_ddp(two):
     s, _ = two["ddp"]
     assert comm(s, "all_reduce") >= 4 * P  # every fp32 gradient all-reduced
+
+
+def check_ps(two):
+    """The server (rank 0) alone holds Adam's moments; it receives the worker's gradients and sends the
+    weights back point to point, with no all-reduce (parity with ddp: tests/distributed/test_ps.py)."""
+    s, _ = two["ps"]
+    assert peak(s, "optim") == 8 * P and peak(s, "optim", rank="1") == 0
+    assert comm(s, "recv") == 4 * P and comm(s, "send") >= 4 * P and comm(s, "all_reduce") == 0
 
 
 def check_zero1(two):
@@ -314,8 +338,8 @@ def check_pipeline(two):
 ONE_RANK = {"ckpt": check_ckpt, "act_offload": check_act_offload, "chunked_loss": check_chunked_loss,
             "flash_attn": check_flash_attn, "moe": check_moe, "lora": check_lora, "fp16": check_fp16, "bf16": check_bf16,
             "chunk": check_chunk, "static_partition": check_static_partition, "hybrid_adam": check_hybrid_adam,
-            "cpu_offload": check_cpu_offload, "auto": check_auto}
-TWO = {"ddp": check_ddp, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
+            "cpu_offload": check_cpu_offload, "auto": check_auto, "compile": check_compile}
+TWO = {"ddp": check_ddp, "ps": check_ps, "zero1": check_zero1, "zero2": check_zero2, "zero3": check_zero3, "tp": check_tp,
        "cpu_offload.offload_param": check_offload_param, "chunk.two_ranks": check_chunk_two_ranks,
        "chunk.mem_cache": check_mem_cache, "pipeline": check_pipeline}
 
