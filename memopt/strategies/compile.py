@@ -152,13 +152,11 @@ class Compile(Strategy):
                               "(the eager plan is an upper bound of the compiled run's bytes), or measure it with "
                               "trainer.mode=train")
 
-    _remat_compiled: str | None = None  # the setting this process's dynamo cache was compiled under
-
     def apply(self, model, c: CompileConfig, build: Build) -> None:
-        # dynamo's cache is per code object (Block.forward) and does not guard on the partitioner's
-        # settings: a second run in this process with another ``remat`` would reuse the first's graphs
-        if Compile._remat_compiled not in (None, c.remat):
-            torch._dynamo.reset()
-        Compile._remat_compiled = c.remat
+        # each run starts from an empty dynamo cache: it is per code object (Block.forward), does not
+        # guard on the partitioner's settings (a later run with another ``remat`` would reuse the first
+        # one's graphs) and holds 8 entries, after which a block runs eagerly without a word (runs of
+        # other shapes in one process); inductor's on-disk cache still spares the recompilation
+        torch._dynamo.reset()
         for block in model.blocks:
             block.forward = CompiledForward(block.forward, c, build.tracker)
