@@ -19,12 +19,14 @@ and the chunk engine's gathers, FSDP2's unshard, tensor parallelism's DTensor wr
 without compile, and parameter names are unchanged (checkpoints, model.pt).
 
 The memory tracker is a dispatch mode, and the compiled code does not pass through dispatch modes
-(inductor's kernels allocate their buffers directly; dynamo also declines to trace under an active
-mode). So the region runs with the modes set aside, and the tracker counts what the region hands
+(inductor's kernels allocate their buffers directly; and under an active mode the compiled function
+runs eagerly: measured, the tracker then saw eager's bytes). So the region runs with the modes set aside, and the tracker counts what the region hands
 back: its outputs, and, through a saved-tensor pack hook, each tensor the compiled graph saves for
 its backward (``MemoryTracker.count``). Buffers that live and die inside the region are not seen
 (they only move the ``temp`` peak). Under a checkpoint (``ckpt``, ``act_offload``) the pack hook
-counts the tensor and hands it on to the checkpoint's own hooks, which decide what is kept.
+counts the tensor and hands it on to the checkpoint's own hooks, which decide what is kept. The
+collectives counter (``trainer.count_comm``, a dispatch mode too) is set aside with it: collectives
+inside a compiled block (tensor parallelism's) are not counted.
 """
 from __future__ import annotations
 
@@ -116,8 +118,8 @@ def _hooks(tracker, outer):
 
 # strategy -> why it does not compose with compile (the registry's ``excludes`` reads the keys)
 _CHUNK = ("the chunk engine fetches and releases chunks in hooks on every Linear inside a block, which a compiled "
-          "block would trace into its graph (measured: more activation bytes counted than eager); ZeRO-3 (zero3, "
-          "FSDP2, DeepSpeed) hooks whole blocks and composes with compile")
+          "block would trace into its graph (measured: more activation bytes counted than eager); memopt's zero3 and "
+          "FSDP2 gather whole blocks outside the graph and compose with compile")
 REFUSED = {
     "flash_attn": "flash_attn's Triton kernels are launched from Python (the interpreter on CPU) and are not "
                   "registered as custom operators dynamo can trace; use the model's sdpa attention under compile",
@@ -150,13 +152,11 @@ class Compile(Strategy):
                               "(the eager plan is an upper bound of the compiled run's bytes), or measure it with "
                               "trainer.mode=train")
 
-    _remat_compiled: str | None = None  # the setting this process's dynamo cache was compiled under
-
     def apply(self, model, c: CompileConfig, build: Build) -> None:
-        # dynamo's cache is per code object (Block.forward) and does not guard on the partitioner's
-        # settings: a second run in this process with another ``remat`` would reuse the first's graphs
-        if Compile._remat_compiled not in (None, c.remat):
-            torch._dynamo.reset()
-        Compile._remat_compiled = c.remat
+        # each run starts from an empty dynamo cache: it is per code object (Block.forward), does not
+        # guard on the partitioner's settings (a later run with another ``remat`` would reuse the first
+        # one's graphs) and holds 8 entries, after which a block runs eagerly without a word (runs of
+        # other shapes in one process); inductor's on-disk cache still spares the recompilation
+        torch._dynamo.reset()
         for block in model.blocks:
             block.forward = CompiledForward(block.forward, c, build.tracker)
