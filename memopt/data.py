@@ -70,8 +70,8 @@ def vocab_size(cfg: DataConfig) -> int:
 def load_tokens(cfg: DataConfig, seed: int = 0) -> torch.Tensor:
     """The whole corpus as a 1-D tensor of token ids: uint8 bytes, or int32 ids of ``data.tokenizer``."""
     raw = _load_bytes(cfg, seed)
-    tok = tokenizer_of(cfg)
-    if tok is None or raw.dtype != torch.uint8 or cfg.name == "synthetic":
+    tok = tokenizer_of(cfg)  # None for bytes (refused with synthetic, whose tokens are random bytes)
+    if tok is None:
         return raw
     return torch.tensor(tok.encode(bytes(raw.numpy()).decode("utf-8")).ids, dtype=torch.int32)
 

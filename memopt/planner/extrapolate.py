@@ -336,6 +336,17 @@ def _layout(cfg, rank: int, world: int) -> dict:
         return chunk_layout(cfg, None, dims, params)
 
 
+def layouts(cfg, ranks, world: int) -> dict[int, dict]:
+    """``_layout`` of each of ``ranks`` with the engine's build-time host check out of the way (a host of
+    2**40 GiB in a copy of ``cfg.hardware``, which only that check reads): the layout alone, for callers
+    whose plan judges the host itself (the node's per-rank sum, the placement's group size)."""
+    import copy
+
+    probe = copy.deepcopy(cfg)
+    probe.hardware.host_memory_gb = float(2**40)
+    return {r: _layout(probe, r, world) for r in ranks}
+
+
 _META_PARAMS: dict = {}  # distinct_params of the meta models _layout packed (~0.1 MB each), by model, strategies and world
 
 

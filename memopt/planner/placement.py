@@ -104,14 +104,10 @@ def _noted(placed: dict, k: int, n: int, most: int, first: dict) -> dict:
 
 def _chunk_size(cfg) -> int:
     """The chunk size the engine chooses for ``cfg`` (its layout on rank 0, nothing allocated)."""
-    import copy
-
     from memopt.parallel.dims import expected_world
-    from memopt.planner.extrapolate import _layout
+    from memopt.planner.extrapolate import layouts
 
-    probe = copy.deepcopy(cfg)
-    probe.hardware.host_memory_gb = float(2**40)  # the layout alone: the host check is the plan's to judge
-    return _layout(probe, 0, expected_world(cfg))["chunk_size"]
+    return layouts(cfg, [0], expected_world(cfg))[0]["chunk_size"]
 
 
 def host_check(cfg) -> None:

@@ -173,21 +173,13 @@ def node_rank_peaks(cfg, sims: list[dict], world: int, local: int) -> list[dict]
     by_rank = {s["rank"]: s["peaks"] for s in sims}
     if getattr(cfg.strategy, "chunk", None) is None or cfg.engine.name != "memopt" or world == 1:
         return [by_rank.get(r, worst["peaks"]) for r in range(local)]
-    import copy
+    from memopt.planner.extrapolate import layouts
 
-    from memopt.planner.extrapolate import _layout
-
-    probe = copy.deepcopy(cfg)  # the layout alone: the engine's host check (the only reader of this field) is the plan's to judge
-    probe.hardware.host_memory_gb = float(2**40)
-    layouts = {s["rank"]: _layout(probe, s["rank"], world) for s in sims}
+    lays = layouts(cfg, sorted(set(range(local)) | set(by_rank)), world)
     out = []
     for r in range(local):
-        if r in by_rank:
-            out.append(by_rank[r])
-            continue
-        mine = _layout(probe, r, world)
-        same = [by_rank[k] for k, lay in layouts.items() if lay == mine]
-        out.append(max(same, key=_total) if same else worst["peaks"])
+        same = [by_rank[k] for k in by_rank if lays[k] == lays[r]]
+        out.append(by_rank[r] if r in by_rank else max(same, key=_total) if same else worst["peaks"])
     return out
 
 
