@@ -132,12 +132,14 @@ def _task_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def _hardware(typed):
+def _hardware(typed, step_rates: bool = False):
+    """The profile resolved here; ``step_rates``: with the CPU's measured step-time rates (plan mode and
+    auto rank by the step time; a run's preflight only judges the fit)."""
     import torch
 
     from memopt.memory.hardware import resolve_hardware
 
-    return resolve_hardware(typed.hardware, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return resolve_hardware(typed.hardware, torch.device("cuda" if torch.cuda.is_available() else "cpu"), step_rates)
 
 
 def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
@@ -153,7 +155,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:
     from memopt.sweep import job_identity
 
     os.makedirs(run_dir, exist_ok=True)
-    hw = _hardware(typed)
+    hw = _hardware(typed, step_rates=True)
     try:
         plan = plan_placed(typed, hw)
     except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)
@@ -227,7 +229,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
         print(f"memopt auto: planned {done}/{total} ({'fits' if row['fits'] else 'does not fit'}); {lead}",
               file=sys.stderr, flush=True)
 
-    rows = search(typed, _hardware(typed), overrides, progress=progress)
+    rows = search(typed, _hardware(typed, step_rates=True), overrides, progress=progress)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), rows)

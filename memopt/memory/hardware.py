@@ -35,13 +35,24 @@ class HardwareConfig:
     # the chunk engine's host optimizer groups), shared by the node's ranks: the planner's optimizer term is
     # (host-stepped parameters per rank x ranks per node) / this. None: not measured, the term is not estimated.
     host_adam_gparams_s: float | None = None
+    # The device memory's bandwidth for memory-bound ops (GB/s, bytes read + written): the planner's memory
+    # term is the simulated step's bytes of ops without a FLOP formula (elementwise, norms, softmax, the
+    # optimizer's math) / this. None: not estimated (the GPU profiles' compute_efficiency absorbs it).
+    memory_gbps: float | None = None
+    # Host time per dispatched op (microseconds): Python, autograd, the dispatcher and the memory tracker,
+    # paid by every op of the step whatever its size (what makes gpt_tiny's step 7x its FLOPs on a CPU), and
+    # per op on DTensors (tensor parallelism's sharding propagation). None: not estimated.
+    op_overhead_us: float | None = None
+    dtensor_op_overhead_us: float | None = None
+    # Fixed cost of one collective call (microseconds), beside its bytes / device_device_gbps. None: not estimated.
+    collective_latency_us: float | None = None
 
 
 def check_hardware(hw: HardwareConfig) -> None:
     """Refuse sizes and rates the plan would use (naming the field) before anything is planned or run."""
     from memopt.errors import ConfigError
 
-    for name in ("device_memory_gb", "host_memory_gb", "host_device_gbps", "device_device_gbps"):
+    for name in ("device_memory_gb", "host_memory_gb", "host_device_gbps", "device_device_gbps", "memory_gbps"):
         value = getattr(hw, name)
         if value is not None and not value > 0:
             raise ConfigError(f"hardware.{name}={value} must be > 0, or null to read it from this machine")
@@ -56,6 +67,10 @@ def check_hardware(hw: HardwareConfig) -> None:
     if eff is None or not 0 < eff <= 1:
         raise ConfigError(f"hardware.compute_efficiency={eff} must be in (0, 1]: the fraction of the datasheet peak "
                           "FLOP/s that dense training reaches (1.0 where it was not measured)")
+    for name in ("op_overhead_us", "dtensor_op_overhead_us", "collective_latency_us"):
+        value = getattr(hw, name)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"hardware.{name}={value} must be >= 0 (microseconds), or null when it was not measured")
     rate = hw.host_adam_gparams_s
     if rate is not None and not rate > 0:
         raise ConfigError(f"hardware.host_adam_gparams_s={rate} must be > 0 (billions of parameter updates per second "
@@ -115,8 +130,10 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds
     return _MEASURED[key]
 
 
-def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig:
-    """Fill the unset fields from the machine at hand."""
+def resolve_hardware(hw: HardwareConfig, device: torch.device, step_rates: bool = False) -> HardwareConfig:
+    """Fill the unset fields from the machine at hand. ``step_rates``: on a CPU also measure what the
+    planner's step time divides by (``cpu_probes``: memory bandwidth, per-op host cost, gloo's
+    collectives; about half a second, so only the planner's entry points ask)."""
     dev_mem, peaks = hw.device_memory_gb, dict(hw.peak_tflops)
     if dev_mem is None:
         if device.type == "cuda":
@@ -133,11 +150,18 @@ def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig
     per_node = hw.devices_per_node or (torch.cuda.device_count() if device.type == "cuda" else 1)
     unified = hw.device_is_host or (device.type == "cpu" and hw.device_memory_gb is None)
     h2d, d2d = hw.host_device_gbps, hw.device_device_gbps
-    if device.type == "cpu" and (h2d is None or d2d is None):
-        copy = measure_copy_gbps()  # offload and gloo collectives are memory copies here
-        h2d, d2d = h2d or copy, d2d or copy
+    rates = {}
+    if device.type == "cpu" and (h2d is None or d2d is None or step_rates):
+        copy = measure_copy_gbps()
+        h2d = h2d or copy  # an offload is a memory copy here
+        if step_rates:  # what the planner's step time needs of this CPU (cpu_probes.py), gloo's bandwidth included
+            from memopt.memory import cpu_probes
+
+            rates = cpu_probes.measured(hw, copy)
+            d2d = d2d or rates.pop("device_device_gbps")
+        d2d = d2d or copy
     return replace(hw, device_memory_gb=dev_mem, host_memory_gb=host, peak_tflops=peaks, devices_per_node=per_node,
-                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d)
+                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d, **rates)
 
 
 def measure_copy_gbps(nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:

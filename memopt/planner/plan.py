@@ -8,15 +8,19 @@ Fit rules (one node; every node of a data-parallel run holds the same):
   CPU-only (``device_is_host``): device and host are one RAM, so the node's ranks' device + host
            bytes + runtime <= host memory, and that is the only limit.
 
-Step time = compute + offload + communication + optimizer, not overlapped (an upper estimate; the plan
-says which term dominates): FLOPs counted on the simulated step / (peak FLOP/s of the compute dtype x
-``compute_efficiency``, the fraction of the datasheet peak dense training reaches; a pipeline stage's
-compute divided by 1 - its schedule's bubble), host<->device bytes /
-``host_device_gbps``, collective bus bytes / ``device_device_gbps``, and the parameters whose AdamW step
-runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk engine's host optimizer groups;
-per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. Measured on one H100 on
-2026-11-26 (``experiments/planner/README.md``): without the last two fields the estimate was 66-96% under
-the measured step.
+Step time = compute + memory-bound ops + per-op overhead + offload + communication + optimizer, not
+overlapped (an upper estimate; the plan says which term dominates): FLOPs counted on the simulated step /
+(peak FLOP/s of the compute dtype x ``compute_efficiency``, the fraction of the datasheet peak dense
+training reaches; a pipeline stage's compute divided by 1 - its schedule's bubble); the bytes read and
+written by ops without a FLOP formula / ``memory_gbps``; the step's dispatched ops x ``op_overhead_us``
+(+ those on DTensors x ``dtensor_op_overhead_us``); host<->device bytes / ``host_device_gbps``; collective
+bus bytes / ``device_device_gbps`` + calls x ``collective_latency_us``; and the parameters whose AdamW
+step runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk engine's host optimizer
+groups; per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. A term whose rate
+the profile lacks is not estimated (the GPU profiles leave the memory and overhead terms to
+``compute_efficiency``, measured on one H100 on 2026-11-26, ``experiments/planner/README.md``); on a
+CPU (``hardware=auto``) plan mode and auto measure them (``memory/cpu_probes.py``), and the node's ranks
+share the CPU's peak and bandwidth (``experiments/step_time/README.md``: the accuracy matrix).
 """
 from __future__ import annotations
 
@@ -140,12 +144,23 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     dtype = Precision.of(cfg).name
     peak = peak_tflops_for(hw, dtype)
     eff = hw.compute_efficiency
-    host_params = sim["traffic"].get("host_optim_params", 0)
+    tr = sim["traffic"]
+    host_params = tr.get("host_optim_params", 0)
     rate = hw.host_adam_gparams_s
+    # a CPU's ranks share its cores (each runs cores / ranks threads) and its memory bandwidth: each gets its
+    # share of the measured peak and bandwidth; a GPU's rank has its device to itself
+    share = ranks_per_node if hw.device_is_host else 1
+    overhead = (tr.get("ops", 0) * hw.op_overhead_us + tr.get("dtensor_ops", 0) * (hw.dtensor_op_overhead_us or 0.0)) \
+        if hw.op_overhead_us is not None else None
+    comm = tr.get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None
+    if comm is not None and hw.collective_latency_us is not None:
+        comm += tr.get("collectives", 0) * hw.collective_latency_us * 1e-6
     terms = {
-        "compute_s": sim["flops"] / (peak * eff * 1e12) if peak else None,
-        "offload_s": sim["traffic"].get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
-        "comm_s": sim["traffic"].get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None,
+        "compute_s": sim["flops"] * share / (peak * eff * 1e12) if peak else None,
+        "memory_s": tr.get("op_bytes", 0) * share / (hw.memory_gbps * 1e9) if hw.memory_gbps else None,
+        "overhead_s": overhead * 1e-6 if overhead is not None else None,
+        "offload_s": tr.get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
+        "comm_s": comm,
         "optimizer_s": 0.0 if not host_params else host_params * ranks_per_node / (rate * 1e9) if rate else None,
     }
     from memopt.engines.pipeline.schedules import planned_bubble
@@ -262,8 +277,10 @@ def plan_table(plan: dict) -> str:
         peak = f"{st['compute_dtype']} peak {st['peak_tflops']:.3g} TFLOP/s" + (f" x efficiency {eff:.3g}" if eff != 1.0 else "")
         opt = st.get("optimizer_s", 0.0)
         untimed = "; host Adam not timed: no hardware.host_adam_gparams_s" if opt is None else ""
+        host = "".join(f" + {name} {_s(st[key])}" for key, name in (("memory_s", "memory-bound ops"),
+                       ("overhead_s", "per-op overhead")) if st.get(key) is not None)
         lines.append(f"  step time (estimate, terms not overlapped): {st['total_s']:.3g} s = compute "
-                     f"{_s(st['compute_s'])} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])} + "
+                     f"{_s(st['compute_s'])}{host} + offload {_s(st['offload_s'])} + communication {_s(st['comm_s'])} + "
                      f"optimizer {_s(opt)}; {st['dominant']} dominates ({peak}{untimed})")
     methods = list(plan.get("method", {}).items())  # rank 0's says what was checked; the others reuse its depths
     how = methods[0][1] if methods else "exact"

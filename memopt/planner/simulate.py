@@ -76,6 +76,22 @@ def _split_over_mesh(out) -> int:
 _FLOPS = _flop_formulas()
 
 
+def _moved_bytes(args, kwargs, out) -> int:
+    """Bytes a memory-bound op reads and writes: its tensor arguments and outputs (an in-place op's
+    output is the tensor it read, written back: counted twice, as it moves twice)."""
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.nbytes for t in tree_leaves((args, kwargs or {}, out)) if isinstance(t, torch.Tensor))
+
+
+def _on_dtensors(args) -> bool:
+    """An op on DTensors (tensor parallelism): the tracker sees it once, above DTensor's own dispatch,
+    whose sharding propagation costs a run far more host time than a plain op's."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(a, DTensor) for a in args)
+
+
 class PlanUnsupported(ConfigError):
     """A composition the fake step cannot follow (named, with what to do instead)."""
 
@@ -107,7 +123,8 @@ class PlanTracker(MemoryTracker):
         super().__init__(compute_device)
         self.limits = dict(limits or {})
         self.counting = False
-        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes, host_optim_params (counting windows only)
+        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes, host_optim_params, ops, op_bytes,
+        # dtensor_ops, collectives (counting windows only; what the step time's terms divide)
         self.comm_ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0, "bus_bytes": 0})
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
         self.backward_nonmodel: dict[str, int] | None = None  # set to {}: the peak of the bytes outside the model
@@ -201,8 +218,13 @@ class PlanTracker(MemoryTracker):
             self._healthy[id(out)] = (weakref.ref(out), _HEALTHY[func._overloadpacket])  # isfinite(g).all() holds, isinf(g).any() does not
         if self.counting:
             formula = _FLOPS.get(func._overloadpacket)
+            self.traffic["ops"] += 1
             if formula is not None:
                 self.traffic["flops"] += int(formula(*args, **(kwargs or {}), out_val=out)) // _split_over_mesh(out)
+            elif src is None and not func.is_view and func.namespace not in ("c10d", "_c10d_functional"):
+                self.traffic["op_bytes"] += _moved_bytes(args, kwargs, out) // _split_over_mesh(out)
+            if _on_dtensors(args):
+                self.traffic["dtensor_ops"] += 1
             if src is not None and self._device_of(args[0]) not in (None, src):
                 self.traffic["offload_bytes"] += args[1].nbytes
             elif func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
@@ -242,6 +264,7 @@ class PlanTracker(MemoryTracker):
             0.0 if kind == "recv" else (n - 1) / n  # point-to-point: the sender's payload (links are full duplex)
         bus = int(payload * factor)
         self.traffic["comm_bytes"] += bus
+        self.traffic["collectives"] += 1
         rec = self.comm_ops[kind]
         rec["count"] += 1
         rec["bytes"] += payload

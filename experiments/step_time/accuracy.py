@@ -1,0 +1,130 @@
+"""The planner's step time against the measured one: every composition that runs on this CPU, 2 ranks.
+
+    python experiments/step_time/accuracy.py                 # the matrix (~10 min on 2 CPU cores)
+    python experiments/step_time/accuracy.py --only ddp,zero3 --steps 3
+
+Each row is planned in this process (``make_plan``, ``hardware=auto`` resolved here, as the run's
+preflight plans it) and trained in one launch of 2 ranks (every job in the same rank processes, one after
+the other); measured = the median step after ``--warmup`` steps, best of ``--repeats``. Printed: the plan's
+terms, planned / measured, whether it is within 25% (issue #30's goal), and Spearman's rank correlation of
+planned against measured order (what ``+strategy=auto`` ranks by).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from experiments.common import bench_dir, machine_line, table  # noqa: E402
+
+SMALL = ["model=gpt_small", "model.seq_len=256", "trainer.micro_batch_size=2"]
+TINY = ["model=gpt_tiny", "trainer.micro_batch_size=8"]
+MOE = ["model=moe_tiny", "trainer.micro_batch_size=8"]
+# name -> overrides (model, strategies, options): the compositions that run on a CPU with 2 gloo ranks
+ROWS = {
+    "ddp": [*SMALL, "+strategy=[ddp]"],
+    "zero1": [*SMALL, "+strategy=[zero1]"],
+    "zero2": [*SMALL, "+strategy=[zero2]"],
+    "zero3": [*SMALL, "+strategy=[zero3]"],
+    "zero2+cpu_offload": [*SMALL, "+strategy=[zero2,cpu_offload]"],
+    "zero3+cpu_offload": [*SMALL, "+strategy=[zero3,cpu_offload]"],
+    "ddp+ckpt": [*SMALL, "+strategy=[ddp,ckpt]"],
+    "zero3+ckpt selective": [*SMALL, "+strategy=[zero3,ckpt]", "strategy.ckpt.policy=selective"],
+    "ddp, micro-batch 1 x 2": [*SMALL, "+strategy=[ddp]", "trainer.micro_batch_size=1", "trainer.grad_accum=2"],
+    "tp=2": [*SMALL, "+strategy=[tp]", "parallel.tp=2", "trainer.grad_accum=2"],
+    "tp=2 + sequence parallel": [*SMALL, "+strategy=[tp]", "parallel.tp=2", "strategy.tp.sequence_parallel=true",
+                                 "trainer.grad_accum=2"],
+    "chunk (host Adam)": [*SMALL, "+strategy=[chunk]"],
+    "ckpt+act_offload": [*SMALL, "+strategy=[ddp,ckpt,act_offload]"],
+    "gpt_tiny ddp": [*TINY, "+strategy=[ddp]"],
+    "gpt_tiny zero3": [*TINY, "+strategy=[zero3]"],
+    "moe_tiny ddp": [*MOE, "+strategy=[ddp]"],
+    "moe_tiny ep=2": [*MOE, "+strategy=[zero2]", "parallel.ep=2"],
+}
+BF16 = {"bf16 ddp": [*SMALL, "+strategy=[bf16,ddp]"], "bf16 zero2+cpu_offload": [*SMALL, "+strategy=[bf16,zero2,cpu_offload]"],
+        "hybrid_adam_bf16": [*SMALL, "+strategy=[hybrid_adam_bf16]"]}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected among measured times)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def planned(overrides: list[str]) -> dict:
+    import torch
+
+    from memopt.config import compose_config, to_dataclass, validate
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import make_plan
+
+    cfg = to_dataclass(compose_config([*overrides, "trainer.nproc_per_node=2", "trainer.mode=plan"]))
+    validate(cfg)
+    return make_plan(cfg, resolve_hardware(cfg.hardware, torch.device("cpu"), step_rates=True))["step_time"]
+
+
+def main() -> None:
+    from experiments.common import cpu_has_bf16_matmul
+    from memopt.api import run_jobs_on_ranks
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated row names")
+    args = ap.parse_args()
+    rows = dict(ROWS, **(BF16 if cpu_has_bf16_matmul() else {}))
+    if args.only:
+        rows = {k: v for k, v in rows.items() if k in args.only.split(",")}
+    base = ["data=synthetic", "logger=none", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
+            "trainer.progress_bar=false", "trainer.save_checkpoint=false", f"trainer.throughput_warmup_steps={args.warmup}",
+            f"trainer.log_every={args.steps}"]
+    plans = {k: planned([*base, *v]) for k, v in rows.items()}
+    tmp = bench_dir("step_time")
+    keys, jobs = [], []
+    for rep in range(args.repeats):
+        for k, v in rows.items():
+            keys.append(k)
+            jobs.append(([*base, *v], os.path.join(tmp, f"{rep}-{k.replace(' ', '_').replace('=', '')}")))
+    load0 = os.getloadavg()[0]
+    results = run_jobs_on_ranks(2, jobs)
+    load1 = os.getloadavg()[0]
+    measured: dict[str, float] = {}
+    for k, s in zip(keys, results):
+        measured[k] = min(measured.get(k, float("inf")), s["step_time_s"])
+    out, p_list, m_list = [], [], []
+    for k in rows:
+        st, m = plans[k], measured[k]
+        p = st["total_s"]
+        terms = " + ".join(f"{n[:-2]} {st[n]:.3g}" for n in ("compute_s", "memory_s", "overhead_s", "offload_s", "comm_s",
+                                                               "optimizer_s") if st.get(n))
+        ratio = p / m if p else None
+        out.append([k, f"{p:.3g}" if p else "-", terms, f"{m:.3g}", f"{ratio:.2f}" if ratio else "-",
+                    "yes" if ratio and 0.75 <= ratio <= 1.25 else "NO"])
+        if p:
+            p_list.append(p)
+            m_list.append(m)
+    print(machine_line())
+    print(f"2 ranks, steps={args.steps}, median after {args.warmup}, best of {args.repeats}; 1-min load average "
+          f"{load0:.1f} at start, {load1:.1f} at end\n")
+    print(table(["composition", "planned s", "planned terms (s)", "measured s", "planned/measured", "within 25%"], out))
+    within = sum(r[-1] == "yes" for r in out)
+    print(f"\nwithin 25%: {within} of {len(out)}; Spearman rank correlation planned vs measured: "
+          f"{spearman(p_list, m_list):.3f}")
+
+
+if __name__ == "__main__":
+    main()

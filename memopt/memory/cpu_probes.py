@@ -1,0 +1,202 @@
+"""What the planner's step time needs to know of this CPU, measured in about half a second.
+
+A CPU rank's step is not its FLOPs at the matmul peak: on gpt_small the plan said 0.37 s where 2 ranks
+took 1.2-2.0 s, and on gpt_tiny 0.026 s against 0.19 s (issue #30). The rest is memory-bound ops, the
+host's cost of every op (Python, autograd, the dispatcher, the memory tracker every run has on), gloo's
+collectives (a copy through the kernel's sockets, not a memcpy), and on DTensors tensor parallelism's
+sharding propagation. Each probe measures one of these, for the fields of ``HardwareConfig`` a profile
+leaves unset:
+
+- ``memory_gbps``: bytes read + written per second by a large copy (twice ``measure_copy_gbps``'s
+  one-sided figure), all threads;
+- ``op_overhead_us``: a tiny training step (LayerNorm, Linear, GELU, residual, cross entropy, AdamW)
+  under the memory tracker, timed after a warm-up, divided by the ops it dispatches, on one thread;
+- ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
+  fake 2-rank mesh, less the plain ops' share, per op on DTensors (the tracker sees those once);
+- ``device_device_gbps`` and ``collective_latency_us``: two gloo ranks as threads of this process
+  all-reducing 64 KiB and 16 MiB (latency and bus bandwidth from the two sizes);
+- ``host_adam_gparams_s``: ``memory_gbps`` / 28 (CPUAdamW is memory bound at 28 bytes a parameter:
+  experiments/cpu_adam).
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import threading
+import time
+
+import torch
+
+ADAM_BYTES_PER_PARAM = 28  # CPUAdamW reads p, g, m, v and writes p, m, v (fp32)
+_CACHE: dict[str, float] = {}
+
+
+def measured(hw, copy_gbps: float) -> dict[str, float]:
+    """The step-time fields ``hw`` leaves unset, measured here (cached for the process)."""
+    out = {}
+    mem = hw.memory_gbps or 2 * copy_gbps
+    if hw.memory_gbps is None:
+        out["memory_gbps"] = mem
+    if hw.op_overhead_us is None:
+        out["op_overhead_us"] = _cached("op", op_overhead_us)
+    if hw.dtensor_op_overhead_us is None:
+        out["dtensor_op_overhead_us"] = _cached("dtensor", lambda: dtensor_op_overhead_us(
+            hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]))
+    lat, bw = _cached("gloo", gloo_allreduce)
+    out["device_device_gbps"] = bw
+    if hw.collective_latency_us is None:
+        out["collective_latency_us"] = lat
+    if hw.host_adam_gparams_s is None:
+        out["host_adam_gparams_s"] = mem / ADAM_BYTES_PER_PARAM
+    return out
+
+
+def _cached(key: str, fn):
+    if key not in _CACHE:
+        _CACHE[key] = fn()
+    return _CACHE[key]
+
+
+def _tiny_step(model: torch.nn.Module, opt, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _model(width: int = 16, blocks: int = 3) -> torch.nn.Module:
+    return torch.nn.Sequential(*[_Block(width) for _ in range(blocks)])
+
+
+def _count_ops(fn, only_dtensor: bool = False) -> int:
+    """Ops ``fn`` dispatches as the memory tracker (and the planner's counting) sees them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not only_dtensor or any(type(a).__name__ == "DTensor" for a in args):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _time_per_call(fn, repeats: int = 5) -> float:
+    from memopt.memory.tracker import MemoryTracker
+
+    fn()  # warm-up: lazily made optimizer states, caches
+    times = []
+    with MemoryTracker(torch.device("cpu")):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def op_overhead_us() -> float:
+    """Host microseconds per dispatched op of a training step too small to compute anything."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        x, y = torch.randn(2, 4, 16), torch.randint(0, 16, (2, 4))
+
+        def step():
+            _tiny_step(model, opt, x, y)
+
+        step()
+        n = _count_ops(step)
+        return 1e6 * _time_per_call(step) / n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def dtensor_op_overhead_us(plain_us: float) -> float:
+    """Host microseconds an op on DTensors costs beyond a plain op's: the tiny step with its Linear layers
+    split column/row over a fake mesh of 2 ranks (no-op collectives), whose plain ops are charged at
+    ``plain_us``. 0 where no process group can be made here (this process is a rank already)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return 0.0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = _model()
+        for block in model:
+            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        x, y = torch.randn(2, 4, 16), torch.randint(0, 16, (2, 4))
+
+        def step():
+            _tiny_step(model, opt, x, y)
+
+        step()
+        n_all, n_dt = _count_ops(step), _count_ops(step, only_dtensor=True)
+        took = _time_per_call(step)
+        return max(0.0, 1e6 * took - n_all * plain_us) / max(1, n_dt)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def gloo_allreduce(small: int = 2**14, large: int = 2**22) -> tuple[float, float]:
+    """(latency in microseconds, bus GB/s) of a gloo all-reduce between two threads of this process:
+    t(n) = latency + bus bytes / bandwidth, from fp32 buffers of ``small`` and ``large`` elements
+    (bus bytes of an all-reduce of 2 ranks: the buffer's)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.HashStore()
+    times: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("memopt-probe", store), r, 2, timeout)
+            for n in (small, large):
+                x = torch.ones(n)
+                pg.allreduce([x]).wait()
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    pg.allreduce([x]).wait()
+                    best = min(best, time.perf_counter() - t0)
+                if r == 0:
+                    times[n] = best
+        except BaseException as e:  # reported below: a probe that failed must not pass for a measurement
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors or len(times) < 2:
+        raise RuntimeError(f"the gloo all-reduce probe failed: {errors[0] if errors else 'timed out'}")
+    per_byte = max(1e-12, (times[large] - times[small]) / (4 * (large - small)))
+    latency = max(0.0, times[small] - 4 * small * per_byte)
+    return latency * 1e6, 1 / per_byte / 1e9
