@@ -139,7 +139,13 @@ def _hardware(typed, step_rates: bool = False):
 
     from memopt.memory.hardware import resolve_hardware
 
-    return resolve_hardware(typed.hardware, torch.device("cuda" if torch.cuda.is_available() else "cpu"), step_rates)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hw = resolve_hardware(typed.hardware, device)
+    if step_rates:
+        from memopt.planner.cpu_rates import complete
+
+        hw = complete(typed.hardware, hw, device)
+    return hw
 
 
 def plan_run(typed, cfg: DictConfig, run_dir: str, multirun: bool) -> dict:

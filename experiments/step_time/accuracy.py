@@ -69,11 +69,13 @@ def planned(overrides: list[str]) -> dict:
 
     from memopt.config import compose_config, to_dataclass, validate
     from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.cpu_rates import complete
     from memopt.planner.plan import make_plan
 
     cfg = to_dataclass(compose_config([*overrides, "trainer.nproc_per_node=2", "trainer.mode=plan"]))
     validate(cfg)
-    return make_plan(cfg, resolve_hardware(cfg.hardware, torch.device("cpu"), step_rates=True))["step_time"]
+    hw = complete(cfg.hardware, resolve_hardware(cfg.hardware, torch.device("cpu")), torch.device("cpu"))  # as plan mode
+    return make_plan(cfg, hw)["step_time"]
 
 
 def main() -> None:

@@ -130,10 +130,9 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds
     return _MEASURED[key]
 
 
-def resolve_hardware(hw: HardwareConfig, device: torch.device, step_rates: bool = False) -> HardwareConfig:
-    """Fill the unset fields from the machine at hand. ``step_rates``: on a CPU also measure what the
-    planner's step time divides by (``cpu_probes``: memory bandwidth, per-op host cost, gloo's
-    collectives; about half a second, so only the planner's entry points ask)."""
+def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig:
+    """Fill the unset fields from the machine at hand (the planner's step-time rates of a CPU are
+    measured by ``planner/cpu_rates.py``, for plan mode and auto only)."""
     dev_mem, peaks = hw.device_memory_gb, dict(hw.peak_tflops)
     if dev_mem is None:
         if device.type == "cuda":
@@ -150,18 +149,11 @@ def resolve_hardware(hw: HardwareConfig, device: torch.device, step_rates: bool 
     per_node = hw.devices_per_node or (torch.cuda.device_count() if device.type == "cuda" else 1)
     unified = hw.device_is_host or (device.type == "cpu" and hw.device_memory_gb is None)
     h2d, d2d = hw.host_device_gbps, hw.device_device_gbps
-    rates = {}
-    if device.type == "cpu" and (h2d is None or d2d is None or step_rates):
-        copy = measure_copy_gbps()
-        h2d = h2d or copy  # an offload is a memory copy here
-        if step_rates:  # what the planner's step time needs of this CPU (cpu_probes.py), gloo's bandwidth included
-            from memopt.memory import cpu_probes
-
-            rates = cpu_probes.measured(hw, copy)
-            d2d = d2d or rates.pop("device_device_gbps")
-        d2d = d2d or copy
+    if device.type == "cpu" and (h2d is None or d2d is None):
+        copy = measure_copy_gbps()  # offload is a memory copy here (the planner measures gloo: planner/cpu_rates.py)
+        h2d, d2d = h2d or copy, d2d or copy
     return replace(hw, device_memory_gb=dev_mem, host_memory_gb=host, peak_tflops=peaks, devices_per_node=per_node,
-                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d, **rates)
+                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d)
 
 
 def measure_copy_gbps(nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:

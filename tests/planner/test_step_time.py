@@ -184,14 +184,18 @@ def test_the_simulated_step_dispatches_the_ops_of_a_real_step():
 
 
 def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
-    """Plan mode's CPU profile (``step_rates``): every step-time rate measured, positive; a profile's own
-    value kept; a run's resolution (no ``step_rates``) measures none of them (it needs the peak for MFU only)."""
+    """Plan mode's CPU profile (``cpu_rates.complete``): every step-time rate measured, positive; a profile's
+    own value kept; a run's resolution measures none of them (it needs the peak for MFU only); a GPU's
+    profile is left as it is."""
     import torch
 
     from memopt.memory.hardware import HardwareConfig, resolve_hardware
+    from memopt.planner.cpu_rates import complete
 
-    hw = resolve_hardware(HardwareConfig(op_overhead_us=7.0), torch.device("cpu"), step_rates=True)
+    profile = HardwareConfig(op_overhead_us=7.0)
+    hw = complete(profile, resolve_hardware(profile, torch.device("cpu")), torch.device("cpu"))
     assert hw.op_overhead_us == 7.0
+    assert 0.05 <= hw.compute_efficiency <= 1.0
     for name in ("memory_gbps", "dtensor_op_overhead_us", "collective_latency_us", "host_adam_gparams_s",
                  "device_device_gbps"):
         assert getattr(hw, name) is not None and getattr(hw, name) >= 0, name
@@ -199,3 +203,4 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
     assert hw.host_adam_gparams_s == pytest.approx(hw.memory_gbps / 28)
     run = resolve_hardware(HardwareConfig(), torch.device("cpu"))
     assert (run.memory_gbps, run.op_overhead_us, run.collective_latency_us) == (None, None, None)
+    assert complete(HardwareConfig(), run, torch.device("cuda")) is run

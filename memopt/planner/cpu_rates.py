@@ -7,8 +7,9 @@ collectives (a copy through the kernel's sockets, not a memcpy), and on DTensors
 sharding propagation. Each probe measures one of these, for the fields of ``HardwareConfig`` a profile
 leaves unset:
 
-- ``memory_gbps``: bytes read + written per second by a large copy (twice ``measure_copy_gbps``'s
-  one-sided figure), all threads;
+- ``memory_gbps``: bytes read + written per second by an elementwise op on one thread, times the threads;
+- ``compute_efficiency``: the fraction of the matmul peak a transformer block's forward + backward reaches
+  (its products are smaller than the peak's 512-cube and its attention is a kernel of its own);
 - ``op_overhead_us``: a tiny training step (LayerNorm, Linear, GELU, residual, cross entropy, AdamW)
   under the memory tracker, timed after a warm-up, divided by the ops it dispatches, on one thread;
 - ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
@@ -31,24 +32,122 @@ ADAM_BYTES_PER_PARAM = 28  # CPUAdamW reads p, g, m, v and writes p, m, v (fp32)
 _CACHE: dict[str, float] = {}
 
 
-def measured(hw, copy_gbps: float) -> dict[str, float]:
-    """The step-time fields ``hw`` leaves unset, measured here (cached for the process)."""
+def complete(profile, hw, device: torch.device):
+    """``hw`` (``profile`` resolved) with the step-time rates ``profile`` leaves unset measured here, on a
+    CPU; a GPU's as it is (its compute_efficiency, measured on the GPU, stands for these terms)."""
+    from dataclasses import replace
+
+    if device.type != "cpu":
+        return hw
+    return replace(hw, **measured(profile))
+
+
+def measured(hw) -> dict[str, float]:
+    """The step-time fields the profile ``hw`` leaves unset, measured here (cached for the process)."""
     out = {}
-    mem = hw.memory_gbps or 2 * copy_gbps
+    mem = hw.memory_gbps or _cached("elementwise", elementwise_gbps)
     if hw.memory_gbps is None:
         out["memory_gbps"] = mem
     if hw.op_overhead_us is None:
         out["op_overhead_us"] = _cached("op", op_overhead_us)
+    if hw.compute_efficiency == 1.0:  # the default: nothing measured; a profile's own value wins
+        ovh = hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]
+        out["compute_efficiency"] = _cached("efficiency", lambda: block_efficiency(mem, ovh))
     if hw.dtensor_op_overhead_us is None:
         out["dtensor_op_overhead_us"] = _cached("dtensor", lambda: dtensor_op_overhead_us(
             hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]))
     lat, bw = _cached("gloo", gloo_allreduce)
-    out["device_device_gbps"] = bw
+    if hw.device_device_gbps is None:
+        out["device_device_gbps"] = bw
     if hw.collective_latency_us is None:
         out["collective_latency_us"] = lat
     if hw.host_adam_gparams_s is None:
         out["host_adam_gparams_s"] = mem / ADAM_BYTES_PER_PARAM
     return out
+
+
+def elementwise_gbps(rows: int = 2048, width: int = 512) -> float:
+    """Bytes read + written per second by a transformer's memory-bound ops (GELU (tanh), LayerNorm, a
+    residual add, each over a 4 MiB fp32 activation), on one thread, times torch's threads (as the matmul
+    peak is taken). A large ``copy_`` or an ``add`` alone overstates them many times: on one core of an EPYC
+    an add of 4 MiB moved 116 GB/s (in cache), exact GELU 39, the tanh GELU GPT-2 uses 6.9."""
+    from memopt.planner.simulate import _moved_bytes
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, r = torch.randn(rows, width), torch.randn(rows, width)
+        w, b = torch.ones(width), torch.zeros(width)
+        def gelu(t):
+            return torch.nn.functional.gelu(t, approximate="tanh")  # GPT-2's, as memopt's GPT runs it
+
+        ops = [(gelu, (x,)), (torch.nn.functional.layer_norm, (x, (width,), w, b)), (torch.add, (x, r))]
+        moved = sum(_moved_bytes(a, {}, f(*a)) for f, a in ops)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for f, a in ops:
+                f(*a)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return moved / best / 1e9 * threads
+
+
+def block_efficiency(memory_gbps: float, overhead_us: float, width: int = 512, seq: int = 256, batch: int = 2) -> float:
+    """The fraction of the matmul peak a transformer block's forward + backward reaches on this CPU: its
+    FLOPs (the planner's formulas) over (its time less its memory-bound bytes at ``memory_gbps`` and its
+    ops at ``overhead_us``) x the one-thread peak, on one thread, at gpt_small's shapes (a block of width 256
+    ran in cache, 10-25% faster per FLOP). The peak is a 512-cube product; a block's
+    products are smaller or transposed and its attention is a kernel of its own: gpt_small's products ran
+    at ~75% of the peak and its attention at ~50%. In (0.05, 1]."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memopt.memory.hardware import measure_cpu_tflops
+    from memopt.planner.simulate import _FLOPS, _moved_bytes
+
+    threads = torch.get_num_threads()
+    peak = measure_cpu_tflops(torch.float32) / threads * 1e12  # one thread's
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        heads = max(1, width // 64)
+        ln1, ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        qkv, proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        up, down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        x = torch.randn(batch, seq, width, requires_grad=True)
+
+        def block():  # GPT-2's block (memopt's GPT), fp32
+            q, k, v = qkv(ln1(x)).view(batch, seq, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = x + proj(a.transpose(1, 2).reshape(batch, seq, width))
+            (h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))).sum().backward()
+
+        class Count(TorchDispatchMode):
+            flops = moved = ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                Count.ops += 1
+                formula = _FLOPS.get(func._overloadpacket)
+                if formula is not None:
+                    Count.flops += int(formula(*args, **(kwargs or {}), out_val=out))
+                elif not func.is_view:
+                    Count.moved += _moved_bytes(args, kwargs, out)
+                return out
+
+        block()
+        with Count():
+            block()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            block()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    compute = best - Count.moved / (memory_gbps / threads * 1e9) - Count.ops * overhead_us * 1e-6
+    return min(1.0, max(0.05, Count.flops / max(compute, 1e-9) / peak))
 
 
 def _cached(key: str, fn):
