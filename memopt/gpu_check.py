@@ -77,7 +77,9 @@ COMPOSITIONS = [
                            "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.6", "trainer.micro_batch_size=1"]),
     ("chunked_loss", ["+strategy=[bf16,chunked_loss]"]),
 ]
-TRAIN_STEPS = 8  # 3 warm-up steps, the median of the other 5
+TRAIN_STEPS = 12  # 3 warm-up steps, the median of the other 9 and their spread (tracked steps moved 10-35% between
+# calls minutes apart on the first H100 check: one median of 5 could not tell a change from noise)
+WARMUP_STEPS = 3  # the trainer's throughput_warmup_steps
 # --cpu-dry-run: the same compositions on gpt_tiny (the chunk budget scaled down with it)
 DRY_MODEL = ["model=gpt_tiny", "trainer.micro_batch_size=2"]
 DRY_HARDWARE = ["hardware=h100_sxm", "hardware.host_memory_gb=120"]
@@ -286,13 +288,14 @@ def format_text(results: dict) -> str:
         lines.append("")
         lines.append("planner vs measured (one GPU; rel err = (planned - measured) / measured):")
         lines.append(f"{'composition':<19}{'status':<8}{'plan dev':>11}{'tracker':>11}{'err':>8}{'allocator':>11}{'err':>8}"
-                     f"{'plan step':>10}{'step':>9}{'err':>9}{'tok/s':>10}{'MFU':>7}")
+                     f"{'plan step':>10}{'step':>9}{'err':>9}{'spread':>8}{'tok/s':>10}{'MFU':>7}")
         for r in comps:
             lines.append(f"{r.get('name', '?'):<19}{str(r.get('status'))[:7]:<8}{_fmt_bytes(r.get('planned_device_bytes')):>11}"
                          f"{_fmt_bytes(r.get('tracker_device_bytes')):>11}{_pct(r.get('rel_err_tracker')):>8}"
                          f"{_fmt_bytes(r.get('allocator_peak_bytes')):>11}{_pct(r.get('rel_err_allocator')):>8}"
                          f"{_fmt(r.get('planned_step_s'), '.4f'):>10}{_fmt(r.get('step_time_s'), '.4f'):>9}"
-                         f"{_pct(r.get('rel_err_step_time')):>9}{_fmt(r.get('tokens_per_s'), ',.0f'):>10}"
+                         f"{_pct(r.get('rel_err_step_time')):>9}{_pct(r.get('step_time_spread')).lstrip('+'):>8}"
+                         f"{_fmt(r.get('tokens_per_s'), ',.0f'):>10}"
                          f"{_pct(r.get('mfu')).lstrip('+') if r.get('mfu') is not None else '-':>7}")
             if r.get("error"):
                 lines.append(f"  {r['name']}: {str(r['error']).splitlines()[0][:150]}")
@@ -864,7 +867,7 @@ def train_run(check: Check, name: str, overrides: list[str], steps: int, timeout
     shutil.rmtree(d, ignore_errors=True)
     dry = check.mode != "cuda"
     cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, overrides, dry),
-           f"trainer.max_steps={steps}", *extra, f"hydra.run.dir={d}"]
+           f"trainer.max_steps={steps}", "trainer.log_every=1", *extra, f"hydra.run.dir={d}"]
     if dry:
         cmd.append("trainer.throughput_warmup_steps=0")
     log = check.log_path(f"train_{name}")
@@ -881,6 +884,7 @@ def train_run(check: Check, name: str, overrides: list[str], steps: int, timeout
     for key in ("tokens_per_s", "tflops", "mfu", "step_time_s", "optim_step_s", "peak_tflops_per_device", "tokens_per_step",
                 "params", "final_loss", "engine", "strategy", "hardware"):
         out[key] = s.get(key)
+    out.update(step_spread(os.path.join(d, "metrics.jsonl"), 0 if dry else WARMUP_STEPS))
     dev = _rank0(s.get("peak_bytes"), prefer="device")
     out["tracker_device_bytes"] = (dev or {}).get("total")
     out["tracker_device_categories"] = dev
@@ -889,6 +893,25 @@ def train_run(check: Check, name: str, overrides: list[str], steps: int, timeout
     out["allocator_peak_bytes"] = alloc.get("0")
     out["allocator_reserved_peak_bytes"] = (s.get("cuda_allocator_reserved_peak") or {}).get("0")
     return out
+
+
+def step_spread(metrics_path: str, warmup: int) -> dict:
+    """The timed steps' fastest and slowest step and their spread ((max - min) / median) from metrics.jsonl
+    (every step logged): whether a planned-vs-measured difference is larger than the run's own noise."""
+    times = []
+    try:
+        with open(metrics_path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if "step_time_s" in rec and rec.get("step", 0) >= warmup:
+                    times.append(rec["step_time_s"])
+    except (OSError, ValueError):
+        return {}
+    if not times:
+        return {}
+    med = sorted(times)[len(times) // 2]
+    return {"timed_steps": len(times), "step_time_min_s": min(times), "step_time_max_s": max(times),
+            "step_time_spread": (max(times) - min(times)) / med if med else None}
 
 
 def section_compositions(check: Check, cap: float, rec: dict) -> dict:

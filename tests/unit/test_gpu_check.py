@@ -290,3 +290,17 @@ def test_sigterm_keeps_the_results_and_stops_the_children(tmp_path):
     time.sleep(1)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert rec["work_dir"] not in ps, [line for line in ps.splitlines() if rec["work_dir"] in line]
+
+
+def test_step_spread_reads_the_timed_steps(tmp_path):
+    """The compositions' step-time spread: steps before the warm-up left out, (max - min) / median of the rest
+    (here 0.9, 1.0, 1.2 s after two warm-up steps of 5 s: spread 0.3 / 1.0)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "step_time_s": 5.0}, {"step": 1, "step_time_s": 5.0}, {"step": 2, "step_time_s": 1.2},
+        {"step": 3, "step_time_s": 0.9}, {"event": "eval"}, {"step": 4, "step_time_s": 1.0}]))
+    got = gc.step_spread(str(path), warmup=2)
+    assert got["timed_steps"] == 3
+    assert (got["step_time_min_s"], got["step_time_max_s"]) == (0.9, 1.2)
+    assert got["step_time_spread"] == pytest.approx(0.3)
+    assert gc.step_spread(str(tmp_path / "missing.jsonl"), 2) == {}
