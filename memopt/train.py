@@ -232,7 +232,8 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
     base = split_base(overrides)[0]  # candidates carry the strategies (and MoE's options) they need
     def progress(done: int, total: int, row: dict, best: dict | None) -> None:
         lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
-        print(f"memopt auto: planned {done}/{total} ({'fits' if row['fits'] else 'does not fit'}); {lead}",
+        what = "fits" if row["fits"] else "skipped: a larger micro-batch fits" if row.get("skipped") else "does not fit"
+        print(f"memopt auto: planned {done}/{total} ({what}); {lead}",
               file=sys.stderr, flush=True)
 
     rows = search(typed, _hardware(typed, step_rates=True), overrides, progress=progress)

@@ -28,10 +28,12 @@ import os
 
 from memopt.planner.plan import fmt, limits_of
 from memopt.planner.placement import plan_placed
+from memopt.planner.prune import chains, plan_chain
 from memopt.planner.simulate import PlanOverflow
 
 PRECISION = {"fp32": [], "bf16": ["bf16"], "fp16": ["fp16"]}
 CHUNK_PRESET = {"fp16": "hybrid_adam", "bf16": "hybrid_adam_bf16"}
+CHUNK_FAMILY = ("chunk", "hybrid_adam", "hybrid_adam_bf16", "hybrid_adam_fp32", "static_partition")
 CKPT = {"none": ([], []), "full": (["ckpt"], []), "every_k": (["ckpt"], ["strategy.ckpt.policy=every_k"]),
         "selective": (["ckpt"], ["strategy.ckpt.policy=selective"])}
 
@@ -206,12 +208,14 @@ def _worker_init(runtime: int) -> None:
 PARALLEL_FROM = 16  # candidates from which the search plans in worker processes (each starts in a few seconds)
 
 
-def search(cfg, hw, base: list[str], progress=None, workers: int | None = None) -> list[dict]:
+def search(cfg, hw, base: list[str], progress=None, workers: int | None = None, prune: bool = True) -> list[dict]:
     """Every candidate planned, ranked: fitting ones by predicted step time, then the others.
     ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
-    process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order."""
+    process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order.
+    ``prune``: a composition's smaller micro-batches are not planned once a larger one fits (``prune.py``:
+    they cannot win; their rows say so)."""
     base, carry, moe_named = split_base(base)
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     rows, best = [], None
@@ -230,6 +234,8 @@ def search(cfg, hw, base: list[str], progress=None, workers: int | None = None) 
         if progress is not None:
             progress(len(rows), len(todo), row, best)
 
+    links = chains([_composition(ov[n:]) for ov in todo], [_micro_batch(ov) for ov in todo],
+                   [_every_size(ov[n:]) for ov in todo]) if prune else [[i] for i in range(len(todo))]
     if workers > 1 and len(todo) >= PARALLEL_FROM:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -238,23 +244,49 @@ def search(cfg, hw, base: list[str], progress=None, workers: int | None = None) 
 
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                  initargs=(runtime_bytes(),)) as pool:
-            futures = {pool.submit(plan_row, ov, hw, limits): i for i, ov in enumerate(todo)}
+            futures = {pool.submit(plan_chain, [todo[i] for i in c], plan_row, hw, limits): c for c in links}
             for fut in as_completed(futures):
-                add(fut.result(), futures[fut])
+                for i, row in zip(futures[fut], fut.result()):
+                    add(row, i)
     else:
-        for i, ov in enumerate(todo):
-            add(plan_row(ov, hw, limits), i)
+        for c in links:
+            for i, row in zip(c, plan_chain([todo[i] for i in c], plan_row, hw, limits)):
+                add(row, i)
     rows.sort(key=lambda r: r.pop("_order"))
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
 
 
+_BATCH = ("trainer.micro_batch_size=", "trainer.grad_accum=")
+
+
+def _composition(overrides: list[str]) -> tuple:
+    """A candidate's overrides without its micro-batch and accumulation: what its chain shares."""
+    return tuple(o for o in overrides if not o.startswith(_BATCH))
+
+
+def _micro_batch(overrides: list[str]) -> int:
+    return next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith(_BATCH[0])), 0)
+
+
+def _every_size(overrides: list[str]) -> bool:
+    """A pipeline or a chunk-engine candidate: a smaller micro-batch can be faster there (``prune.py``)."""
+    names = next((_names(o) for o in overrides if o.startswith("+strategy=")), [])
+    pp = next((o.split("=", 1)[1] for o in overrides if o.startswith("parallel.pp=")), "1")
+    return pp != "1" or "pipeline" in names or any(n in CHUNK_FAMILY for n in names)
+
+
 def ranked_table(rows: list[dict], top: int) -> str:
-    lines = [f"memopt auto: {sum(r['fits'] for r in rows)} of {len(rows)} candidates fit; fastest predicted first"]
+    skipped = sum(bool(r.get("skipped")) for r in rows)
+    lines = [f"memopt auto: {sum(r['fits'] for r in rows)} of {len(rows)} candidates fit"
+             + (f" ({skipped} not planned: a larger micro-batch of their composition fits)" if skipped else "")
+             + "; fastest predicted first"]
     for i, r in enumerate(rows[:top]):
         if r["fits"]:
             speed = f"{r['step_s']:.3g} s/step ({r['dominant']})" if r["step_s"] is not None else "step time unknown"
             lines.append(f"  {i + 1:>2}. {speed}, peak {fmt(r['peak'])}: {r['label']}")
+        elif r.get("skipped"):
+            lines.append(f"   -  skipped (a larger micro-batch of it fits): {r['label']}")
         else:
             lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
     return "\n".join(lines)

@@ -261,3 +261,29 @@ def test_search_in_worker_processes_ranks_as_one_process():
     assert len(one) >= PARALLEL_FROM
     keys = ("label", "fits", "step_s", "peak", "why")
     assert [tuple(r.get(k) for k in keys) for r in one] == [tuple(r.get(k) for k in keys) for r in two]
+
+
+def test_pruned_search_keeps_the_exhaustive_searchs_winner():
+    """A composition's smaller micro-batches are not planned once a larger fits (planner/prune.py): against
+    the exhaustive search of the same space, the same winner and the same rows for every candidate planned,
+    and every skipped candidate predicted no faster than the larger micro-batch of its composition that fit."""
+    from memopt.planner.search import search
+
+    base = ["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "trainer.micro_batch_size=4", "logger=none",
+            "data=synthetic", "trainer.save_checkpoint=false", "trainer.eval_every=0"]
+    cfg = typed([*base, "+strategy=auto", "strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[4,2,1]",
+                 "strategy.auto.chunk_budget_gb=[]"])
+    hw = small_hw(64)
+    full = {r["label"]: r for r in search(cfg, hw, base, workers=1, prune=False)}
+    pruned = search(cfg, hw, base, workers=1)
+    assert pruned[0]["label"] == min((r for r in full.values() if r["fits"]), key=lambda r: r["step_s"])["label"]
+    skipped = [r for r in pruned if r.get("skipped")]
+    assert skipped, "the space has compositions whose largest micro-batch fits"
+    for r in pruned:
+        if not r.get("skipped"):
+            assert (r["fits"], r.get("step_s")) == (full[r["label"]]["fits"], full[r["label"]].get("step_s")), r["label"]
+            continue
+        comp = [o for o in r["overrides"] if not o.startswith(("trainer.micro_batch_size=", "trainer.grad_accum="))]
+        larger = [f for f in pruned if f["fits"] and [o for o in f["overrides"] if not o.startswith(
+            ("trainer.micro_batch_size=", "trainer.grad_accum="))] == comp]
+        assert len(larger) == 1 and full[r["label"]]["step_s"] >= larger[0]["step_s"], r["label"]
