@@ -469,6 +469,12 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
             "shape or value, which fake tensors do not have (MoE routing has a planned answer, planner/routing.py; "
             "this op has none); run with trainer.preflight=false") from None
     except Exception as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, PlanOverflow):  # torch's pipelining wraps a stage's
+            cause = cause.__cause__  # exception in a RuntimeError: the overflow inside is the plan's answer
+        if cause is not None:
+            cause.device = keymap.get(cause.device, cause.device)
+            raise cause from None
         if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
             raise PlanOverflow("host" if "host" in str(e) else "device", {}, 0, f"{type(e).__name__}: {e}",
                                getattr(e, "fixes", ())) from None

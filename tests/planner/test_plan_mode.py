@@ -121,3 +121,21 @@ def test_llama3_8b_plans_on_a_node_of_8_a100s(tmp_path):
     # ckpt keeps each block's input: L x B T C fp32 values at least
     assert rank0["activations"] >= 32 * 2 * 8192 * 4096 * 4
     assert plan["fits"] and plan["status"] == "fits", plan["status"]
+
+
+def test_a_pipeline_stage_over_its_limit_is_an_overflow_not_a_crash():
+    """torch's pipelining wraps a stage's exception in a RuntimeError; the planner's overflow inside it is the
+    plan's answer (the auto search once died on the first pipeline candidate that did not fit)."""
+    import pytest
+
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.plan import limits_of, make_plan
+    from memopt.planner.simulate import PlanOverflow
+
+    cfg = typed(["model=gpt_tiny", "model.seq_len=32", "trainer.micro_batch_size=2", "trainer.grad_accum=2",
+                 "trainer.nproc_per_node=2", "+strategy=pipeline", "parallel.pp=2", "logger=none"])
+    hw = HardwareConfig(name="t", device_memory_gb=1.0, host_memory_gb=1.0, peak_tflops={"fp32": 1.0},
+                        device_is_host=True)
+    with pytest.raises(PlanOverflow):
+        make_plan(cfg, hw, {"all": 2**20})  # 1 MiB: the first stage's parameters alone are more
+    assert make_plan(cfg, hw, limits_of(hw, 2, cfg))["fits"]
