@@ -179,12 +179,13 @@ def _model(width: int = 16, blocks: int = 3) -> torch.nn.Module:
 def _count_ops(fn, only_dtensor: bool = False) -> int:
     """Ops ``fn`` dispatches as the memory tracker (and the planner's counting) sees them."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not only_dtensor or any(type(a).__name__ == "DTensor" for a in args):
+            if not only_dtensor or any(type(a).__name__ == "DTensor" for a in tree_leaves(args)):
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 

@@ -88,8 +88,9 @@ def _on_dtensors(args) -> bool:
     """An op on DTensors (tensor parallelism): the tracker sees it once, above DTensor's own dispatch,
     whose sharding propagation costs a run far more host time than a plain op's."""
     from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
 
-    return any(isinstance(a, DTensor) for a in args)
+    return any(isinstance(a, DTensor) for a in tree_leaves(args))  # lists too: the optimizer's foreach ops
 
 
 class PlanUnsupported(ConfigError):
