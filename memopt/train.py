@@ -236,12 +236,19 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
         print(f"memopt auto: planned {done}/{total} ({what}); {lead}",
               file=sys.stderr, flush=True)
 
-    rows = search(typed, _hardware(typed, step_rates=True), overrides, progress=progress)
+    hw = _hardware(typed, step_rates=True)
+    rows = search(typed, hw, overrides, progress=progress)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), rows)
     if not rows or not rows[0]["fits"]:
-        refused = _record_refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits")
+        from memopt.planner.plan import fmt
+        from memopt.planner.search import smallest_device_budget
+
+        need = smallest_device_budget(rows, hw, overrides, typed)
+        why = f"; the least a candidate needs on the device: {fmt(need[0])} ({need[1]}), so " \
+              f"hardware.device_memory_gb={need[0] / 2**30:.3g} or more would work" if need else ""
+        refused = _record_refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return None
     print(f"memopt auto: running {rows[0]['label']}")

@@ -336,3 +336,29 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
         if plan is not None:
             best, best_plan = n, plan
     return best, best_plan, tried
+
+
+def smallest_device_budget(rows: list[dict], hw, base: list[str], cfg) -> tuple[int, str] | None:
+    """(device bytes, candidate label) of the least a candidate of a search where none fits needs on the
+    device: the frugal candidates (full checkpointing with optimizer offload, ZeRO-3's parameters offloaded
+    too where it is searched, at the smallest micro-batch searched; a candidate stopped at its first op over
+    the device, so its need is unknown) planned again without the device limit. None when the search was
+    not refused for the device (a CPU without a device budget: one memory) or no such candidate exists."""
+    limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
+    if "device" not in limits or not rows:
+        return None
+    base = split_base(base)[0]
+    small = min(_micro_batch(r["overrides"]) for r in rows)
+    frugal = [r for r in rows if _micro_batch(r["overrides"]) == small and not r.get("skipped")
+              and {"ckpt", "cpu_offload"} <= set(next((_names(o) for o in r["overrides"] if o.startswith("+strategy=")), []))
+              and not any(o.startswith("strategy.ckpt.policy=") or o == "strategy.cpu_offload.offload_param=false"
+                          for o in r["overrides"])]
+    from memopt.planner.preflight import plan_with_fixes
+
+    best = None
+    for r in frugal:
+        plan = plan_with_fixes([*base, *r["overrides"]], [], hw, {k: v for k, v in limits.items() if k != "device"})[0]
+        need = (plan or {}).get("fit", {}).get("device", {}).get("bytes")
+        if need is not None and (plan.get("fit", {}).get("host") or {}).get("fits", True) and (best is None or need < best[0]):
+            best = (need, r["label"])
+    return best

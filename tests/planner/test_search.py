@@ -287,3 +287,26 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner():
         larger = [f for f in pruned if f["fits"] and [o for o in f["overrides"] if not o.startswith(
             ("trainer.micro_batch_size=", "trainer.grad_accum="))] == comp]
         assert len(larger) == 1 and full[r["label"]]["step_s"] >= larger[0]["step_s"], r["label"]
+
+
+@pytest.mark.slow
+def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path):
+    """A device budget no candidate meets is refused before anything is allocated, naming the least a
+    candidate needs; that budget, given back, is met: the search then fits (plan mode, one rank)."""
+    import re
+
+    from tests.conftest import cli_main
+
+    base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
+            "trainer.save_checkpoint=false", "trainer.eval_every=0", "+strategy=auto", "strategy.auto.micro_batch_size=[2]",
+            "strategy.auto.chunk_budget_gb=[]", "strategy.auto.ckpt=[none,full]", "trainer.mode=plan"]
+    rc = cli_main([*base, "hardware.device_memory_gb=0.001", f"hydra.run.dir={tmp_path / 'a'}"])
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert rc != 0 and summary["status"] == "refused"
+    got = re.search(r"hardware.device_memory_gb=([0-9.e-]+) or more would work", summary["error"])
+    assert got, summary["error"]
+    need = float(got.group(1)) * 1.01  # printed to 3 significant digits
+    assert need > 0.001
+    rc = cli_main([*base, f"hardware.device_memory_gb={need}", f"hydra.run.dir={tmp_path / 'b'}"])
+    rows = json.loads((tmp_path / "b" / "auto.json").read_text())
+    assert rc == 0 and rows[0]["fits"] and rows[0]["peak"] <= need * 2**30
