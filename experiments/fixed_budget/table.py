@@ -1,0 +1,159 @@
+"""Issue #30's table: at a fixed device budget per rank, memopt's choice against DeepSpeed's and FSDP2's.
+
+    python experiments/fixed_budget/table.py                       # gpt_small and moe_small, 4 budgets (hours)
+    python experiments/fixed_budget/table.py --models gpt_small --budgets 0.25 --steps 4 --repeats 1
+    python experiments/fixed_budget/table.py --planned-only        # the planned node tables (minutes)
+
+Measured part (2 ranks of this CPU): the budget B = a fraction of plain fp32 DDP's measured device peak per rank
+(the model's own DDP run, 2 steps). At each budget, four rows: ``+strategy=auto`` under engine=memopt,
+engine=deepspeed and engine=fsdp2 (each search run through the CLI in plan mode, ``auto.json``'s winner
+taken), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
+activation checkpointing, fp32). All chosen runs then train, the budget held by the
+tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
+the first rotating per repeat; tokens/s is the median step after the warm-up, best of the repeats (worst in
+parentheses). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
+the global batch: micro-batch x accumulation).
+
+Planned part (``--planned-only`` or after the measured one): the same three searches for gpt_1b and gpt_10b on
+a node of 8 A100 80G and on PatrickStar's node (8 V100 32 GB, 240 GB host), planned, not run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from experiments.common import REPO, bench_dir, machine_line, mib, table  # noqa: E402
+
+ENGINES = ("memopt", "deepspeed", "fsdp2")
+TYPED = ["engine=deepspeed", "+strategy=[zero3,cpu_offload,ckpt]"]  # a DeepSpeed user's ZeRO-3-Offload, no planner
+COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.save_checkpoint=false",
+          "data=synthetic"]
+NODES = {"8x A100 80G": ["hardware=a100_80g", "trainer.nproc_per_node=8"],
+         "PatrickStar's node (8x V100 32 GB, 240 GB host)": ["hardware=v100_patrickstar", "trainer.nproc_per_node=8"]}
+
+
+def cli(args: list[str], run_dir: str) -> dict | None:
+    """``python -m memopt.train ARGS`` in a process of its own; its summary.json (None when it wrote none, its
+    last line printed)."""
+    p = subprocess.run([sys.executable, "-m", "memopt.train", *args, f"hydra.run.dir={run_dir}", "trainer.overwrite=true"],
+                       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f)
+    except OSError:
+        print(f"no summary.json from {' '.join(args)}: {(p.stderr.strip().splitlines() or [''])[-1]}", file=sys.stderr)
+        return None
+
+
+def choice(base: list[str], engine: str, run_dir: str) -> tuple[list[str] | None, dict]:
+    """The winner of ``engine``'s +strategy=auto at ``base`` (its overrides), and its ranked row."""
+    summary = cli([*base, f"engine={engine}", "+strategy=auto", "trainer.mode=plan"], run_dir)
+    try:
+        with open(os.path.join(run_dir, "auto.json")) as f:
+            rows = json.load(f)
+    except OSError:
+        return None, {"why": (summary or {}).get("error", "the search wrote no auto.json")}
+    if not rows or not rows[0]["fits"]:
+        return None, {"why": (summary or {}).get("error", "no candidate fits")}
+    return [f"engine={engine}", *rows[0]["overrides"]], rows[0]
+
+
+def ddp_peak(model: str, tmp: str, extra: list[str]) -> int:
+    from memopt.api import run_jobs_on_ranks
+
+    s = run_jobs_on_ranks(2, [([f"model={model}", *COMMON, *extra, "+strategy=ddp", "trainer.max_steps=2"],
+                               os.path.join(tmp, f"ddp-{model}"))])[0]
+    return max(v["cpu"]["total"] for v in s["peak_bytes"].values())
+
+
+def measured(args, tmp: str) -> None:
+    for model in args.models.split(","):
+        peak = ddp_peak(model, tmp, [o for o in args.extra.split() if not o.startswith("strategy.")])
+        print(f"\n## {model}: plain fp32 DDP peaks at {mib(peak)} MiB per rank\n", flush=True)
+        rows, jobs, keys = {}, [], []
+        for frac in [float(b) for b in args.budgets.split(",")]:
+            budget = frac * peak / 2**30
+            base = [f"model={model}", *COMMON, *args.extra.split(), "trainer.nproc_per_node=2", f"hardware.device_memory_gb={budget:.6f}",
+                    f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}"]
+            for engine in ENGINES:
+                ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"))
+                rows[(frac, f"{engine} auto")] = (ov, row)
+            rows[(frac, "DeepSpeed typed")] = (TYPED, {})
+            for rep in range(args.repeats):
+                names = [n for (f, n) in rows if f == frac]
+                names = names[rep % len(names):] + names[:rep % len(names)]  # rotate who goes first
+                for name in names:
+                    ov, _ = rows[(frac, name)]
+                    if ov is not None:
+                        keys.append((frac, name))
+                        run = [o for o in base if not o.startswith("strategy.auto.")]  # the search's own options
+                        jobs.append(([*run, *ov], os.path.join(tmp, f"run-{model}-{frac}-{name.replace(' ', '_')}-{rep}")))
+        best: dict = {}
+        for key, (ov, run_dir) in zip(keys, jobs):  # each through the CLI, as a user runs it (an oom ends that run only)
+            best.setdefault(key, []).append(cli(ov, run_dir) or {"status": "no summary"})
+        out = []
+        for (frac, name), (ov, row) in rows.items():
+            budget = frac * peak
+            runs = best.get((frac, name), [])
+            if ov is None:
+                out.append([f"{frac:.3g} ({mib(budget)})", name, f"none fits: {row.get('why', '')[:80]}", "-", "-", "-", "-", "-"])
+                continue
+            ok = [s for s in runs if s.get("status") == "ok"]
+            top = max(ok, key=lambda s: s["tokens_per_s"]) if ok else (runs[0] if runs else {})
+            dev = max((v.get("cpu", {}).get("total", 0) for v in (top.get("peak_bytes") or {}).values()), default=0)
+            planned = row.get("step_s")
+            out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
+                        f"{mib(dev)} {'<=' if dev <= budget else 'OVER'} budget" if top else "-",
+                        f"{top['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
+                        f"{top.get('mfu', 0) * 100:.1f}%" if ok and top.get("mfu") is not None else "-",
+                        f"{top['final_loss']:.4f}" if ok else "-",
+                        f"{planned:.3g} / {top['step_time_s']:.3g}" if ok and planned else "-"])
+        print(table(["budget (of DDP's peak)", "row", "composition", "measured peak per rank", "tokens/s (worst)", "MFU",
+                     f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
+
+
+def planned(tmp: str) -> None:
+    print("\n## Planned, not run (the planner's choice per engine)\n")
+    out = []
+    for model in ("gpt_1b", "gpt_10b"):
+        for node, hw in NODES.items():
+            base = [f"model={model}", *COMMON, *hw, "strategy.auto.ckpt=[none,full]"]
+            for engine in ENGINES:
+                ov, row = choice(base, engine, os.path.join(tmp, f"planned-{model}-{engine}-{len(out)}"))
+                out.append([model, node, f"{engine} auto", " ".join(o for o in ov if not o.startswith("parallel.tp=1")) if ov
+                            else f"none fits: {row.get('why', '')[:80]}", f"{row['step_s']:.3g}" if ov and row.get("step_s") else "-",
+                            f"{row['peak'] / 2**30:.1f}" if ov and row.get("peak") else "-"])
+    print(table(["model", "node", "engine", "planned choice", "planned step s", "planned peak GiB (max of device, node host)"], out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gpt_small,moe_small")
+    ap.add_argument("--budgets", default="1,0.5,0.25,0.125", help="fractions of plain fp32 DDP's measured peak per rank")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--planned-only", action="store_true")
+    ap.add_argument("--no-planned", dest="planned", action="store_false", help="the measured part only")
+    ap.add_argument("--extra", default="", help="space-separated overrides added to every command (a smoke run: "
+                    "'strategy.auto.micro_batch_size=[8] strategy.auto.ckpt=[none]')")
+    args = ap.parse_args()
+    tmp = bench_dir("fixed_budget")
+    print(machine_line())
+    if args.planned_only:
+        args.planned = True
+    else:
+        load0 = os.getloadavg()[0]
+        measured(args, tmp)
+        print(f"\n1-min load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    if args.planned:
+        planned(tmp)
+
+
+if __name__ == "__main__":
+    main()
