@@ -31,6 +31,9 @@ class HardwareConfig:
     # peak x compute_efficiency. MFU keeps dividing by the datasheet peak. 1.0 where nothing was measured,
     # and on a CPU, whose peak is measured already (``resolve_hardware``). In (0, 1].
     compute_efficiency: float = 1.0
+    # Per compute dtype, an efficiency that replaces ``compute_efficiency`` for it (a CPU's bf16 products reach a
+    # different fraction of their 512-cube peak than its fp32 ones: planner/cpu_rates.py measures both).
+    dtype_efficiency: dict[str, float] = field(default_factory=dict)
     # Billions of parameter updates per second of the node's host AdamW (``CPUAdamW``: ZeRO's cpu_offload,
     # the chunk engine's host optimizer groups), shared by the node's ranks: the planner's optimizer term is
     # (host-stepped parameters per rank x ranks per node) / this. None: not measured, the term is not estimated.
@@ -63,6 +66,9 @@ def check_hardware(hw: HardwareConfig) -> None:
         k, v = next(iter(bad.items()))
         raise ConfigError(f"hardware.peak_tflops.{k}={v} must be > 0 (TFLOP/s); leave the dtype out to measure it here")
 
+    for name, value in (hw.dtype_efficiency or {}).items():
+        if not 0 < value <= 1:
+            raise ConfigError(f"hardware.dtype_efficiency.{name}={value} must be in (0, 1]")
     eff = hw.compute_efficiency
     if eff is None or not 0 < eff <= 1:
         raise ConfigError(f"hardware.compute_efficiency={eff} must be in (0, 1]: the fraction of the datasheet peak "

@@ -53,6 +53,11 @@ def measured(hw) -> dict[str, float]:
     if hw.compute_efficiency == 1.0:  # the default: nothing measured; a profile's own value wins
         ovh = hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]
         out["compute_efficiency"] = _cached("efficiency", lambda: block_efficiency(mem, ovh))
+        peaks = hw.peak_tflops or {}
+        if not hw.dtype_efficiency and peaks.get("bf16", 0) >= peaks.get("fp32", float("inf")):
+            # bf16 products fast here (AVX-512-BF16 / AMX): its own fraction (on an AVX2 CPU a bf16 block takes
+            # seconds, and auto ranks bf16 last there anyway)
+            out["dtype_efficiency"] = {"bf16": _cached("efficiency_bf16", lambda: block_efficiency(mem, ovh, dtype=torch.bfloat16))}
     if hw.dtensor_op_overhead_us is None:
         out["dtensor_op_overhead_us"] = _cached("dtensor", lambda: dtensor_op_overhead_us(
             hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]))
@@ -94,7 +99,8 @@ def elementwise_gbps(rows: int = 2048, width: int = 512) -> float:
     return moved / best / 1e9 * threads
 
 
-def block_efficiency(memory_gbps: float, overhead_us: float, width: int = 512, seq: int = 256, batch: int = 2) -> float:
+def block_efficiency(memory_gbps: float, overhead_us: float, width: int = 512, seq: int = 256, batch: int = 2,
+                     dtype: torch.dtype = torch.float32) -> float:
     """The fraction of the matmul peak a transformer block's forward + backward reaches on this CPU: its
     FLOPs (the planner's formulas) over (its time less its memory-bound bytes at ``memory_gbps`` and its
     ops at ``overhead_us``) x the one-thread peak, on one thread, at gpt_small's shapes (a block of width 256
@@ -107,7 +113,7 @@ def block_efficiency(memory_gbps: float, overhead_us: float, width: int = 512, s
     from memopt.planner.simulate import _FLOPS, _moved_bytes
 
     threads = torch.get_num_threads()
-    peak = measure_cpu_tflops(torch.float32) / threads * 1e12  # one thread's
+    peak = measure_cpu_tflops(dtype) / threads * 1e12  # one thread's
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
@@ -117,11 +123,15 @@ def block_efficiency(memory_gbps: float, overhead_us: float, width: int = 512, s
         up, down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
         x = torch.randn(batch, seq, width, requires_grad=True)
 
-        def block():  # GPT-2's block (memopt's GPT), fp32
+        def block():  # GPT-2's block (memopt's GPT), fp32 or under the bf16 strategy's autocast
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
+                forward().sum().backward()
+
+        def forward():
             q, k, v = qkv(ln1(x)).view(batch, seq, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             h = x + proj(a.transpose(1, 2).reshape(batch, seq, width))
-            (h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))).sum().backward()
+            return h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
 
         class Count(TorchDispatchMode):
             flops = moved = ops = 0

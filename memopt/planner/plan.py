@@ -143,7 +143,7 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     check_hardware(hw)
     dtype = Precision.of(cfg).name
     peak = peak_tflops_for(hw, dtype)
-    eff = hw.compute_efficiency
+    eff = (hw.dtype_efficiency or {}).get(dtype, hw.compute_efficiency)
     tr = sim["traffic"]
     host_params = tr.get("host_optim_params", 0)
     rate = hw.host_adam_gparams_s
