@@ -551,8 +551,12 @@ class _Player:
             elif op == "g":
                 name, dev, cat, _b = it[1:]
                 p = self.infos[name].param
-                with t.category(cat), (t.host_scope() if dev == "host" else contextlib.nullcontext()):
-                    self.pending[name] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                counting, t.counting = t.counting, False  # the recorded model side counted the op that made it
+                try:
+                    with t.category(cat), (t.host_scope() if dev == "host" else contextlib.nullcontext()):
+                        self.pending[name] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                finally:
+                    t.counting = counting
             elif op == "phase":
                 mgr.phase = it[1]
             elif op == "enter":
