@@ -1,4 +1,4 @@
-"""What the planner's step time needs to know of this CPU, measured in about half a second.
+"""What the planner's step time needs to know of this CPU, measured in about two seconds (plan mode and auto).
 
 A CPU rank's step is not its FLOPs at the matmul peak: on gpt_small the plan said 0.37 s where 2 ranks
 took 1.2-2.0 s, and on gpt_tiny 0.026 s against 0.19 s (issue #30). The rest is memory-bound ops, the
@@ -7,9 +7,11 @@ collectives (a copy through the kernel's sockets, not a memcpy), and on DTensors
 sharding propagation. Each probe measures one of these, for the fields of ``HardwareConfig`` a profile
 leaves unset:
 
-- ``memory_gbps``: bytes read + written per second by an elementwise op on one thread, times the threads;
-- ``compute_efficiency``: the fraction of the matmul peak a transformer block's forward + backward reaches
-  (its products are smaller than the peak's 512-cube and its attention is a kernel of its own);
+- ``memory_gbps``: bytes read + written per second by GELU (tanh), LayerNorm and an add on one thread, times
+  the threads;
+- ``compute_efficiency``: the fraction of the matmul peak a GPT block's forward + backward reaches
+  (its products are smaller than the peak's 512-cube and its attention is a kernel of its own), and
+  ``dtype_efficiency["bf16"]`` the same under bf16 autocast where bf16 products are fast;
 - ``op_overhead_us``: a tiny training step (LayerNorm, Linear, GELU, residual, cross entropy, AdamW)
   under the memory tracker, timed after a warm-up, divided by the ops it dispatches, on one thread;
 - ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
@@ -39,11 +41,12 @@ def complete(profile, hw, device: torch.device):
 
     if device.type != "cpu":
         return hw
-    return replace(hw, **measured(profile))
+    return replace(hw, **measured(profile, hw.peak_tflops))
 
 
-def measured(hw) -> dict[str, float]:
-    """The step-time fields the profile ``hw`` leaves unset, measured here (cached for the process)."""
+def measured(hw, peaks: dict[str, float]) -> dict[str, float]:
+    """The step-time fields the profile ``hw`` leaves unset, measured here (cached for the process).
+    ``peaks``: the resolved matmul peaks per dtype (whether bf16 is fast here)."""
     out = {}
     mem = hw.memory_gbps or _cached("elementwise", elementwise_gbps)
     if hw.memory_gbps is None:
@@ -53,7 +56,6 @@ def measured(hw) -> dict[str, float]:
     if hw.compute_efficiency == 1.0:  # the default: nothing measured; a profile's own value wins
         ovh = hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]
         out["compute_efficiency"] = _cached("efficiency", lambda: block_efficiency(mem, ovh))
-        peaks = hw.peak_tflops or {}
         if not hw.dtype_efficiency and peaks.get("bf16", 0) >= peaks.get("fp32", float("inf")):
             # bf16 products fast here (AVX-512-BF16 / AMX): its own fraction (on an AVX2 CPU a bf16 block takes
             # seconds, and auto ranks bf16 last there anyway)

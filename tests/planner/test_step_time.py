@@ -196,6 +196,8 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
     hw = complete(profile, resolve_hardware(profile, torch.device("cpu")), torch.device("cpu"))
     assert hw.op_overhead_us == 7.0
     assert 0.05 <= hw.compute_efficiency <= 1.0
+    if hw.peak_tflops["bf16"] >= hw.peak_tflops["fp32"]:  # bf16 products fast here: their own fraction
+        assert 0.05 <= hw.dtype_efficiency["bf16"] <= 1.0
     for name in ("memory_gbps", "dtensor_op_overhead_us", "collective_latency_us", "host_adam_gparams_s",
                  "device_device_gbps"):
         assert getattr(hw, name) is not None and getattr(hw, name) >= 0, name
