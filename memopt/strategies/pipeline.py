@@ -95,10 +95,10 @@ class Pipeline(Strategy):
         p, m = "strategy.pipeline", cfg.model
         if c.schedule not in SCHEDULES:
             raise ConfigError(f"{p}.schedule={c.schedule!r} is not one of: {', '.join(SCHEDULES)}")
-        if cfg.engine.name != "memopt":
+        if cfg.engine.name not in ("memopt", "deepspeed"):
             raise ConfigError(f"+strategy=pipeline with engine={cfg.engine.name} is not built: its stages run in "
-                              "memopt's pipeline engine (DeepSpeed's PipelineModule and FSDP2 are not wired in); "
-                              "use engine=memopt")
+                              "memopt's pipeline engine or DeepSpeed's (engines/deepspeed_pipe.py); use engine=memopt "
+                              "or engine=deepspeed")
         if m.arch != "gpt":
             raise ConfigError(f"model.arch={m.arch!r} with +strategy=pipeline: stages are built for model.arch=gpt "
                               "(its embeddings, blocks, final norm and head); use model.arch=gpt")
