@@ -9,6 +9,7 @@ single-process weights. DeepSpeed's layers are that model's own modules:
     1..n    _Block(i): memopt's block i                                      its stage
     n + 1   _FinalNorm: ln_f                                                 last stage
     n + 2   TiedLayerSpec("embed", _Embed(head), identity): the tied wte copy last stage
+            (untied models: _Head, holding lm_head)
     loss_fn the model's ``loss_head`` (output layer = the tied copy, cross-entropy), as one process
 
 partition_method ``type:_Block`` gives each stage n / pp blocks (memopt's even split; the embedding
@@ -105,15 +106,26 @@ class _FinalNorm(nn.Module):
         return self.ln_f(x)
 
 
-def _prune(model, keep: set[int], first: bool, last: bool) -> None:
-    """Drop from the meta model what this rank's stage does not run; the last stage keeps the token
-    embedding (DeepSpeed's tied copy) and the output layer tied to it."""
+class _Head(nn.Module):
+    """The last layer of an untied model: holds the output layer (the loss function applies it)."""
+
+    def __init__(self, lm_head):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _prune(model, keep: set[int], first: bool, last: bool, tied: bool) -> None:
+    """Drop from the meta model what this rank's stage does not run; with tied embeddings the last stage
+    keeps the token embedding (DeepSpeed's tied copy) and the output layer tied to it."""
     for i in range(len(model.blocks)):
         if i not in keep:
             model.blocks[i] = nn.Identity()
     if not first:
         model.wpe = None
-        if not last:
+        if not (last and tied):
             model.wte = None
     if not last:
         model.ln_f = model.lm_head = None
@@ -133,7 +145,8 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedPipeEngine":
     stage = dims.pp.rank
     per = n // pp
     first, last = stage == 0, stage == pp - 1
-    _prune(model, set(range(stage * per, (stage + 1) * per)), first, last)
+    tied = cfg.model.tie_embeddings
+    _prune(model, set(range(stage * per, (stage + 1) * per)), first, last, tied)
     with tracker.category("params"):
         materialize_params(model, device, torch.float32, storage=True)
     with tracker.category("temp"), torch.no_grad():
@@ -143,8 +156,11 @@ def build(cfg, device: torch.device, dims, tracker) -> "DeepSpeedPipeEngine":
 
     layers = [TiedLayerSpec("embed", _Embed, model, tied_weight_attr=["wte.weight"])]
     layers += [_Block(b, cfg.model) for b in model.blocks]  # Identity elsewhere: never run there
-    layers += [_FinalNorm(model.ln_f) if last else _FinalNorm(nn.Identity()),
-               TiedLayerSpec("embed", _Embed, model, head=True, forward_fn=_identity, tied_weight_attr=["wte.weight"])]
+    layers.append(_FinalNorm(model.ln_f) if last else _FinalNorm(nn.Identity()))
+    if tied:
+        layers.append(TiedLayerSpec("embed", _Embed, model, head=True, forward_fn=_identity, tied_weight_attr=["wte.weight"]))
+    else:
+        layers.append(_Head(model.lm_head if last else nn.Identity()))
 
     def loss_fn(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model.loss_head(h, model.lm_head, y)[1]
@@ -225,7 +241,8 @@ class DeepSpeedPipeEngine(Engine):
         """Every stage's squared gradients summed over pp (the tied copy on the last stage left out: the first
         stage counts it), as one process's norm of the averaged gradients."""
         own = torch.zeros((), dtype=torch.float64)
-        skip = {id(self.model.wte.weight)} if self.is_last and not self.is_first else set()
+        tied_copy = self.is_last and not self.is_first and self.cfg.model.tie_embeddings
+        skip = {id(self.model.wte.weight)} if tied_copy else set()
         seen = set()
         for p in self.model.parameters():
             if id(p) in seen or id(p) in skip or p.grad is None:

@@ -25,6 +25,7 @@ BASE = ["model=gpt_tiny", f"model.seq_len={T}", f"trainer.max_steps={STEPS}", "t
 PP = ["+strategy=pipeline", "parallel.pp=2"]
 DS = ["engine=deepspeed", *PP]
 TWO = ["trainer.nproc_per_node=2"]
+UNTIED = ["model.tie_embeddings=false"]
 
 
 def rel_err(a, b) -> float:
@@ -69,9 +70,11 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ds_pipe")
     jobs = {"ds": [*BASE, *DS, "optim.grad_clip=0"], "memopt": [*BASE, *PP, "optim.grad_clip=0"],
-            "ds_clip": [*BASE, *DS, "optim.grad_clip=0.05"], "memopt_clip": [*BASE, *PP, "optim.grad_clip=0.05"]}
+            "ds_clip": [*BASE, *DS, "optim.grad_clip=0.05"], "memopt_clip": [*BASE, *PP, "optim.grad_clip=0.05"],
+            "ds_untied": [*BASE, *DS, "optim.grad_clip=0", *UNTIED]}
     summaries = run_jobs_on_ranks(2, [(o, str(root / n)) for n, o in jobs.items()])
     run_job([*BASE, "optim.grad_clip=0"], str(root / "ref"))
+    run_job([*BASE, "optim.grad_clip=0", *UNTIED], str(root / "ref_untied"))
     run_job([*BASE, "optim.grad_clip=0.05"], str(root / "ref_clip"))
     return root, dict(zip(jobs, summaries))
 
@@ -80,14 +83,17 @@ def runs(tmp_path_factory):
 def test_deepspeed_pipeline_follows_memopts_and_the_single_process(runs):
     root, s = runs
     assert s["ds"]["status"] == "ok" and s["ds"]["engine"] == "deepspeed" and s["ds"]["parallel"]["pp"] == 2
+    assert s["ds_untied"]["status"] == "ok"
     for ref in ("memopt", "ref"):
         assert rel_err(losses(str(root / "ds")), losses(str(root / ref))) <= 1e-5, ref
         assert rel_err(metric(root / "ds", "grad_norm"), metric(root / ref, "grad_norm")) <= 1e-5, ref
         assert rel_err([metric(root / "ds", "val_loss")[-1]], [metric(root / ref, "val_loss")[-1]]) <= 1e-5, ref
-    a, b = torch.load(f"{root}/ds/model.pt")["state_dict"], torch.load(f"{root}/ref/model.pt")["state_dict"]
-    assert a.keys() == b.keys()
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=k)
+    for run, ref in (("ds", "ref"), ("ds_untied", "ref_untied")):
+        a, b = torch.load(f"{root}/{run}/model.pt")["state_dict"], torch.load(f"{root}/{ref}/model.pt")["state_dict"]
+        assert a.keys() == b.keys(), run
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=f"{run} {k}")
+    assert rel_err(losses(str(root / "ds_untied")), losses(str(root / "ref_untied"))) <= 1e-5
 
 
 @pytest.mark.slow
