@@ -117,3 +117,20 @@ def test_deepspeed_pipeline_with_clipping_leaves_the_trajectory_memopts_follows(
     root, _ = runs
     assert rel_err(losses(str(root / "memopt_clip")), losses(str(root / "ref_clip"))) <= 1e-5
     assert rel_err(losses(str(root / "ds_clip")), losses(str(root / "ref_clip"))) > 1e-4
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_deepspeed_pipeline_x_dp2_follows_single_process(tmp_path):
+    """pp=2 x dp=2 under DeepSpeed: each pipeline runs 2 micro-batches of 2, DeepSpeed all-reduces each
+    stage's gradients over its data-parallel pair; one process sees the same 4 micro-batches."""
+    from memopt.api import run_job, run_jobs_on_ranks
+
+    base = [o for o in BASE if not o.startswith("trainer.grad_accum")] + ["optim.grad_clip=0"]
+    (s,) = run_jobs_on_ranks(4, [(base + [*DS, "trainer.grad_accum=2"], str(tmp_path / "ds"))])
+    run_job(base + ["trainer.grad_accum=4"], str(tmp_path / "ref"))
+    assert s["status"] == "ok" and s["parallel"]["pp"] == 2 and s["parallel"]["dp"] == 2
+    assert rel_err(losses(str(tmp_path / "ds")), losses(str(tmp_path / "ref"))) <= 1e-5
+    assert rel_err(metric(tmp_path / "ds", "grad_norm"), metric(tmp_path / "ref", "grad_norm")) <= 1e-5
+    a, b = torch.load(f"{tmp_path}/ds/model.pt")["state_dict"], torch.load(f"{tmp_path}/ref/model.pt")["state_dict"]
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=k)
