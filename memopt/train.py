@@ -87,6 +87,9 @@ def run(cfg: DictConfig) -> dict:
                 return {"status": "refused"}
             raise SystemExit(2)
         typed, cfg = chosen
+    from memopt.planner.balance import resolve_split
+
+    resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, before any plan or rank
     if typed.trainer.mode == "plan":
         return plan_run(typed, cfg, run_dir, multirun)
     if typed.trainer.preflight and not under_launcher():

@@ -407,6 +407,10 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     fsdp2_offload = cfg.engine.name == "fsdp2" and cfg.strategy.cpu_offload is not None
     if fsdp2_offload and backend == "gloo":
         raise PlanUnsupported(FSDP2_OFFLOAD_CPU)
+    if engines.resolve(cfg) == "deepspeed_pipe":
+        raise PlanUnsupported("engine=deepspeed +strategy=pipeline is not planned: DeepSpeed's pipeline engine does "
+                              "not run on fake tensors and the planner has no rules for it; plan engine=memopt "
+                              "+strategy=pipeline (the same stages and schedule)")
     device = torch.device("cpu")  # bytes do not depend on the device; placement is logical (host_scope)
     keymap = {"cpu": "device", HOST: "host"}
     inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}
