@@ -3,10 +3,9 @@
     python experiments/step_time/accuracy.py                 # the matrix (~10 min on 2 CPU cores)
     python experiments/step_time/accuracy.py --only ddp,zero3 --steps 3
 
-Each row is planned in this process (``make_plan``, ``hardware=auto`` resolved here, as the run's
-preflight plans it) and trained in one launch of 2 ranks (every job in the same rank processes, one after
-the other); measured = the median step after ``--warmup`` steps, best of ``--repeats``. Printed: the plan's
-terms, planned / measured, whether it is within 25% (issue #30's goal), and Spearman's rank correlation of
+Each row is planned in this process (``make_plan``, ``hardware=auto`` resolved here and completed by
+``planner/cpu_rates.py``, as plan mode plans it) and trained in a launch of 2 ranks of its own; measured =
+the median step after ``--warmup`` steps, best of ``--repeats``. Printed: the plan's terms, planned / measured, whether it is within 25% (issue #30's goal), and Spearman's rank correlation of
 planned against measured order (what ``+strategy=auto`` ranks by).
 """
 from __future__ import annotations
@@ -102,7 +101,7 @@ def main() -> None:
             keys.append(k)
             jobs.append(([*base, *v], os.path.join(tmp, f"{rep}-{k.replace(' ', '_').replace('=', '')}")))
     load0 = os.getloadavg()[0]
-    results = run_jobs_on_ranks(2, jobs)
+    results = [run_jobs_on_ranks(2, [job])[0] for job in jobs]  # a launch each: nothing left by one job slows the next
     load1 = os.getloadavg()[0]
     measured: dict[str, float] = {}
     for k, s in zip(keys, results):
