@@ -6,6 +6,7 @@ in a multirun the failure is recorded and the sweep goes on.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -249,8 +250,8 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str
         from memopt.planner.search import smallest_device_budget
 
         need = smallest_device_budget(rows, hw, overrides, typed)
-        why = f"; the least a candidate needs on the device: {fmt(need[0])} ({need[1]}), so " \
-              f"hardware.device_memory_gb={need[0] / 2**30:.3g} or more would work" if need else ""
+        why = f"; a budget that works: {fmt(need[0])} on the device for the most frugal candidates ({need[1]}), " \
+              f"so hardware.device_memory_gb={math.ceil(need[0] / 2**30 * 1000) / 1000:g} or more" if need else ""
         refused = _record_refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return None

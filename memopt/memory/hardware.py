@@ -28,12 +28,16 @@ class HardwareConfig:
     device_is_host: bool = False  # set for a CPU-only machine: the "device" is the host's RAM (one memory)
     # The fraction of the datasheet peak that dense training reaches end to end (the planner's counted
     # FLOPs per step / (peak x measured step time) of a plain run): the planner's compute term divides by
-    # peak x compute_efficiency. MFU keeps dividing by the datasheet peak. 1.0 where nothing was measured,
-    # and on a CPU, whose peak is measured already (``resolve_hardware``). In (0, 1].
+    # peak x compute_efficiency. MFU keeps dividing by the datasheet peak. 1.0 where nothing was measured;
+    # on this CPU (hardware=auto) plan mode and auto measure it (planner/cpu_rates.py). In (0, 1].
     compute_efficiency: float = 1.0
     # Per compute dtype, an efficiency that replaces ``compute_efficiency`` for it (a CPU's bf16 products reach a
     # different fraction of their 512-cube peak than its fp32 ones: planner/cpu_rates.py measures both).
     dtype_efficiency: dict[str, float] = field(default_factory=dict)
+    # The node's ranks share one compute device (a CPU's cores and memory bandwidth), so each plans with its
+    # share of the peak and bandwidth. Set by the planner for this CPU's profile (planner/cpu_rates.py), a
+    # device budget or not; ``device_is_host`` implies it.
+    ranks_share_device: bool = False
     # Billions of parameter updates per second of the node's host AdamW (``CPUAdamW``: ZeRO's cpu_offload,
     # the chunk engine's host optimizer groups), shared by the node's ranks: the planner's optimizer term is
     # (host-stepped parameters per rank x ranks per node) / this. None: not measured, the term is not estimated.

@@ -11,16 +11,16 @@ Fit rules (one node; every node of a data-parallel run holds the same):
 Step time = compute + memory-bound ops + per-op overhead + offload + communication + optimizer, not
 overlapped (an upper estimate; the plan says which term dominates): FLOPs counted on the simulated step /
 (peak FLOP/s of the compute dtype x ``compute_efficiency``, the fraction of the datasheet peak dense
-training reaches; a pipeline stage's compute divided by 1 - its schedule's bubble); the bytes read and
-written by ops without a FLOP formula / ``memory_gbps``; the step's dispatched ops x ``op_overhead_us``
-(+ those on DTensors x ``dtensor_op_overhead_us``); host<->device bytes / ``host_device_gbps``; collective
+training reaches); the bytes read and written by ops without a FLOP formula / ``memory_gbps``; the step's
+dispatched ops x ``op_overhead_us`` (+ those on DTensors x ``dtensor_op_overhead_us``) (a pipeline stage's
+three divided by 1 - its schedule's bubble: it idles through all of them); host<->device bytes / ``host_device_gbps``; collective
 bus bytes / ``device_device_gbps`` + calls x ``collective_latency_us``; and the parameters whose AdamW
 step runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk engine's host optimizer
 groups; per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. A term whose rate
 the profile lacks is not estimated (the GPU profiles leave the memory and overhead terms to
 ``compute_efficiency``, measured on one H100 on 2026-11-26, ``experiments/planner/README.md``); on a
 CPU (``hardware=auto``) plan mode and auto measure them (``planner/cpu_rates.py``), and the node's ranks
-share the CPU's peak and bandwidth (``experiments/step_time/README.md``: the accuracy matrix).
+share the CPU's peak and bandwidth (``ranks_share_device``) (``experiments/step_time/README.md``: the accuracy matrix).
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     rate = hw.host_adam_gparams_s
     # a CPU's ranks share its cores (each runs cores / ranks threads) and its memory bandwidth: each gets its
     # share of the measured peak and bandwidth; a GPU's rank has its device to itself
-    share = ranks_per_node if hw.device_is_host else 1
+    share = ranks_per_node if hw.device_is_host or hw.ranks_share_device else 1
     overhead = (tr.get("ops", 0) * hw.op_overhead_us + tr.get("dtensor_ops", 0) * (hw.dtensor_op_overhead_us or 0.0)) \
         if hw.op_overhead_us is not None else None
     comm = tr.get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None
@@ -178,8 +178,10 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     from memopt.engines.pipeline.schedules import planned_bubble
 
     bubble = planned_bubble(cfg)  # pipeline stages idle (pp - 1) of (m + pp - 1) micro-batch slots
-    if bubble and terms["compute_s"] is not None:
-        terms["compute_s"] /= 1 - bubble
+    if bubble:  # a stage idles through all of its own work, not only its products
+        for key in ("compute_s", "memory_s", "overhead_s"):
+            if terms[key] is not None:
+                terms[key] /= 1 - bubble
     known = {k: v for k, v in terms.items() if v is not None}
     total = sum(known.values()) if terms["compute_s"] is not None else None  # comm alone would rank wrongly
     tokens = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * cfg.model.seq_len

@@ -31,6 +31,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST, MemoryTracker
@@ -79,17 +81,12 @@ _FLOPS = _flop_formulas()
 def _moved_bytes(args, kwargs, out) -> int:
     """Bytes a memory-bound op reads and writes: its tensor arguments and outputs (an in-place op's
     output is the tensor it read, written back: counted twice, as it moves twice)."""
-    from torch.utils._pytree import tree_leaves
-
     return sum(t.nbytes for t in tree_leaves((args, kwargs or {}, out)) if isinstance(t, torch.Tensor))
 
 
 def _on_dtensors(args) -> bool:
     """An op on DTensors (tensor parallelism): the tracker sees it once, above DTensor's own dispatch,
     whose sharding propagation costs a run far more host time than a plain op's."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
-
     return any(isinstance(a, DTensor) for a in tree_leaves(args))  # lists too: the optimizer's foreach ops
 
 

@@ -273,7 +273,10 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner():
             "data=synthetic", "trainer.save_checkpoint=false", "trainer.eval_every=0"]
     cfg = typed([*base, "+strategy=auto", "strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[4,2,1]",
                  "strategy.auto.chunk_budget_gb=[]"])
-    hw = small_hw(64)
+    from dataclasses import replace
+
+    # every term the CPU model has, so a smaller micro-batch's extra ops and calls make it slower, not a tie
+    hw = replace(small_hw(64), memory_gbps=10.0, op_overhead_us=10.0, collective_latency_us=100.0, host_adam_gparams_s=0.5)
     full = {r["label"]: r for r in search(cfg, hw, base, workers=1, prune=False)}
     pruned = search(cfg, hw, base, workers=1)
     assert pruned[0]["label"] == min((r for r in full.values() if r["fits"]), key=lambda r: r["step_s"])["label"]
@@ -286,7 +289,7 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner():
         comp = [o for o in r["overrides"] if not o.startswith(("trainer.micro_batch_size=", "trainer.grad_accum="))]
         larger = [f for f in pruned if f["fits"] and [o for o in f["overrides"] if not o.startswith(
             ("trainer.micro_batch_size=", "trainer.grad_accum="))] == comp]
-        assert len(larger) == 1 and full[r["label"]]["step_s"] >= larger[0]["step_s"], r["label"]
+        assert len(larger) == 1 and full[r["label"]]["step_s"] > larger[0]["step_s"], r["label"]
 
 
 @pytest.mark.slow
@@ -303,9 +306,9 @@ def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path):
     rc = cli_main([*base, "hardware.device_memory_gb=0.001", f"hydra.run.dir={tmp_path / 'a'}"])
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert rc != 0 and summary["status"] == "refused"
-    got = re.search(r"hardware.device_memory_gb=([0-9.e-]+) or more would work", summary["error"])
+    got = re.search(r"hardware.device_memory_gb=([0-9.e-]+) or more", summary["error"])
     assert got, summary["error"]
-    need = float(got.group(1)) * 1.01  # printed to 3 significant digits
+    need = float(got.group(1))  # rounded up
     assert need > 0.001
     rc = cli_main([*base, f"hardware.device_memory_gb={need}", f"hydra.run.dir={tmp_path / 'b'}"])
     rows = json.loads((tmp_path / "b" / "auto.json").read_text())

@@ -203,6 +203,11 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
         assert getattr(hw, name) is not None and getattr(hw, name) >= 0, name
     assert hw.memory_gbps > 0 and hw.device_device_gbps > 0
     assert hw.host_adam_gparams_s == pytest.approx(hw.memory_gbps / 28)
+    assert hw.ranks_share_device  # this CPU's ranks share its cores, with a device budget too
     run = resolve_hardware(HardwareConfig(), torch.device("cpu"))
     assert (run.memory_gbps, run.op_overhead_us, run.collective_latency_us) == (None, None, None)
     assert complete(HardwareConfig(), run, torch.device("cuda")) is run
+    for name in ("h100_sxm", "a100_80g"):  # another machine's profile planned here: none of this CPU's rates
+        profile = typed([*TINY, f"hardware={name}"]).hardware
+        resolved = resolve_hardware(profile, torch.device("cpu"))
+        assert complete(profile, resolved, torch.device("cpu")) is resolved
