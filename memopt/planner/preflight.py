@@ -7,7 +7,9 @@ composition whose simulation fits: the command's own, then it with checkpointing
 ones (skipped when model states are the largest category over the limit: a smaller micro-batch holds
 the same). When the engine refuses a moment and names its fixes (the chunk engine's warm-up budget:
 ``strategy.chunk.mem_saving_comm``, ``warmup_gpu_chunk_mem_ratio``), they are applied and the
-composition planned again, so the suggestion is a command that runs. A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
+composition planned again, so the suggestion is a command that runs. With several ranks the list
+includes the pipeline (``parallel.pp`` sizes the blocks allow, 1F1B, the accumulation times pp so the
+global batch stays), planned per stage like any run. A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
 states per parameter somewhere on the node (ZeRO's K = 12 optimizer bytes plus 2 + 2 for 16-bit
 parameters and gradients; fp32: 4 + 4 + 8), so when the node's device and host memory together
 hold less than that, nothing is simulated and the refusal says how many parameters would fit.
@@ -137,11 +139,11 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
                 f"({fmt(need)} per node) and hardware={hw.name} offers {fmt(cap)} (device + host) per node; at most "
                 f"~{cap / STATE_BYTES_PER_PARAM / 1e9:.2f}B params fit before activations: use a smaller model or more "
                 f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")}
-    base = [o for o in (overrides or []) if not o.lstrip("+~").startswith("strategy")]
+    base = [o for o in (overrides or []) if not o.lstrip("+~").startswith(("strategy", "parallel.pp="))]
     world = cfg.trainer.nproc_per_node * nodes
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     tried = []
-    for names, opts in _compositions(overrides or [], world):
+    for names, opts in _compositions(overrides or [], world, cfg):
         fixes: list[str] = []  # the engine's fixes found at one micro-batch hold at the smaller ones
         for mb in _micro_batches(cfg.trainer.micro_batch_size):
             ov = [*base, f"+strategy=[{','.join(names)}]", *opts, f"trainer.micro_batch_size={mb}"]
@@ -189,22 +191,30 @@ def plan_with_fixes(ov: list[str], fixes: list[str], hw, limits) -> tuple[dict |
     return None, fixes, None
 
 
-def _compositions(overrides: list[str], world: int) -> list[tuple[list[str], list[str]]]:
+def _compositions(overrides: list[str], world: int, cfg=None) -> list[tuple[list[str], list[str]]]:
     """(strategy names, their option overrides) to try in order: the command's own composition (with
-    checkpointing added when it has none), then ``CANDIDATES``; ZeRO stages only with several ranks."""
+    checkpointing added when it has none), then ``CANDIDATES``; ZeRO stages only with several ranks;
+    with several ranks, the pipeline at each ``parallel.pp`` the run's blocks allow, without and with
+    checkpointing (``search_pp.pp_compositions``), after the ZeRO-2 ones: it divides every model state
+    by pp, as ZeRO-3 does, but sends one activation per micro-batch instead of gathering every layer."""
     own_names, own_opts = [], []
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
         if key == "strategy":
             own_names = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-        elif key.startswith("strategy."):
+        elif key.startswith("strategy.") or key == "parallel.pp":  # parallel.pp belongs to a pipeline composition
             own_opts.append(o)
     out = []
     if own_names and "auto" not in own_names:
         out.append((own_names, own_opts))
         if "ckpt" not in own_names:
             out.append(([*own_names, "ckpt"], own_opts))
+    from memopt.planner.search_pp import pp_compositions
+
+    pipeline = pp_compositions(cfg, world) if cfg is not None and world > 1 else []
     for names in CANDIDATES:
+        if names == ["zero3", "ckpt"]:
+            out += [c for c in pipeline if c not in out]
         if (any(n.startswith("zero") for n in names) and world == 1) or any(sorted(names) == sorted(n) for n, _ in out):
             continue
         out.append((list(names), []))

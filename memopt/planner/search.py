@@ -17,7 +17,10 @@ parallelism and the vocabulary-parallel loss, times the ZeRO stages over the rem
 ranks (no offload, no chunk engine: tp refuses them). Its plans count the tp collectives and each
 rank's share of the FLOPs, so tp competes on the same step-time estimate; its ranks share their
 micro-batches, so tp x the accumulation keeps the global batch. Every candidate then names its
-``parallel.tp`` (1 for the others).
+``parallel.tp`` (1 for the others). Pipeline parallelism is searched likewise (``strategy.auto.pp``,
+``pp_schedule``; ``planner/search_pp.py``): ``parallel.pp`` among the sizes dividing the world and the
+blocks, each valid schedule, pp x the accumulation, ddp over the ranks left; each candidate's plan
+holds its stages' peaks and its schedule's bubble, so it competes on the same fit and step time.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def split_base(overrides: list[str]) -> tuple[list[str], list[str], bool]:
     """(the command's overrides without what the search chooses, MoE's options for every candidate,
     whether the command named moe in ``+strategy=[...]``). The strategy selection and options are the
     search's, except MoE's, which define the model; ``parallel.ep`` is searched when MoE is on,
-    ``parallel.tp`` when it is off (and the world has several ranks)."""
+    ``parallel.tp`` and ``parallel.pp`` when it is off (and the world has several ranks)."""
     base, carry, named = [], [], False
     for o in overrides:
         key = o.lstrip("+~")
@@ -46,7 +49,7 @@ def split_base(overrides: list[str]) -> tuple[list[str], list[str], bool]:
             carry.append(o)
         elif name == "strategy":
             named = named or "moe" in [v.strip() for v in value.strip("[]").split(",")]
-        elif not (name.startswith("strategy") or name in ("parallel.ep", "parallel.tp")):
+        elif not (name.startswith("strategy") or name in ("parallel.ep", "parallel.tp", "parallel.pp")):
             base.append(o)
     return base, carry, named
 
@@ -105,6 +108,10 @@ def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[
     supports = _engine_supports(cfg.engine.name)
     if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
         out = [c for c in out if set(_names(c[0])) <= supports]
+    if world > 1 and supports is None:  # the pipeline engine is memopt's; pp_candidates reads its other rules
+        from memopt.planner.search_pp import pp_candidates
+
+        out += pp_candidates(cfg, precisions, mbs, global_mb, world, CKPT, PRECISION)
     tps = tp_sizes(cfg.model, world) if a.tp and world > 1 and cfg.strategy.moe is None else []
     if supports is not None and "tp" not in supports:
         tps = []

@@ -4,7 +4,8 @@ Not a memory strategy itself: before any rank starts, ``python -m memopt.train``
 fastest predicted composition that fits the ``hardware`` profile, searched over precision x
 checkpointing x ZeRO stage x optimizer offload x chunk engine budget x micro-batch (gradient
 accumulation keeps the global batch), and with ``+strategy=[auto,moe]`` (or an MoE model preset) the
-expert-parallel size ``parallel.ep``, without MoE on several ranks tensor parallelism; it prints the
+expert-parallel size ``parallel.ep``, without MoE on several ranks tensor parallelism and pipeline
+parallelism (``parallel.pp`` x schedule); it prints the
 ranked candidates and runs the winner. An engine never sees it.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ class AutoConfig:
     micro_batch_size: list[int] = field(default_factory=list)  # empty: trainer.micro_batch_size, halved up to 2 times
     ep: list[int] = field(default_factory=list)  # with +strategy=moe: expert-parallel sizes; empty: every valid one
     tp: bool = True  # several ranks, no MoE: also tensor parallelism (parallel.tp, sequence_parallel, loss_parallel)
+    pp: bool = True  # several ranks, no MoE: also pipeline parallelism (parallel.pp x pp_schedule, planner/search_pp.py)
+    pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved_1f1b"])  # pipeline schedules searched
     top: int = 10  # ranked candidates printed
 
 
@@ -47,3 +50,9 @@ class Auto(Strategy):
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise ConfigError(f"strategy.auto.{name}={list(values)}: values must be among {', '.join(allowed)} (at least one)")
+        from memopt.strategies.pipeline import SCHEDULES
+
+        bad = [v for v in opts.pp_schedule if v not in SCHEDULES]
+        if bad or (opts.pp and not opts.pp_schedule):
+            raise ConfigError(f"strategy.auto.pp_schedule={list(opts.pp_schedule)}: values must be among "
+                              f"{', '.join(SCHEDULES)} (at least one while strategy.auto.pp=true)")

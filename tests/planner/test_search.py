@@ -178,7 +178,7 @@ def test_auto_searches_tensor_parallelism_on_two_ranks():
     base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
             "trainer.save_checkpoint=false", "trainer.eval_every=0", "trainer.nproc_per_node=2"]
     axes = ["strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[2]", "strategy.auto.stage=[ddp]",
-            "strategy.auto.offload=[false]"]
+            "strategy.auto.offload=[false]", "strategy.auto.pp=false"]  # pp against ddp: tests/planner/test_search_pp.py
     cfg = typed([*base, "+strategy=auto", *axes])
     rows = search(cfg, node_hw(2**40), base)
     tp = [r for r in rows if "parallel.tp=2" in r["overrides"]]
