@@ -15,6 +15,7 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
     runs the composition it chooses, as the CLI does."""
     from memopt.config import to_dataclass, validate
     from memopt.errors import ConfigError
+    from memopt.planner.balance import resolve_split
     from memopt.trainer import Trainer
 
     cfg = compose_config(overrides)
@@ -27,6 +28,7 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
         if isinstance(chosen, dict):  # the refused record, written
             raise ConfigError("+strategy=auto: no candidate fits (the ranking is in auto.json)")
         typed, cfg = chosen
+    resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, as the CLI resolves it
     return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
 
 
@@ -34,11 +36,14 @@ def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dic
     """Run several jobs (overrides, run_dir) in one launch of ``nproc`` local ranks, in order."""
     from memopt.config import to_dataclass, validate
     from memopt.parallel import launch
+    from memopt.planner.balance import resolve_split
     from memopt.worker import run_many
 
     containers = []
     for overrides, run_dir in jobs:
         cfg = compose_config([*overrides, f"trainer.nproc_per_node={nproc}"])  # the world the jobs run in
-        validate(to_dataclass(cfg))
+        typed = to_dataclass(cfg)
+        validate(typed)
+        resolve_split(cfg, typed)  # before the ranks start: each builds the same stages
         containers.append((OmegaConf.to_container(cfg, resolve=True), run_dir))
     return launch(nproc, run_many, containers)[0]

@@ -2,7 +2,7 @@
 
 In order: the typed config and its rules (``config.validate``; the run directory claimed first, so a
 refusal cannot replace the records of the run it protects), ``+strategy=auto``'s choice (the planner's
-search: the fastest predicted candidate that fits), plan mode (``trainer.mode=plan``: plan.json, the
+search: the fastest predicted candidate that fits), the pipeline's balanced split, plan mode (``trainer.mode=plan``: plan.json, the
 table and a suggestion; no rank starts) and the preflight (plan a run near its memory, refuse what
 would not fit, set Hybrid Adam's placement from the plan). Every refusal is recorded here through
 ``outcome``; ``train.run`` launches what passes and turns a record into the exit code.
@@ -51,6 +51,9 @@ def gate(cfg: DictConfig, run_dir: str, overrides: list[str], launched: bool) ->
         if isinstance(chosen, dict):
             return Verdict(summary=chosen)
         typed, cfg = chosen
+    from memopt.planner.balance import resolve_split
+
+    resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, before any plan or rank
     if typed.trainer.mode == "plan":
         return Verdict(summary=plan_run(typed, cfg, run_dir, overrides))
     if typed.trainer.preflight and not launched:

@@ -112,6 +112,9 @@ MUTATIONS = [
     Mutation("pipeline_tied_norm", "memopt/engines/pipeline/engine.py",
              'g.norm_elsewhere = gname == "tied_head"', "g.norm_elsewhere = False",
              ("tests/pipeline/test_pipeline.py::test_schedule_follows_single_process",)),
+    Mutation("auto_pp_batch", "memopt/planner/search_pp.py",  # the pipeline's ranks share the micro-batches
+             "accum = max(1, global_mb * pp // mb)", "accum = max(1, global_mb // mb)",
+             ("tests/planner/test_search_pp.py::test_pp_candidates_keep_the_global_batch_and_the_pipelines_rules",)),
 ]
 
 

@@ -6,7 +6,10 @@
 
 One launch of 2 ranks runs, one after the other: dp=2 (ddp, each rank half of the micro-batches), tp=2
 (both ranks see every micro-batch), and pp=2 with GPipe, 1F1B and interleaved 1F1B (2 virtual stages
-per rank); every job processes micro-batch x micro-batches x seq tokens per step. ``--four`` adds a
+per rank), DeepSpeed's pipeline engine (engine=deepspeed, its 1F1B), and 1F1B with the planner's
+balanced split (``strategy.pipeline.split=balanced``, resolved before the launch; a second table puts
+its planned stage peaks and the even split's beside the measured ones); every job processes
+micro-batch x micro-batches x seq tokens per step. ``--four`` adds a
 launch of 4 ranks: pp=2 x dp=2 (the 2 cores are then oversubscribed: its times are not comparable,
 its bytes are).
 
@@ -39,7 +42,20 @@ def configs(m: int) -> dict[str, list[str]]:
         "pp=2 gpipe": [*PP, "strategy.pipeline.schedule=gpipe", f"trainer.grad_accum={m}"],
         "pp=2 1f1b": [*PP, "strategy.pipeline.schedule=1f1b", f"trainer.grad_accum={m}"],
         "pp=2 interleaved v=2": [*PP, "strategy.pipeline.schedule=interleaved_1f1b", f"trainer.grad_accum={m}"],
+        "pp=2 1f1b deepspeed": ["engine=deepspeed", *PP, "strategy.pipeline.schedule=1f1b", f"trainer.grad_accum={m}"],
     }
+
+
+def balanced(base: list[str], m: int) -> tuple[str, list[str], dict]:
+    """The 1F1B job with the planner's balanced split (resolved here, so the row can name it and its plan)."""
+    from memopt.config import compose_config, to_dataclass
+    from memopt.planner.balance import balanced_split
+
+    over = [*PP, "strategy.pipeline.schedule=1f1b", f"trainer.grad_accum={m}"]
+    got = balanced_split(to_dataclass(compose_config([*base, *over, "trainer.nproc_per_node=2",
+                                                      "strategy.pipeline.split=balanced"])))
+    split = got["split"]
+    return f"pp=2 1f1b balanced {split}", [*over, f"strategy.pipeline.split=[{','.join(map(str, split))}]"], got
 
 
 def idle(run_dir: str) -> tuple[list[float], float | None]:
@@ -81,7 +97,10 @@ def main() -> None:
             "trainer.progress_bar=false", "trainer.save_checkpoint=false", "trainer.throughput_warmup_steps=1",
             "trainer.count_comm=true", "trainer.num_threads=1", "trainer.log_every=1"]
     out = bench_dir("pipeline")
-    jobs = {n: (base + o, os.path.join(out, f"job{i}")) for i, (n, o) in enumerate(configs(args.micro_batches).items())}
+    cases = configs(args.micro_batches)
+    name, over, plan = balanced(base, args.micro_batches)
+    cases[name] = over
+    jobs = {n: (base + o, os.path.join(out, f"job{i}")) for i, (n, o) in enumerate(cases.items())}
     summaries = dict(zip(jobs, run_jobs_on_ranks(2, list(jobs.values()))))
     rows = [row(n, summaries[n], jobs[n][1]) for n in jobs]
     if args.four:
@@ -95,6 +114,11 @@ def main() -> None:
     print(table(["config", "peak MiB per rank", "activations MiB per rank", "idle measured per rank",
                  "bubble formula", "sent p2p MiB/step (rank 0)", "collectives MiB/step (rank 0)", "tokens/s", "step s"],
                 rows))
+    mib = lambda xs: " / ".join(f"{x / 2**20:.0f}" for x in xs)  # noqa: E731
+    measured = lambda n: [summaries[n]["peak_bytes"][r]["cpu"]["total"] for r in ("0", "1")]  # noqa: E731
+    print(table(["1f1b split", "planned peak MiB per stage", "measured peak MiB per stage"],
+                [[f"even {plan['even']}", mib(plan["even_peaks"]), mib(measured("pp=2 1f1b"))],
+                 [f"balanced {plan['split']}", mib(plan["peaks"]), mib(measured(name))]]))
 
 
 if __name__ == "__main__":

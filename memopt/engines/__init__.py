@@ -2,7 +2,8 @@
 in ``ENGINES`` (imported on use, so DeepSpeed is imported only by the runs that need it).
 
 ``engine=memopt|deepspeed|fsdp2`` names the engine; with ``engine=memopt`` a strategy that names an
-engine of its own (``chunk`` -> the chunk engine) selects that one (``resolve``).
+engine of its own (``chunk`` -> the chunk engine) selects that one (``resolve``); with ``engine=deepspeed``
+``+strategy=pipeline`` selects DeepSpeed's pipeline engine (``deepspeed_pipe``).
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ ENGINES = {
     "fsdp2": "memopt.engines.fsdp2",
     "pipeline": "memopt.engines.pipeline",
     "ps": "memopt.engines.ps",
+    "deepspeed_pipe": "memopt.engines.deepspeed_pipe",
 }
 PUBLIC = ("memopt", "deepspeed", "fsdp2")  # the values of ``engine=``; chunk, pipeline and ps are chosen by their strategies
+# (and deepspeed_pipe by +strategy=pipeline under engine=deepspeed)
 
 
 def resolve(cfg) -> str:
@@ -35,6 +38,8 @@ def resolve(cfg) -> str:
             raise ConfigError(f"the selected strategies need different engines ({', '.join(sorted(own))}); select one")
         if own:
             return own.pop()
+    if name == "deepspeed" and "pipeline" in cfg.strategy.selected():  # DeepSpeed's PipelineModule engine
+        return "deepspeed_pipe"
     return name
 
 

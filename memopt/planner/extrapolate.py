@@ -58,7 +58,9 @@ def period(cfg) -> int:
     if pipe is not None:  # every stage gains a block at once (an even split); a given split: exact only
         from memopt.engines.pipeline.schedules import stages_of
 
-        p = math.lcm(p, n if pipe.split is not None else stages_of(cfg))
+        from memopt.strategies.pipeline import given_split
+
+        p = math.lcm(p, n if given_split(pipe) is not None else stages_of(cfg))
     return p
 
 

@@ -29,10 +29,22 @@ from memopt.memory.tracker import CATEGORIES
 GiB = 2**30
 
 
-def simulated_ranks(world: int) -> list[int]:
+def simulated_ranks(world: int, cfg=None) -> list[int]:
     """Rank 0 and the last rank: flat groups and chunk groups pad the last shard / group, so these two
-    bound every rank (the others hold rank 0's bytes; the slow test checks it on a world of 4)."""
-    return [0] if world == 1 else [0, world - 1]
+    bound every rank (the others hold rank 0's bytes; the slow test checks it on a world of 4). A
+    pipeline's stages hold different blocks (a middle stage of an uneven split may hold the most), so
+    the first rank of every stage is simulated as well."""
+    ranks = [0] if world == 1 else [0, world - 1]
+    if cfg is not None and getattr(cfg.strategy, "pipeline", None) is not None:
+        per = world // _pp(cfg, world)
+        ranks = sorted(set(ranks) | set(range(0, world, per)))
+    return ranks
+
+
+def _pp(cfg, world: int) -> int:
+    from memopt.parallel.dims import resolve_sizes
+
+    return resolve_sizes(cfg.parallel, world)["pp"]
 
 
 _RUNTIME: list[int] = []
@@ -86,7 +98,7 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         backend = "gloo" if hw.device_is_host else "nccl"
         rules = wing(cfg).rules  # an engine that does not run on fake tensors (DeepSpeed): its own rules
         sims = []
-        for r in simulated_ranks(world):
+        for r in simulated_ranks(world, cfg):
             # the depths the first rank checked serve the others (the blocks are the same on every rank)
             hint = {"windows": [sims[0]["window"]], "verify": False} if sims and sims[0].get("window") else \
                 {"replay": sims[0]["replay"], "verify": False} if sims and sims[0].get("replay") else {}
@@ -169,6 +181,9 @@ def node_rank_peaks(cfg, sims: list[dict], world: int, local: int) -> list[dict]
     host each), and counting every rank as the busiest overstated the node's host by that much."""
     worst = max(sims, key=lambda s: _total(s["peaks"]))
     by_rank = {s["rank"]: s["peaks"] for s in sims}
+    if getattr(cfg.strategy, "pipeline", None) is not None:  # a rank holds what its stage's simulated rank holds
+        per = world // _pp(cfg, world)
+        return [by_rank.get(r, by_rank.get(r // per * per, worst["peaks"])) for r in range(local)]
     from memopt.planner.engines import wing
 
     if getattr(cfg.strategy, "chunk", None) is None or not wing(cfg).chunks or world == 1:

@@ -3,7 +3,8 @@
 bubble, Qi et al. 2023), run by ``torch.distributed.pipelining``'s stages and schedules.
 
 The model's blocks are split into ``parallel.pp x virtual_stages`` consecutive stages (evenly unless
-``split`` gives the blocks of each); the first stage also holds the embeddings, the last the final
+``split`` gives the blocks of each, or is ``balanced``: the planner's split, whose largest planned stage
+peak is the least); the first stage also holds the embeddings, the last the final
 norm, the output layer and the loss. Stage k lives on pipeline rank ``k mod pp`` (torch's looped
 placement). The micro-batches of a step are ``trainer.grad_accum``'s: the schedule runs all of them
 in one call. The engine that runs it is ``memopt/engines/pipeline``; this module holds the options and
@@ -16,6 +17,7 @@ or the step in another way are excluded here, the rest refused by the engine's s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from memopt.errors import ConfigError
 from memopt.parallel.dims import expected_world, resolve_sizes
@@ -31,17 +33,37 @@ class PipelineConfig:
 
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (torch's interleaved zero bubble)
     virtual_stages: int | None = None  # stages per rank; None: 1 (gpipe, 1f1b) or 2 (interleaved_1f1b, zero_bubble)
-    split: list[int] | None = None  # blocks of each stage, in order (pp x virtual_stages entries); None: even
+    # blocks of each stage, in order (pp x virtual_stages entries), or even (None: the same), or balanced:
+    # the planner's split whose largest planned stage peak is the least (memopt/planner/balance.py; resolved
+    # to a list before the ranks start). Any: OmegaConf has no union of a list and a string.
+    split: Any = None
 
 
 def virtual_stages(c: PipelineConfig) -> int:
     return c.virtual_stages if c.virtual_stages is not None else (2 if c.schedule in MULTI else 1)
 
 
+SPLITS = ("even", "balanced")
+
+
+def given_split(c: PipelineConfig) -> list[int] | None:
+    """``split`` when it lists the blocks of each stage; None for even (or None) and balanced."""
+    if c.split is None or isinstance(c.split, str):
+        return None
+    if any(isinstance(b, bool) or not isinstance(b, int) for b in c.split):
+        raise ConfigError(f"strategy.pipeline.split={list(c.split)} must list whole block counts (e.g. [1,3]), or be "
+                          f"{' or '.join(SPLITS)}")
+    return list(c.split)
+
+
 def stage_blocks(c: PipelineConfig, n_layer: int, pp: int) -> list[int]:
     """The number of blocks of each stage, in stage order (validated by ``Pipeline.validate``)."""
+    if c.split == "balanced":  # a run resolves it before its ranks start (train.run, memopt.api)
+        raise ConfigError("strategy.pipeline.split=balanced reached an engine unresolved: the planner chooses the "
+                          "blocks per stage before any rank starts (memopt.planner.balance.resolve_split)")
     n = pp * virtual_stages(c)
-    return list(c.split) if c.split is not None else [n_layer // n] * n
+    given = given_split(c)
+    return given if given is not None else [n_layer // n] * n
 
 
 def micro_batch_rule(schedule: str, m: int, pp: int) -> str | None:
@@ -73,10 +95,10 @@ class Pipeline(Strategy):
         p, m = "strategy.pipeline", cfg.model
         if c.schedule not in SCHEDULES:
             raise ConfigError(f"{p}.schedule={c.schedule!r} is not one of: {', '.join(SCHEDULES)}")
-        if cfg.engine.name != "memopt":
+        if cfg.engine.name not in ("memopt", "deepspeed"):
             raise ConfigError(f"+strategy=pipeline with engine={cfg.engine.name} is not built: its stages run in "
-                              "memopt's pipeline engine (DeepSpeed's PipelineModule and FSDP2 are not wired in); "
-                              "use engine=memopt")
+                              "memopt's pipeline engine or DeepSpeed's (engines/deepspeed_pipe.py); use engine=memopt "
+                              "or engine=deepspeed")
         if m.arch != "gpt":
             raise ConfigError(f"model.arch={m.arch!r} with +strategy=pipeline: stages are built for model.arch=gpt "
                               "(its embeddings, blocks, final norm and head); use model.arch=gpt")
@@ -96,15 +118,26 @@ class Pipeline(Strategy):
             raise ConfigError(f"{p}.virtual_stages={v} with {p}.schedule={c.schedule}: one stage per rank; use "
                               f"{p}.schedule=interleaved_1f1b for virtual stages, or {p}.virtual_stages=1")
         n = pp * v
-        if c.split is None:
+        if isinstance(c.split, str) and c.split not in SPLITS:
+            raise ConfigError(f"{p}.split={c.split!r} is not one of: {', '.join(SPLITS)}, or a list of the blocks of "
+                              f"each of the {n} stages")
+        if c.split == "balanced":
+            if c.schedule in MULTI:
+                raise ConfigError(f"{p}.split=balanced with {p}.schedule={c.schedule} is not built: the balance is "
+                                  f"planned for one stage per rank; use {p}.schedule=1f1b or gpipe, or {p}.split=even "
+                                  f"(or a list of the blocks of each of the {n} stages)")
+            if m.n_layer < n:
+                raise ConfigError(f"{p}.split=balanced: model.n_layer={m.n_layer} blocks are fewer than the "
+                                  f"parallel.pp={pp} stages; use parallel.pp<={m.n_layer}")
+        elif given_split(c) is None:
             if m.n_layer % n:
                 ok = [d for d in range(2, m.n_layer + 1) if m.n_layer % (d * v) == 0]
                 raise ConfigError(
                     f"model.n_layer={m.n_layer} blocks do not split evenly into parallel.pp={pp} x "
                     f"{p}.virtual_stages={v} = {n} stages; use parallel.pp in {ok or 'none (fewer virtual stages)'}, "
-                    f"or give {p}.split (the blocks of each of the {n} stages)")
+                    f"or give {p}.split (the blocks of each of the {n} stages, or balanced)")
         else:
-            split = list(c.split)
+            split = given_split(c)
             if len(split) != n or any(b < 1 for b in split) or sum(split) != m.n_layer:
                 raise ConfigError(f"{p}.split={split} must list {n} stages (parallel.pp={pp} x virtual_stages={v}) "
                                   f"of at least one block each, summing to model.n_layer={m.n_layer}")

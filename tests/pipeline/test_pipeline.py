@@ -219,7 +219,8 @@ REFUSED = {
     "chunk": (["+strategy=[pipeline,chunk]", "parallel.pp=2"], "pipeline and chunk are mutually exclusive"),
     "zero3": (["+strategy=[pipeline,zero3]", "parallel.pp=2"], "pipeline and zero3 are mutually exclusive"),
     "tp": (["+strategy=[pipeline,tp]", "parallel.pp=2"], "mutually exclusive"),
-    "deepspeed": (["engine=deepspeed", *PP], "engine=deepspeed is not built.*use engine=memopt"),
+    "deepspeed_gpipe": (["engine=deepspeed", *PP, "strategy.pipeline.schedule=gpipe"],
+                        "engine=deepspeed: DeepSpeed's pipeline engine trains with its own 1F1B"),  # test_deepspeed_pipe.py
     "fsdp2": (["engine=fsdp2", *PP], "engine=fsdp2 is not built"),
     "chunked_loss_unsupported": (["+strategy=[pipeline,chunked_loss]", "parallel.pp=2"],
                                "chunked_loss is not built for the pipeline engine.*drop \\+strategy=chunked_loss"),

@@ -83,9 +83,21 @@ def test_compile_composes_with_zero_fsdp2_deepspeed_and_tp_on_two_ranks(tmp_path
         assert e["status"] == c["status"] == "ok", (name, e, c)
         assert rel(losses(str(tmp_path / f"{name}_compile")), losses(str(tmp_path / f"{name}_eager"))) < 1e-5, name
         gelu = 4 * C // 2 if name == "tp" else 4 * C
+        want = L * (C + C + gelu) * B * T * 4
+        # known (docs/design.md, "Compile"): under FSDP2 and tp a rank, at random, counts one buffer more as
+        # activations, in the eager run as in the compiled one (FSDP2: one block's gathered weights; tp: B T 4C
+        # fp32), so eager - compile is the formula, or off by that buffer either way
+        extra = {"fsdp2": 4 * _block_numel(), "tp": B * T * 4 * C * 4}.get(name, 0)
         for rank in ("0", "1"):
             act = [s["peak_bytes"][rank]["cpu"]["activations"] for s in (e, c)]
-            if name in ("tp", "fsdp2"):  # known gap (docs/design.md, "Compile"): one rank, at random, counts more
-                assert 0 < act[0] - act[1] <= L * (C + C + gelu) * B * T * 4, (name, rank)
-            else:
-                assert act[0] - act[1] == L * (C + C + gelu) * B * T * 4, (name, rank)
+            assert act[0] - act[1] - want in {-extra, 0, extra}, (name, rank, act, want)
+
+
+def _block_numel() -> int:
+    """One GPT block's parameters at the SMALL shape, from the model's own shapes (on meta)."""
+    import torch
+
+    from memopt.models.gpt import GPT
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(typed(SMALL).model).blocks[0].parameters())

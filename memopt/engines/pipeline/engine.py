@@ -23,10 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-# imported with this module (at validation), not at the first build: its first import makes a module-level
-# tensor (microbatch.sum_reducer), which a tracker active at that build counts as 4 B of `other`, so the
-# first pipeline plan of a process differed from the next ones (and from plan mode's) by those bytes
-from torch.distributed.pipelining import PipelineStage
 
 from memopt.compose import materialize_params, model_on_meta
 from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported
@@ -47,6 +43,11 @@ PARALLEL = ("pp", "dp_shard")
 
 def validate(cfg) -> None:
     refuse_unsupported(cfg, NAME, LABEL, SUPPORTS)
+    # imported at validation, before any tracker, not at the first build: its first import makes a module-level
+    # tensor (microbatch.sum_reducer), which a tracker active at that build counts as 4 B of `other`, so the first
+    # pipeline plan of a process differed from the next ones (and from plan mode's) by those bytes. Not at this
+    # module's import either: that would import torch's compiler stack (and Triton) with memopt.engines.pipeline
+    import torch.distributed.pipelining  # noqa: F401
 
 
 def build(cfg, device: torch.device, dims, tracker) -> "PipelineEngine":
@@ -79,6 +80,8 @@ def build(cfg, device: torch.device, dims, tracker) -> "PipelineEngine":
 
 class PipelineEngine(PrecisionEngine):
     def __init__(self, cfg, model, ranges, mine, groups, optimizer, precision, device, dims, tracker):
+        from torch.distributed.pipelining import PipelineStage
+
         self.cfg, self.model, self.groups, self.optimizer, self.precision = cfg, model, groups, optimizer, precision
         self.device, self.dims, self.tracker, self.pp = device, dims, tracker, dims.pp
         self.n_stages, self.mine = len(ranges), mine

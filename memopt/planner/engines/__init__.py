@@ -8,6 +8,7 @@ engine's name. What each wing holds (``base.Wing`` lists the questions, with the
     chunk      the replay of a recorded shallow step at the planned depth, the chunk layout's checks,
                ranks of unequal bytes, the engine's own device budget (chunk/)
     deepspeed  DeepSpeed's buffers by its own rules, its ZeRO-3 fetch replayed, DeepSpeed-MoE (deepspeed/)
+    deepspeed_pipe  DeepSpeed's pipeline engine: not planned, said so (deepspeed/pipe.py)
     fsdp2      CPUOffloadPolicy's copies made explicit on fake tensors, a process group for one rank (fsdp2.py)
     pipeline, ps   nothing beyond the run's code on fake tensors (the defaults)
 
@@ -26,6 +27,7 @@ WINGS = {
     "fsdp2": "memopt.planner.engines.fsdp2",
     "pipeline": None,
     "ps": None,
+    "deepspeed_pipe": "memopt.planner.engines.deepspeed.pipe",
 }
 DEFAULT = Wing()
 

@@ -5,6 +5,7 @@
     fetch.py      its ZeRO-3 prefetch and release replayed over the training step
     linear.py     its ZeRO-3 linear Function in the fake step
     moe_rules.py  DeepSpeed-MoE: the expert groups' states, its layer code on fake tensors
+    pipe.py       DeepSpeed's pipeline engine (its own entry of the registry): refused with the reason
 """
 from __future__ import annotations
 
