@@ -22,10 +22,10 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
     typed = to_dataclass(cfg)
     validate(typed)
     if "auto" in typed.strategy.selected():
-        from memopt.train import choose_composition
+        from memopt.gate import choose_composition
 
         chosen = choose_composition(typed, cfg, run_dir, overrides)
-        if chosen is None:
+        if isinstance(chosen, dict):  # the refused record, written
             raise ConfigError("+strategy=auto: no candidate fits (the ranking is in auto.json)")
         typed, cfg = chosen
     resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, as the CLI resolves it

@@ -3,7 +3,7 @@
 Hydra composes the config before memopt runs; when that fails (an unknown key without ``+``, an
 unknown option of a config group, a value of the wrong type) it prints its error and exits 1, and the
 run directory gets no ``summary.json``. Here the same composition is tried first for a single run
-(a sweep's values are lists Hydra expands itself; each job is then checked by ``memopt.train.run``):
+(a sweep's values are lists Hydra expands itself; each job is then checked by the gate, ``memopt.gate``):
 a failure writes a ``refused`` summary into the directory the run would have used and exits 2. A run
 directory that cannot be written is refused here too, in one line on stderr (nothing can be recorded).
 """
@@ -119,9 +119,9 @@ def _refuse_unwritable(run_dir: str) -> None:
 
 def _write_refusal(run_dir: str, error: str) -> bool:
     """The refused summary, unless the directory holds a run (its records stay): whether it was written."""
-    from memopt.logging import write_summary
+    from memopt import outcome
     from memopt.records import prior_records
 
     if prior_records(run_dir):
         return False
-    return write_summary(run_dir, {"status": "refused", "error": error})
+    return outcome.record(run_dir, {"status": "refused", "error": error})

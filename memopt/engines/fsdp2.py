@@ -29,7 +29,7 @@ Mapping (memopt strategy -> FSDP2):
                  PyTorch raises "Cannot access accelerator device when none is available", and with
                  ``pin_memory=False`` it runs but moves nothing (host and device are one memory), so a
                  "cpu_offload" label would be meaningless. Planned for GPU profiles
-                 (``planner/fsdp2_offload.py``: shards, gradients and AdamW states on the host, the
+                 (``planner/engines/fsdp2.py``: shards, gradients and AdamW states on the host, the
                  all-gather's host->device and the gradients' device->host copies); checked against
                  the parameter count only (no GPU here to measure).
     tp           memopt's ``tp`` strategy (model phase, so before ``fully_shard``: torchtitan's order);

@@ -1,9 +1,19 @@
 """The planner: every rank's peak bytes by category, predicted by running the run's own code on fake tensors.
 
-    simulate.py   one rank's build + training step under FakeTensorMode, other ranks a fake process group
+The core, one path for every engine:
+    simulate.py     one rank's build + training step under FakeTensorMode, other ranks a fake process group
     extrapolate.py  deep models from three shallow ones (checked; block by block where the checks fail)
-    chunk_replay.py the chunk engine at the planned depth, driven by a recorded shallow step's model side
-    plan.py       the ranks that bound the world, the fit against a hardware profile, the step time, the table
-    figure.py     plan.png
-    preflight.py  plan before a run, refuse what does not fit, suggest what would
+    plan.py         the ranks that bound the world, the fit against a hardware profile, the step time, the table
+    placement.py    Hybrid Adam's optimizer groups on the device from step 0, decided by the plan
+    preflight.py    plan before a run, refuse what does not fit, suggest what would
+    search.py       ``+strategy=auto``: every candidate planned, ranked by predicted step time
+    figure.py       plan.png
+Beside it, what makes a plan cheaper or bounds what fake tensors cannot know:
+    fast_ops.py     fake views, in-place updates and allocations answered without FakeTensorMode's cache
+    routing.py      MoE routing at the case that bounds its bytes
+The wing, one entry per engine of ``engines.ENGINES`` (``engines/``, looked up by the resolved engine):
+    engines/memopt.py     size buckets checked while extrapolating
+    engines/chunk/        the chunk engine replayed at depth from a recorded shallow step
+    engines/deepspeed/    DeepSpeed planned by its own buffers' rules, its ZeRO-3 fetch, DeepSpeed-MoE
+    engines/fsdp2.py      FSDP2's CPU offload copies made explicit on fake tensors
 """

@@ -17,7 +17,7 @@ consecutive ranges). The answer is the best planned split seen, so its largest p
 above the even split's. Each planned split costs one fake step per stage (about a second each for a
 small model). Built for one stage per rank (gpipe, 1f1b; ``Pipeline.validate`` refuses the rest).
 
-It is resolved before any rank starts (``resolve_split``: ``train.run``, ``memopt.api``), which writes
+It is resolved before any rank starts (``resolve_split``: the gate, ``memopt.gate``, and ``memopt.api``), which writes
 the list into the run's config, so every rank builds the same stages and config.yaml records them.
 """
 from __future__ import annotations

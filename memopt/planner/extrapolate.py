@@ -24,14 +24,14 @@ Where it is not exact, and what is done about it:
     number of device groups) and eviction (none at either depth and none needed at N, or some at
     both). A large chunk (gpt_10b: 3.7 blocks) in groups of W ranks changes a rank's layout only every
     W chunks, which no shallow window follows. Hence the chunk engine (period 1: no every_k segments,
-    no MoE) is not extrapolated first but *replayed* (``chunk_replay.py``): a recorded 5-block step's
+    no MoE) is not extrapolated first but *replayed* (``planner/engines/chunk/replay.py``): a recorded 5-block step's
     model side, stretched to N blocks, drives the real engine built at depth N, so the layout and the
     engine's decisions are the planned model's own, not extrapolated (exact by construction; the
     first rank checks the stretch against a 6-block recording). Where the replay does not apply (the
     reason is kept), the windows above are tried, then the block-by-block simulation.
   * ZeRO-1/2 size buckets and flat-group padding round per bucket / group (a few elements). The
     buckets' packing (their number, the two largest) must be affine over the window and N, else a
-    shallow model held in one bucket extrapolates a bucket as large as the deep model (``buckets.py``).
+    shallow model held in one bucket extrapolates a bucket as large as the deep model (``planner/engines/memopt.py``).
 Small models (n1 + n2 + n3 > N / 2) and ``trainer.plan_exact=true`` are simulated block by block.
 """
 from __future__ import annotations
@@ -130,15 +130,17 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
     first two depths extrapolate to the same plan as the last two (within 0.1%; ``verify=False`` skips
     this, for a rank after one that passed it), the chunk layout is affine over the window and the
     planned depth, the chunk engine's decisions follow. The chunk engine is first planned by replaying
-    a recorded shallow step at depth N (``chunk_replay.py``; ``replay``: the recorded depth, else
+    a recorded shallow step at depth N (``engines/chunk/replay.py``; ``replay``: the recorded depth, else
     ``REPLAY_DEPTH`` when the model is deep enough to sample). ``method`` says which, and why the exact
     simulation was taken when extrapolation was tried; ``window`` is the window used."""
-    from memopt.planner.buckets import bucket_inconsistency, bucket_layout
+    from memopt.planner.engines import wing
+    from memopt.planner.engines.memopt import bucket_inconsistency
     from memopt.planner.simulate import simulate_rank
 
     n = cfg.model.n_layer
     wins = windows or sample_depths(cfg)
-    chunk = _engine(cfg) == "chunk"
+    w = wing(cfg)
+    chunk = w.chunks
     if not wins and replay is None:
         return {**simulate_rank(cfg, rank, world, limits, backend=backend), "method": "exact"}
     base = _pin_chunk_size(cfg, rank, world) if chunk else cfg
@@ -147,7 +149,7 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
     why = "no sampled depths"
     seconds, replay_why = 0.0, None
     if chunk and windows is None and (replay is not None or period(cfg) == 1):
-        from memopt.planner.chunk_replay import Unsupported
+        from memopt.planner.engines.chunk.replay import Unsupported
 
         try:
             return _replayed(base, rank, world, limits, backend, replay or REPLAY_DEPTH, verify)
@@ -158,6 +160,7 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
             return {**sim, "seconds": sim["seconds"] + seconds, "method": f"exact ({replay_why})"}
     layouts: dict[int, dict] = {}
     sims: dict[int, dict] = {}
+    bucket_layout = w.bucket_layout or (lambda cfg, rank, world: None)
     buckets = {n: bucket_layout(cfg, rank, world)}  # size buckets (ddp, zero1/2): their packing must follow too
     for a, b, c in wins:
         if buckets[n] is not None:
@@ -206,13 +209,13 @@ REPLAY_DEPTH = 5  # blocks of the recorded step: blocks 2 and 3 are the two midd
 
 
 def _replayed(cfg, rank: int, world: int, limits, backend: str, n: int, verify: bool) -> dict:
-    """The chunk engine at depth N from an n-block recording (``chunk_replay.py``); with ``verify``, the
+    """The chunk engine at depth N from an n-block recording (``planner/engines/chunk/replay.py``); with ``verify``, the
     recording stretched to n + 1 blocks must equal the recording of n + 1 blocks item for item (every
     byte the model side allocates and frees, in order, every call into the engine, the FLOPs and the
     traffic), else ``Unsupported`` says so."""
     import time
 
-    from memopt.planner import chunk_replay
+    from memopt.planner.engines.chunk import replay as chunk_replay
 
     t0 = time.perf_counter()
     N = cfg.model.n_layer
@@ -283,12 +286,6 @@ def _disagreement(sa: dict, sb: dict, sc: dict, depths: tuple[int, int, int], n:
         if abs(lo - hi) > max(REL * abs(hi), FLOOR):
             return f"{k} is not yet affine at n_layer={a},{b},{c}"
     return None
-
-
-def _engine(cfg) -> str:
-    from memopt.engines import resolve
-
-    return resolve(cfg)
 
 
 def _pin_chunk_size(cfg, rank: int, world: int):

@@ -89,8 +89,8 @@ def _placement(sims: list) -> dict:
 def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile)."""
     from memopt import compose
-    from memopt.engines import resolve
     from memopt.parallel.dims import expected_world
+    from memopt.planner.engines import wing
     from memopt.planner.extrapolate import simulate
     from memopt.planner.simulate import PlanOverflow
 
@@ -100,15 +100,13 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     runtime = runtime_bytes()
     try:
         backend = "gloo" if hw.device_is_host else "nccl"
-        rules = resolve(cfg) == "deepspeed"  # DeepSpeed does not run on fake tensors: its own rules (deepspeed_rules.py)
-        if rules:
-            from memopt.planner.deepspeed_rules import deepspeed_sim
+        rules = wing(cfg).rules  # an engine that does not run on fake tensors (DeepSpeed): its own rules
         sims = []
         for r in simulated_ranks(world, cfg):
             # the depths the first rank checked serve the others (the blocks are the same on every rank)
             hint = {"windows": [sims[0]["window"]], "verify": False} if sims and sims[0].get("window") else \
                 {"replay": sims[0]["replay"], "verify": False} if sims and sims[0].get("replay") else {}
-            sims.append(deepspeed_sim(cfg, r, world, limits, backend, local, **hint) if rules
+            sims.append(rules(cfg, r, world, limits, backend, local, **hint) if rules
                         else simulate(cfg, r, world, limits, backend=backend, **hint))
     except PlanOverflow as e:
         if limits is not None or e.reason is None:
@@ -203,7 +201,9 @@ def node_rank_peaks(cfg, sims: list[dict], world: int, local: int) -> list[dict]
     if getattr(cfg.strategy, "pipeline", None) is not None:  # a rank holds what its stage's simulated rank holds
         per = world // _pp(cfg, world)
         return [by_rank.get(r, by_rank.get(r // per * per, worst["peaks"])) for r in range(local)]
-    if getattr(cfg.strategy, "chunk", None) is None or cfg.engine.name != "memopt" or world == 1:
+    from memopt.planner.engines import wing
+
+    if getattr(cfg.strategy, "chunk", None) is None or not wing(cfg).chunks or world == 1:
         return [by_rank.get(r, worst["peaks"]) for r in range(local)]
     from memopt.planner.extrapolate import layouts
 

@@ -65,9 +65,10 @@ def trivially_fits(cfg, hw) -> bool:
 def engine_budget(cfg) -> bool:
     """The chunk engine with a device budget of its own (``strategy.chunk.device_budget_gb``): a limit the
     hardware bound of ``trivially_fits`` does not see, which the engine enforces at every traced moment."""
-    from memopt.engines import resolve
+    from memopt.planner.engines import wing
 
-    return resolve(cfg) == "chunk" and cfg.strategy.chunk.device_budget_gb is not None
+    budget = wing(cfg).device_budget
+    return budget is not None and budget(cfg) is not None
 
 
 def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:

@@ -25,9 +25,20 @@ def pp_sizes(cfg, world: int) -> list[int]:
     the pipeline strategy refuses the run whatever the size: another engine, another architecture,
     MoE, frozen parameters."""
     m = cfg.model
-    if cfg.engine.name != "memopt" or m.arch != "gpt" or m.freeze or getattr(cfg.strategy, "moe", None) is not None:
+    if not _engine_runs_pipeline(cfg) or m.arch != "gpt" or m.freeze or getattr(cfg.strategy, "moe", None) is not None:
         return []
     return [p for p in range(2, world + 1) if world % p == 0 and m.n_layer % p == 0]
+
+
+def _engine_runs_pipeline(cfg) -> bool:
+    """Whether ``engine=`` implements the pipeline strategy (its ``SUPPORTS``; the memopt engine, which has
+    none, implements them all and builds the pipeline engine for it)."""
+    import importlib
+
+    from memopt.engines import ENGINES
+
+    supports = getattr(importlib.import_module(ENGINES[cfg.engine.name]), "SUPPORTS", None)
+    return supports is None or "pipeline" in supports
 
 
 def schedules_for(n_layer: int, pp: int, m: int, names=SCHEDULES) -> list[str]:

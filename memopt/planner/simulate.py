@@ -37,7 +37,6 @@ from torch.utils._pytree import tree_leaves
 from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST, MemoryTracker
 from memopt.planner import fast_ops
-from memopt.planner.fsdp2_offload import fsdp2_offload as offload_copies
 from memopt.planner.routing import planned_routing
 
 
@@ -106,11 +105,6 @@ class PlanOverflow(RuntimeError):
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 
-FSDP2_OFFLOAD_CPU = (
-    "engine=fsdp2 with cpu_offload runs on a CUDA device only (engines/fsdp2.py validate): this hardware profile's "
-    "device is the host, so there is no run to plan; use a GPU profile (hardware=a100_80g), or engine=memopt or "
-    "engine=deepspeed for cpu_offload on CPU")
-
 NOT_COMPUTE = ("params", "grads", "optim", "chunks", "comm", "other")  # model states and the engine's own buffers
 
 
@@ -126,11 +120,11 @@ class PlanTracker(MemoryTracker):
         self.comm_ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0, "bus_bytes": 0})
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
         self.backward_nonmodel: dict[str, int] | None = None  # set to {}: the peak of the bytes outside the model
-        # states while it is a dict (the last step's forward and backward: DeepSpeed's rules add it, deepspeed_rules.py)
+        # states while it is a dict (the last step's forward and backward: DeepSpeed's rules add it, planner/engines/deepspeed)
         self.grad_ready_nonmodel: list[int] | None = None  # meanwhile: those bytes on the compute device as each
-        # gradient is registered (stage 3 plans the moment DeepSpeed's first bucket fills, deepspeed_rules.py)
+        # gradient is registered (stage 3 plans the moment DeepSpeed's first bucket fills, planner/engines/deepspeed)
         self.recompute_nonmodel: list[int] | None = None  # meanwhile: their peak from the start of each recomputation
-        # in the backward to the next gradient's arrival (its block's backward; stage 3 plans it, deepspeed_rules.py)
+        # in the backward to the next gradient's arrival (its block's backward; stage 3 plans it, planner/engines/deepspeed)
         self._recomputing = False  # such a window is open (the last entry of ``recompute_nonmodel``)
         self.backward_with_grads: dict[str, int] | None = None  # meanwhile: the peak of those bytes beside every
         # gradient autograd has produced so far, each as its own tensor (DeepSpeed's stage 1 keeps each param.grad
@@ -399,24 +393,19 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     from memopt import checkpoint, compose, engines, model_file
     from memopt.data import TokenBatches, load_tokens
     from memopt.parallel.dims import build_dims
+    from memopt.planner.engines import wing
 
     t0 = time.perf_counter()
-    fsdp2_offload = cfg.engine.name == "fsdp2" and cfg.strategy.cpu_offload is not None
-    if fsdp2_offload and backend == "gloo":
-        raise PlanUnsupported(FSDP2_OFFLOAD_CPU)
-    if engines.resolve(cfg) == "deepspeed_pipe":
-        raise PlanUnsupported("engine=deepspeed +strategy=pipeline is not planned: DeepSpeed's pipeline engine does "
-                              "not run on fake tensors and the planner has no rules for it; plan engine=memopt "
-                              "+strategy=pipeline (the same stages and schedule)")
+    w = wing(cfg)
+    patch = w.step_patch(cfg, backend) if w.step_patch else None  # copies the fake step makes explicit (FSDP2 offload)
     device = torch.device("cpu")  # bytes do not depend on the device; placement is logical (host_scope)
     keymap = {"cpu": "device", HOST: "host"}
     inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}
     tracker = PlanTracker(device, {inverse[k]: v for k, v in (limits or {}).items() if v is not None})
-    fsdp2 = cfg.engine.name == "fsdp2"
-    started = _join_fake_world(rank, world, always=fsdp2)  # FSDP2 needs a process group even for one rank
+    started = _join_fake_world(rank, world, always=w.process_group_always)  # FSDP2: a group even for one rank
     try:
         dims = build_dims(cfg.parallel, "cpu")
-        if fsdp2 and world == 1 and dims.dp_shard.mesh is None:  # the mesh FSDP2 would make, made before the
+        if w.process_group_always and world == 1 and dims.dp_shard.mesh is None:  # the mesh FSDP2 would make, made before the
             from torch.distributed.device_mesh import init_device_mesh  # fake mode (its coordinates are values)
 
             dims.dp_shard.mesh = init_device_mesh("cpu", (1,))
@@ -425,7 +414,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
             data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
             with FakeTensorMode(allow_non_fake_inputs=True), planned_routing(), \
                     (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()), \
-                    (offload_copies(tracker) if fsdp2_offload else contextlib.nullcontext()), host_adam_updates(tracker):
+                    (patch(tracker) if patch else contextlib.nullcontext()), host_adam_updates(tracker):
                 engine = engines.build_engine(cfg, device, dims, tracker)
                 engine.model.train()
                 data_bytes = 0

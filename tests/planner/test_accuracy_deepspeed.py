@@ -1,4 +1,4 @@
-"""``engine=deepspeed`` planned by rules (``memopt/planner/deepspeed_rules.py``) against measured
+"""``engine=deepspeed`` planned by rules (``memopt/planner/engines/deepspeed/rules.py``) against measured
 DeepSpeed runs, per rank and device: ``params``, ``optim``, ``activations`` and the device total
 within 3% (64 KiB floor, as tests/planner/test_accuracy.py).
 

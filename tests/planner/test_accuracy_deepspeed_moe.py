@@ -1,4 +1,4 @@
-"""``engine=deepspeed`` with MoE (DeepSpeed-MoE) planned (``memopt/planner/deepspeed_moe_rules.py``): the
+"""``engine=deepspeed`` with MoE (DeepSpeed-MoE) planned (``memopt/planner/engines/deepspeed/moe_rules.py``): the
 expert groups' model states by DeepSpeed's rules, the layers' compute bytes from DeepSpeed-MoE's own
 layer code on fake tensors. References: the measured DeepSpeed runs (slow matrix: ``params``, ``optim``,
 ``activations`` and the device total within 3%, as test_accuracy_deepspeed.py), and in the default

@@ -1,5 +1,5 @@
 """The chunk engine planned by replaying a recorded shallow step at the planned depth
-(``planner/chunk_replay.py``) against the simulation of every block (the reference: the run's code on
+(``planner/engines/chunk/replay.py``) against the simulation of every block (the reference: the run's code on
 fake tensors at the full depth): byte for byte, per rank, memory and category, and the same FLOPs,
 link traffic and collectives. The models have chunks of ~2.5 blocks dealt to 2-4 ranks, so a rank
 owns several chunk groups and its layout changes every few blocks: no shallow window follows it."""
@@ -54,7 +54,7 @@ def test_a_recording_does_not_depend_on_the_chunk_engines_options():
     (``extrapolate.model_side``): recorded again under other options (a device budget that leaves Hybrid
     Adam no group on the device, mem_saving_comm, another warm-up ratio, the state dict, another hardware), the model side is the
     same item for item."""
-    from memopt.planner import chunk_replay
+    from memopt.planner.engines.chunk import replay as chunk_replay
     from memopt.planner.extrapolate import model_side
 
     base = [*COMMON, "+strategy=[hybrid_adam,ckpt]", "model.n_layer=5", "trainer.eval_every=1", "trainer.nproc_per_node=2"]

@@ -1,4 +1,4 @@
-"""DeepSpeed-MoE's dropless capacity as planned (``deepspeed_moe_rules.worst_case_capacity``: every token
+"""DeepSpeed-MoE's dropless capacity as planned (``planner/engines/deepspeed/moe_rules.worst_case_capacity``: every token
 of the rank in one expert) against the tracker's measurement of the run's own layer (memopt's translation,
 ``engines/deepspeed_moe.DeepSpeedMoE``) whose router was set to produce that case: a collapsed router
 (every token's choices are experts 0 and 1) holds what the plan holds, byte for byte; a balanced one less.
@@ -40,7 +40,7 @@ def measured(m) -> tuple[int, list[int]]:
 def planned(m) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memopt.planner.deepspeed_moe_rules import worst_case_capacity
+    from memopt.planner.engines.deepspeed.moe_rules import worst_case_capacity
     from memopt.planner.simulate import PlanTracker
 
     x = inputs()

@@ -173,7 +173,7 @@ def test_gradient_buckets_that_fill_up_deeper_are_not_extrapolated():
     largest (the temp peak of its flat copy) stops growing: the window is refused (measured before this
     check: 54.6 MiB of device temp extrapolated, 24.9 MiB block by block). 100 MB buckets hold every
     depth whole: accepted, and so are ep=2's separate expert buckets (the slow test above)."""
-    from memopt.planner.buckets import bucket_inconsistency, bucket_layout
+    from memopt.planner.engines.memopt import bucket_inconsistency, bucket_layout
     from memopt.planner.extrapolate import at_depth
 
     depths = (4, 6, 8, 36)
@@ -189,10 +189,11 @@ def test_gradient_buckets_that_fill_up_deeper_are_not_extrapolated():
 @pytest.mark.parametrize("strategy", ["zero3", pytest.param("[zero3,ckpt]", marks=pytest.mark.slow)])
 def test_deepspeed_rules_read_the_extrapolated_moments(strategy, monkeypatch):
     """engine=deepspeed's stage-3 total is taken at the moments the step records (the backward's start,
-    early gradients, recomputations: deepspeed_rules.py); a deep model's extrapolated step carries them,
+    early gradients, recomputations: planner/engines/deepspeed/rules.py); a deep model's extrapolated step carries them,
     so its plan is the plan from the step simulated block by block (before, the rules fell back to the
     step's own peak on every extrapolated plan: gpt_10b's DeepSpeed rows)."""
-    from memopt.planner import deepspeed_rules, extrapolate
+    from memopt.planner import extrapolate
+    from memopt.planner.engines.deepspeed import rules as deepspeed_rules
 
     cfg = typed([*COMMON, "engine=deepspeed", f"+strategy={strategy}", "model.n_layer=9"])
     deepspeed_rules._ONE_RANK.clear()

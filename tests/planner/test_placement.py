@@ -55,11 +55,11 @@ def test_plan_mode_makes_the_warm_ups_groups_on_the_device_before_step_0(tmp_pat
 
 
 def test_a_run_whose_preflight_planned_takes_the_plans_placement(tmp_path, monkeypatch, capsys):
-    """The CLI's preflight (``train.run_preflight``) plans a run near its memory and sets the placement in
+    """The CLI's preflight (``gate.run_preflight``) plans a run near its memory and sets the placement in
     the config the ranks get; here the preflight is made to plan (gpt_tiny is trivially small)."""
     from omegaconf import OmegaConf
 
-    from memopt import train
+    from memopt import gate
     from memopt.api import compose_config
     from memopt.planner import preflight
     from tests.conftest import typed
@@ -68,7 +68,7 @@ def test_a_run_whose_preflight_planned_takes_the_plans_placement(tmp_path, monke
     ov = [o for o in CMD if o != "trainer.mode=plan"]
     t, cfg = typed(ov), OmegaConf.create(OmegaConf.to_container(compose_config(ov)))
     assert t.strategy.hybrid_adam.device_groups is None
-    assert train.run_preflight(t, cfg, str(tmp_path / "r")) is None  # fits: no refusal
+    assert gate.run_preflight(t, cfg, str(tmp_path / "r")) is None  # fits: no refusal
     n = t.strategy.hybrid_adam.device_groups
     assert n is not None and n >= 1 and cfg.strategy.hybrid_adam.device_groups == n
     assert f"strategy.hybrid_adam.device_groups={n}" in capsys.readouterr().err

@@ -88,3 +88,14 @@ def test_the_walker_sees_a_cycle(tmp_path):
     (pkg / "c.py").write_text("import memopt.a\n")
     cycle = find_cycle(edges(module_names(str(pkg))))
     assert cycle is not None and set(cycle) == {"memopt.a", "memopt.b"}
+
+
+ENTRY_POINTS = {"memopt.train", "memopt.api", "memopt.report.__main__", "memopt.gpu_check"}
+
+
+def test_no_module_below_the_entry_points_imports_them():
+    """The command lines and the programmatic entry points sit on top: the gate, the planner and the
+    engines never reach back up into them (the planner builds typed candidates, not commands)."""
+    graph = edges(module_names())
+    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if m not in ENTRY_POINTS for t in targets & ENTRY_POINTS)
+    assert not bad, bad

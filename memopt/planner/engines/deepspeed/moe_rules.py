@@ -33,7 +33,7 @@ adapter a run swaps in, built on ``meta`` and bound to the memopt layer's own pa
 weight is the router's, the local experts are the memopt expert modules), so memopt's engine partitions
 and reduces the parameters as usual while the layer's activations, temporaries and all-to-all buffers
 are DeepSpeed's (its collectives through ``torch.distributed``, the fake process group, instead of
-DeepSpeed's comm module). The fake step is memopt's zero1 for a stage-2 run (``deepspeed_rules.fake_step_cfg``). The
+DeepSpeed's comm module). The fake step is memopt's zero1 for a stage-2 run (``rules.fake_step_cfg``). The
 gate's capacity is a tensor DeepSpeed reads with ``int()``; from the configured capacity factor
 FakeTensorMode propagates it as a constant. Dropless routing (``drop_tokens=false``) takes it from the
 largest expert load, a value: the plan takes the worst case, S (``worst_case_capacity``), as memopt's
@@ -78,7 +78,7 @@ def group_sizes(cfg, ep: int) -> list[int]:
 
 
 def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> dict:
-    """``deepspeed_rules.deepspeed_model_states``'s result for DeepSpeed-MoE: ``dense_states(P, W)``
+    """``rules.deepspeed_model_states``'s result for DeepSpeed-MoE: ``dense_states(P, W)``
     computes the dense rules for P parameters partitioned over W ranks; the expert groups' shares
     are put in (see the module docstring)."""
     from memopt.strategies.zero import selected_stage

@@ -28,8 +28,8 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
             stage 3's buckets are in their communication dtype); activations (the fake step runs
-            DeepSpeed's own linear, ``deepspeed_linear.py``) + what DeepSpeed's coordinator holds
-            gathered at their peak (W > 1: ``deepspeed_fetch.py`` replays its prefetch/release rules
+            DeepSpeed's own linear, ``linear.py``) + what DeepSpeed's coordinator holds
+            gathered at their peak (W > 1: ``fetch.py`` replays its prefetch/release rules
             over the step's trace, recomputation included; flat buffers in the communication dtype).
             The total is the largest of the start of the backward (partitions and buffers, no block in
             flight, the parameters held after the forward, the compute peak of a one-rank memopt step,
@@ -59,7 +59,7 @@ On one rank the first reduce-scatter's flat copies are a moment too (d_model 256
 compute peak, where DeepSpeed's is its reduce bucket (gpt_tiny zero3 + bf16 autocast, 2 ranks: the
 compute peak a block later, 1.76% over). Measured, and what was fixed: tests/planner/test_accuracy_deepspeed.py.
 engine=deepspeed with MoE: the expert
-groups' states and DeepSpeed-MoE's own layer code on fake tensors (``deepspeed_moe_rules.py``). Which category
+groups' states and DeepSpeed-MoE's own layer code on fake tensors (``moe_rules.py``). Which category
 DeepSpeed's reduction buffers are counted under depends on when the tracker re-tags them
 (``engines/deepspeed.py``): the plan puts them under ``grads``; a run splits them between ``grads``
 and ``temp`` depending on the timing of its overlapped reductions, so the accuracy test compares
@@ -192,11 +192,11 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
         # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
         after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
     moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False, "recomputations": []}
-    if stage == 3:  # what DeepSpeed's coordinator holds gathered (deepspeed_fetch.py) and its reduce bucket's
+    if stage == 3:  # what DeepSpeed's coordinator holds gathered (fetch.py) and its reduce bucket's
         # flat copy at the first reduce-scatter (on one rank nothing is gathered: a parameter's data is its
         # partition; the flat copy remains, and dominates a wide model's one-rank offload run, whose step is
         # on the host: d_model 256, 16,776,058 B measured, 15,061,917 planned before)
-        from memopt.planner.deepspeed_fetch import stage3_moments
+        from memopt.planner.engines.deepspeed.fetch import stage3_moments
 
         block = _block_numel(cfg)
         # a fetch's flat buffers are in the communication dtype: bf16 for Linear weights under torch_autocast
@@ -305,7 +305,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
     from memopt.memory.tracker import CATEGORIES
-    from memopt.planner.deepspeed_linear import zero3_linear
+    from memopt.planner.engines.deepspeed.linear import zero3_linear
     from memopt.planner.extrapolate import simulate
     from memopt.strategies.zero import selected_stage
 
@@ -313,7 +313,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     moe = contextlib.nullcontext()
     if cfg.strategy.moe is not None:  # DeepSpeed-MoE: its expert groups' states and its own layer code
         from memopt.parallel.dims import resolve_sizes
-        from memopt.planner import deepspeed_moe_rules
+        from memopt.planner.engines.deepspeed import moe_rules as deepspeed_moe_rules
 
         ep = resolve_sizes(cfg.parallel, world)["ep"]
         moe = deepspeed_moe_rules.deepspeed_moe_layers(ep)
@@ -324,7 +324,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     # the fake step: memopt's own, zero1 for a stage-2 run (``fake_step_cfg``: memopt's zero2 holds its own
     # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
     mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
-    with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (deepspeed_linear.py)
+    with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
         sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
         # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
         # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is

@@ -1,4 +1,4 @@
-"""Whether the memopt engine's size buckets grow like the model (a check of ``extrapolate.simulate``).
+"""The memopt engine's wing: whether its size buckets grow like the model (a check of ``extrapolate.simulate``).
 
 ddp, zero1 and zero2 pack the gradients into flat groups of at most ``bucket_mb`` (``engines/memopt/
 flat.plan_groups``), and a bucket's flat copy is a ``temp`` peak. While the whole model fits one
@@ -12,6 +12,8 @@ zero3 (one group per block) and the other engines have no size buckets: nothing 
 """
 from __future__ import annotations
 
+from memopt.planner.engines.base import Wing
+
 
 def bucket_layout(cfg, rank: int, world: int) -> dict | None:
     """{"groups", "largest", "two largest"} (elements) of this rank's flat groups, for each data-parallel
@@ -19,15 +21,12 @@ def bucket_layout(cfg, rank: int, world: int) -> dict | None:
     import torch
 
     from memopt.compose import model_on_meta
-    from memopt.engines import resolve
     from memopt.engines.memopt.flat import plan_groups
     from memopt.memory.tracker import NullTracker
     from memopt.planner.simulate import fake_world
     from memopt.strategies.precision import Precision
     from memopt.strategies.zero import selected_stage
 
-    if resolve(cfg) != "memopt":
-        return None
     _, stage, opts = selected_stage(cfg)
     if stage == 3 or not getattr(opts, "bucket_mb", 0):
         return None
@@ -52,3 +51,6 @@ def bucket_inconsistency(layouts: list[dict], depths: tuple[int, ...]) -> str | 
             vals = ", ".join(f"{lay.get(k)} at {d}" for d, lay in zip(depths, layouts))
             return f"the gradient buckets do not grow like the model ({k}: {vals} blocks; bucket_mb)"
     return None
+
+
+WING = Wing(bucket_layout=bucket_layout)

@@ -1,4 +1,5 @@
-"""FSDP2's ``CPUOffloadPolicy`` in the fake step: the copies between memories a GPU run makes.
+"""FSDP2's wing: a process group even for one rank, and ``CPUOffloadPolicy`` in the fake step (the
+copies between memories a GPU run makes).
 
 On a GPU, FSDP2 with offload keeps each sharded parameter (fp32, pinned) and each sharded gradient
 on the host, and AdamW's states and step follow them (the engine counts those under ``host_scope``).
@@ -21,6 +22,23 @@ import contextlib
 import torch
 
 from memopt.memory.tracker import HOST
+from memopt.planner.engines.base import Wing
+
+OFFLOAD_ON_CPU = (
+    "engine=fsdp2 with cpu_offload runs on a CUDA device only (engines/fsdp2.py validate): this hardware profile's "
+    "device is the host, so there is no run to plan; use a GPU profile (hardware=a100_80g), or engine=memopt or "
+    "engine=deepspeed for cpu_offload on CPU")
+
+
+def step_patch(cfg, backend: str):
+    """The offload copies around the fake step (None without cpu_offload); a CPU profile has no run to plan."""
+    if cfg.strategy.cpu_offload is None:
+        return None
+    if backend == "gloo":
+        from memopt.planner.simulate import PlanUnsupported
+
+        raise PlanUnsupported(OFFLOAD_ON_CPU)
+    return fsdp2_offload
 
 
 @contextlib.contextmanager
@@ -66,3 +84,6 @@ def fsdp2_offload(tracker):
     finally:
         FSDPParam.all_gather_inputs, FSDPParam.reset_sharded_param = gather_inputs, reset
         _fsdp_param_group.foreach_reduce = reduce
+
+
+WING = Wing(step_patch=step_patch, process_group_always=True)

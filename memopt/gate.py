@@ -1,0 +1,211 @@
+"""One gate before any rank starts: the config to run, or the job's record when it ends here.
+
+In order: the typed config and its rules (``config.validate``; the run directory claimed first, so a
+refusal cannot replace the records of the run it protects), ``+strategy=auto``'s choice (the planner's
+search: the fastest predicted candidate that fits), the pipeline's balanced split, plan mode (``trainer.mode=plan``: plan.json, the
+table and a suggestion; no rank starts) and the preflight (plan a run near its memory, refuse what
+would not fit, set Hybrid Adam's placement from the plan). Every refusal is recorded here through
+``outcome``; ``train.run`` launches what passes and turns a record into the exit code.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from memopt import outcome
+from memopt.config import ConfigError, to_dataclass, validate
+from memopt.logging import write_json
+
+
+@dataclass
+class Verdict:
+    """``typed``/``cfg``: the config the ranks get; ``summary``: the job's record when it ends at the gate."""
+    typed: Any = None
+    cfg: DictConfig | None = None
+    summary: dict | None = None
+
+
+def gate(cfg: DictConfig, run_dir: str, overrides: list[str], launched: bool) -> Verdict:
+    """The gate of one job. ``overrides``: the command's (auto's candidates and the suggestions keep the
+    rest of it); ``launched``: this process is a rank of an external launcher (its launch checked)."""
+    from memopt.records import RunDirInUse, claim_run_dir
+
+    try:
+        typed = to_dataclass(cfg)
+        if int(os.environ.get("RANK", "0")) == 0:  # before validation: a refusal must not replace its summary
+            claim_run_dir(run_dir, typed.trainer.resume, typed.trainer.overwrite)
+        validate(typed)
+    except RunDirInUse as e:  # nothing is written: the directory's records belong to the run it protects
+        print(f"memopt: configuration refused: {e}", file=sys.stderr)
+        return Verdict(summary={"status": "refused", "error": str(e)})
+    except ConfigError as e:
+        refused = outcome.refusal(run_dir, cfg, str(e))
+        print(f"memopt: configuration refused: {e}", file=sys.stderr)
+        return Verdict(summary=refused)
+    if "auto" in typed.strategy.selected():
+        chosen = choose_composition(typed, cfg, run_dir, overrides)
+        if isinstance(chosen, dict):
+            return Verdict(summary=chosen)
+        typed, cfg = chosen
+    from memopt.planner.balance import resolve_split
+
+    resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, before any plan or rank
+    if typed.trainer.mode == "plan":
+        return Verdict(summary=plan_run(typed, cfg, run_dir, overrides))
+    if typed.trainer.preflight and not launched:
+        refused = run_preflight(typed, cfg, run_dir, overrides)
+        if refused is not None:
+            return Verdict(summary=refused)
+    return Verdict(typed, cfg)
+
+
+def hardware(typed, step_rates: bool = False):
+    """The run's ``hardware`` profile, resolved on this machine's device; ``step_rates``: with this CPU's
+    measured step-time rates (``planner/cpu_rates.py``: plan mode and auto rank by the step time; a run's
+    preflight only judges the fit)."""
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hw = resolve_hardware(typed.hardware, device)
+    if step_rates:
+        from memopt.planner.cpu_rates import complete
+
+        hw = complete(typed.hardware, hw, device)
+    return hw
+
+
+def plan_run(typed, cfg: DictConfig, run_dir: str, overrides: list[str] = ()) -> dict:
+    """``trainer.mode=plan``: plan.json, plan.png and summary.json in the run directory, the table printed.
+    When the composition does not fit or the engine refuses it at build (the chunk engine checks its
+    host budget there), the preflight's suggestion is added: the first composition of its list whose
+    plan fits (``planner.preflight.suggestion``), or why none can."""
+    from memopt.planner.figure import plan_figure
+    from memopt.planner.placement import plan_placed
+    from memopt.planner.plan import fmt, fmt_params, plan_table
+    from memopt.planner.preflight import suggestion
+    from memopt.planner.simulate import PlanUnsupported
+    from memopt.sweep import job_identity
+
+    os.makedirs(run_dir, exist_ok=True)
+    hw = hardware(typed, step_rates=True)
+    try:
+        plan = plan_placed(typed, hw)
+    except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)
+        refused = outcome.refusal(run_dir, cfg, str(e), mode="plan")
+        print(f"memopt: plan refused: {e}", file=sys.stderr)
+        return refused
+    except ConfigError as e:  # the engine refuses the composition at build, before allocating it
+        plan = _refused_plan(typed, hw, str(e))
+    if "error" in plan:  # make_plan's own record of the engine's out-of-memory (chunk warm-up check), or the one above
+        plan["status"] = "refused_by_engine"
+    else:
+        plan["status"] = "fits" if plan["fits"] else "does_not_fit"
+    if plan["status"] != "fits":
+        plan["suggestion"] = suggestion(typed, hw, list(overrides))
+    write_json(os.path.join(run_dir, "plan.json"), plan)
+    summary = {"status": "ok", "mode": "plan", "fits": plan["fits"], "plan_status": plan["status"], **job_identity(cfg),
+               "params": plan["params"], "world_size": plan["world_size"]}
+    if "suggestion" in plan:
+        summary["suggestion"] = plan["suggestion"]["overrides"]
+    if "error" in plan:
+        summary["error"] = plan["error"]
+        outcome.record(run_dir, summary)
+        print(f"memopt plan: {plan['model']} ({fmt_params(plan['params'])} params) with "
+              f"{'+'.join(plan['strategy']) or 'no strategy'} does not fit: refused by the engine "
+              f"(hardware {hw.name}): {plan['error']}\n  suggestion: {plan['suggestion']['text']}\n  plan.json in {run_dir}")
+        return summary
+    summary["planned_peak_bytes"] = plan["peak_bytes"]
+    outcome.record(run_dir, summary)
+    plan_figure(plan, os.path.join(run_dir, "plan.png"))
+    hint = f"\n  suggestion: {plan['suggestion']['text']}" if "suggestion" in plan else ""
+    if "placement" in plan:
+        p = plan["placement"]
+        why = ("this plan's warm-up decision" if p["device_groups"] == p.get("warmup_groups", p["device_groups"]) else
+               f"the most the warm-up's moments allow with other parameter chunks evicted; its own margin held "
+               f"{p['warmup_groups']}" if p["device_groups"] == p.get("device_max") else
+               f"{p['device_max']} allowed by the warm-up's moments, fewer left room for the device's transients; "
+               f"its own margin held {p['warmup_groups']}")
+        hint = (f"\n  Hybrid Adam: {p['device_groups']} optimizer group(s) per rank on the device from step 0 "
+                f"(strategy.hybrid_adam.device_groups={p['device_groups']}, {why}); node host "
+                f"{fmt(p['node_host_bytes_warmup_placed'])} if placed after the warm-up") + hint
+    print(plan_table(plan) + hint + f"\n  plan.json, plan.png in {run_dir}")
+    return summary
+
+
+def _refused_plan(typed, hw, error: str) -> dict:
+    """plan.json's record of a composition the engine refuses at build (what make_plan returns for
+    the engine's own out-of-memory)."""
+    from dataclasses import asdict
+
+    from memopt import compose
+    from memopt.parallel.dims import expected_world
+
+    return {"model": typed.model.name, "params": compose.num_params(typed), "engine": typed.engine.name,
+            "strategy": typed.strategy.selected(), "world_size": expected_world(typed), "fits": False,
+            "error": error, "hardware": asdict(hw)}
+
+
+def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str]):
+    """``+strategy=auto``: (typed, DictConfig) of the fastest predicted composition that fits, or the
+    refused record (written) when no candidate fits. ``overrides``: the command's."""
+    from memopt.config import compose_config
+    from memopt.planner.search import ranked_table, search, split_base
+
+    overrides = list(overrides)
+    base = split_base(overrides)[0]  # candidates carry the strategies (and MoE's options) they need
+    def progress(done: int, total: int, row: dict, best: dict | None) -> None:
+        lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
+        what = "fits" if row["fits"] else "skipped: a larger micro-batch fits" if row.get("skipped") else "does not fit"
+        print(f"memopt auto: planned {done}/{total} ({what}); {lead}", file=sys.stderr, flush=True)
+
+    hw = hardware(typed, step_rates=True)
+    rows = search(typed, hw, overrides, progress=progress)
+    print(ranked_table(rows, typed.strategy.auto.top))
+    os.makedirs(run_dir, exist_ok=True)
+    write_json(os.path.join(run_dir, "auto.json"), rows)
+    if not rows or not rows[0]["fits"]:
+        from memopt.planner.plan import fmt
+        from memopt.planner.search import smallest_device_budget
+
+        need = smallest_device_budget(rows, hw, overrides, typed)
+        why = f"; a budget that works: {fmt(need[0])} on the device for the most frugal candidates ({need[1]}), " \
+              f"so hardware.device_memory_gb={math.ceil(need[0] / 2**30 * 1000) / 1000:g} or more" if need else ""
+        refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
+        print(f"memopt: {refused['error']}", file=sys.stderr)
+        return refused
+    print(f"memopt auto: running {rows[0]['label']}")
+    new = compose_config([*base, *rows[0]["overrides"]])
+    chosen = to_dataclass(new)
+    validate(chosen)
+    return chosen, new
+
+
+def run_preflight(typed, cfg: DictConfig, run_dir: str, overrides: list[str] = ()) -> dict | None:
+    """Plan before launching; the refused record (written) when the run would not fit, else None."""
+    from memopt.planner.preflight import PreflightRefusal, preflight
+
+    try:
+        plan = preflight(typed, hardware(typed), list(overrides))
+    except PreflightRefusal as e:
+        extra = {}
+        if e.plan is not None:
+            os.makedirs(run_dir, exist_ok=True)
+            write_json(os.path.join(run_dir, "plan.json"), e.plan)
+            extra["planned_peak_bytes"] = e.plan["peak_bytes"]
+        refused = outcome.refusal(run_dir, cfg, str(e), **extra)
+        print(f"memopt: {e}", file=sys.stderr)
+        return refused
+    n = (plan or {}).get("placement", {}).get("device_groups")
+    if n is not None:  # Hybrid Adam's placement, decided by the plan before step 0 (planner/placement.py)
+        typed.strategy.hybrid_adam.device_groups = n
+        cfg.strategy.hybrid_adam.device_groups = n
+        print(f"memopt: preflight: strategy.hybrid_adam.device_groups={n} (optimizer groups on the device from step 0, "
+              "as the plan's warm-up placed them)", file=sys.stderr)
+    return None

@@ -1,0 +1,71 @@
+"""How a job ended, recorded and said: its ``summary.json`` and the process's exit code.
+
+Every record the command line writes goes through ``record`` (a refusal at the gate or before Hydra
+composes, plan mode's result, what the launcher adds to its ranks' record when they fail); the
+trainer writes the run's own with the same writer (``logging.write_summary``). ``end`` is the one
+place a job's status becomes the exit code (``errors.EXIT_CODES``; ``errors.status_of`` maps an
+exception to a status): a multirun's job returns its record instead, so the sweep goes on.
+"""
+from __future__ import annotations
+
+from memopt.errors import EXIT_CODES
+from memopt.logging import read_summary, write_summary
+
+
+def record(run_dir: str, summary: dict) -> bool:
+    """Write ``summary`` as the job's summary.json: whether it was written (when not, stderr says why)."""
+    return write_summary(run_dir, summary)
+
+
+def refusal(run_dir: str, cfg, error: str, **extra) -> dict:
+    """Record a job refused before it ran (the report names what was refused through the job's identity)."""
+    from memopt.sweep import job_identity
+
+    refused = {"status": "refused", "error": error, **extra, **job_identity(cfg)}
+    record(run_dir, refused)
+    return refused
+
+
+def recorded_status(run_dir: str) -> str:
+    """The status a failed run wrote into its summary.json (``failed`` when it wrote none)."""
+    status = (read_summary(run_dir) or {}).get("status")
+    return status if status in EXIT_CODES and status != "ok" else "failed"
+
+
+def end(summary: dict, multirun: bool) -> dict:
+    """The job's result: its record in a multirun (the sweep goes on), else the exit code of its status."""
+    code = EXIT_CODES.get(summary.get("status"), EXIT_CODES["failed"])
+    if code and not multirun:
+        raise SystemExit(code)
+    return summary
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(summary: dict) -> str:
+    """A short human-readable table of a run's summary.json."""
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    rows = [
+        ("status", summary.get("status")),
+        ("strategy", "+".join(summary.get("strategy") or ["plain"]) + f" ({summary.get('engine')})"),
+        ("model / params", f"{summary.get('model')} / {summary.get('params', 0) / 1e6:.2f}M"),
+        ("final loss / val loss", f"{num(summary.get('final_loss'), '.4f')} / {num(summary.get('val_loss'), '.4f')}"),
+        ("tokens/s (median)", num(summary.get("tokens_per_s"), ",.0f")),
+        ("TFLOP/s / MFU", f"{num(summary.get('tflops'), '.4f')} / {num(summary.get('mfu'), '.1%')}"),
+    ]
+    for rank, devs in (summary.get("peak_bytes") or {}).items():
+        for dev, cats in devs.items():
+            parts = ", ".join(f"{c} {_fmt_bytes(b)}" for c, b in cats.items() if c != "total" and b)
+            rows.append((f"peak rank {rank} {dev}", f"{_fmt_bytes(cats.get('total'))} ({parts})"))
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
