@@ -410,7 +410,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
 
             dims.dp_shard.mesh = init_device_mesh("cpu", (1,))
         t = cfg.trainer
-        with tracker:
+        with tracker, _quiet_pipeline_schedules():
             data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
             with FakeTensorMode(allow_non_fake_inputs=True), planned_routing(), \
                     (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()), \
@@ -515,6 +515,22 @@ def _forget_dtensor_plans() -> None:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's own
     if native is not None:
         native()
+
+
+@contextlib.contextmanager
+def _quiet_pipeline_schedules():
+    """torch's pipeline schedules log every exception of a stage at ERROR before re-raising it; in a plan the
+    exception is the planner's overflow, which the plan reports (auto printed 8 such tracebacks for its
+    pipeline candidates that did not fit)."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.pipelining.schedules")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _join_fake_world(rank: int, world: int, always: bool = False) -> bool:
