@@ -80,7 +80,10 @@ def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[
     eps = ep_sizes(cfg)
     precisions = ["fp32"] if hw.device_is_host else list(a.precision)
     global_mb = t.micro_batch_size * t.grad_accum
-    mbs = list(a.micro_batch_size) or sorted({max(1, t.micro_batch_size // d) for d in (1, 2, 4)}, reverse=True)
+    # sizes that divide the global batch: another would train fewer samples a step (5 at 2 x 2 = 4), fewer FLOPs,
+    # and win the ranking by not doing the same work
+    mbs = list(a.micro_batch_size) or sorted({m for m in (max(1, t.micro_batch_size // d) for d in (1, 2, 4))
+                                              if global_mb % m == 0}, reverse=True)
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
     out = []
     for mb in mbs:

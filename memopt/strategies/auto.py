@@ -42,6 +42,14 @@ class Auto(Strategy):
         if others:
             raise ConfigError(f"+strategy=auto chooses the whole composition; drop {', '.join(others)} (or drop auto); "
                               f"only moe (which changes the model) may be selected with it")
+        t = cfg.trainer
+        batch = t.micro_batch_size * t.grad_accum
+        bad = [m for m in opts.micro_batch_size if m < 1 or batch % m]
+        if bad:
+            ok = [m for m in range(1, batch + 1) if batch % m == 0]
+            raise ConfigError(f"strategy.auto.micro_batch_size={list(opts.micro_batch_size)}: {bad} do not divide the global "
+                              f"batch per rank ({t.micro_batch_size} x {t.grad_accum} = {batch}), which every candidate keeps; "
+                              f"sizes that do: {ok}")
         if any(e < 1 for e in opts.ep):
             raise ConfigError(f"strategy.auto.ep={list(opts.ep)}: expert-parallel sizes must be >= 1 (empty: every valid one)")
         for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16")),

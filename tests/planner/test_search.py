@@ -313,3 +313,17 @@ def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path):
     rc = cli_main([*base, f"hardware.device_memory_gb={need}", f"hydra.run.dir={tmp_path / 'b'}"])
     rows = json.loads((tmp_path / "b" / "auto.json").read_text())
     assert rc == 0 and rows[0]["fits"]  # the plan judged its device peak against the budget given back
+
+
+def test_auto_micro_batches_divide_the_global_batch():
+    """Every candidate trains the command's global batch: default sizes that do not divide it are left out
+    (5 x 1: 5 and 1, not 2, which would train 4 samples a step), and a listed one is refused naming those that do."""
+    from memopt.errors import ConfigError
+    from memopt.planner.search import candidates
+
+    base = ["model=gpt_tiny", "trainer.micro_batch_size=5", "logger=none", "+strategy=auto"]
+    cfg = typed(base)
+    sizes = {next(int(o.split("=")[1]) for o in c if o.startswith("trainer.micro_batch_size=")) for c in candidates(cfg, small_hw(64))}
+    assert sizes == {5, 1}
+    with pytest.raises(ConfigError, match=r"strategy.auto.micro_batch_size=\[2\].*sizes that do: \[1, 5\]"):
+        typed([*base, "strategy.auto.micro_batch_size=[2]"])
