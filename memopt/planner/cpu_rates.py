@@ -54,10 +54,10 @@ def measured(hw, peaks: dict[str, float]) -> dict[str, float]:
     mem = hw.memory_gbps or _cached(("elementwise", threads), elementwise_gbps)
     if hw.memory_gbps is None:
         out["memory_gbps"] = mem
-    if hw.op_overhead_us is None:
-        out["op_overhead_us"] = _cached(("op",), op_overhead_us)
+    ovh = hw.op_overhead_us
+    if ovh is None:
+        ovh = out["op_overhead_us"] = _cached(("op",), op_overhead_us)
     if hw.compute_efficiency == 1.0:  # the default: nothing measured; a profile's own value wins
-        ovh = hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]
         fp32 = peaks["fp32"] / threads * 1e12  # one thread's, as step_time divides by
         out["compute_efficiency"] = _cached(("efficiency", mem, ovh, fp32), lambda: block_efficiency(mem, ovh, fp32))
         if not hw.dtype_efficiency and peaks.get("bf16", 0) >= peaks["fp32"]:
@@ -67,8 +67,7 @@ def measured(hw, peaks: dict[str, float]) -> dict[str, float]:
             out["dtype_efficiency"] = {"bf16": _cached(("efficiency", mem, ovh, bf16, "bf16"),
                                                        lambda: block_efficiency(mem, ovh, bf16, dtype=torch.bfloat16))}
     if hw.dtensor_op_overhead_us is None:
-        plain = hw.op_overhead_us if hw.op_overhead_us is not None else out["op_overhead_us"]
-        got = _tried(("dtensor", plain, torch.get_num_threads()), lambda: dtensor_op_overhead_us(plain))
+        got = _tried(("dtensor", ovh, threads), lambda: dtensor_op_overhead_us(ovh))
         if got is not None:
             out["dtensor_op_overhead_us"] = got
     if hw.device_device_gbps is None or hw.collective_latency_us is None:
@@ -122,7 +121,7 @@ def block_efficiency(memory_gbps: float, overhead_us: float, peak_flops: float, 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memopt.memory.tracker import MemoryTracker
-    from memopt.planner.simulate import _FLOPS, _moved_bytes
+    from memopt.planner.simulate import op_work
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -149,12 +148,8 @@ def block_efficiency(memory_gbps: float, overhead_us: float, peak_flops: float, 
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                Count.ops += 1
-                formula = _FLOPS.get(func._overloadpacket)
-                if formula is not None:
-                    Count.flops += int(formula(*args, **(kwargs or {}), out_val=out))
-                elif not func.is_view:
-                    Count.moved += _moved_bytes(args, kwargs, out)
+                flops, moved = op_work(func, args, kwargs, out)
+                Count.ops, Count.flops, Count.moved = Count.ops + 1, Count.flops + flops, Count.moved + moved
                 return out
 
         block()

@@ -77,6 +77,18 @@ def _split_over_mesh(out) -> int:
 _FLOPS = _flop_formulas()
 
 
+def op_work(func, args, kwargs, out, moves: bool = True) -> tuple[int, int]:
+    """(FLOPs, bytes moved) of one op as the step time counts them: an op with a FLOP formula is compute,
+    any other that is not a view or a collective moves its arguments and outputs (``moves``: count those).
+    The plan and the CPU probes that calibrate its rates (cpu_rates.py) count by this one rule."""
+    formula = _FLOPS.get(func._overloadpacket)
+    if formula is not None:
+        return int(formula(*args, **(kwargs or {}), out_val=out)), 0
+    if moves and not func.is_view and func.namespace not in ("c10d", "_c10d_functional"):
+        return 0, _moved_bytes(args, kwargs, out)
+    return 0, 0
+
+
 def _moved_bytes(args, kwargs, out) -> int:
     """Bytes a memory-bound op reads and writes: its tensor arguments and outputs (an in-place op's
     output is the tensor it read, written back: counted twice, as it moves twice)."""
@@ -209,12 +221,12 @@ class PlanTracker(MemoryTracker):
         if func._overloadpacket in _HEALTHY and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
             self._healthy[id(out)] = (weakref.ref(out), _HEALTHY[func._overloadpacket])  # isfinite(g).all() holds, isinf(g).any() does not
         if self.counting:
-            formula = _FLOPS.get(func._overloadpacket)
             self.traffic["ops"] += 1
-            if formula is not None:
-                self.traffic["flops"] += int(formula(*args, **(kwargs or {}), out_val=out)) // _split_over_mesh(out)
-            elif src is None and not func.is_view and func.namespace not in ("c10d", "_c10d_functional"):
-                self.traffic["op_bytes"] += _moved_bytes(args, kwargs, out) // _split_over_mesh(out)
+            flops, moved = op_work(func, args, kwargs, out, moves=src is None)  # a copy_ is counted as offload below
+            if flops or moved:
+                split = _split_over_mesh(out)
+                self.traffic["flops"] += flops // split
+                self.traffic["op_bytes"] += moved // split
             if _on_dtensors(args):
                 self.traffic["dtensor_ops"] += 1
             if src is not None and self._device_of(args[0]) not in (None, src):
