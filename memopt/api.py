@@ -24,7 +24,7 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
     if "auto" in typed.strategy.selected():
         from memopt.gate import choose_composition
 
-        chosen = choose_composition(typed, cfg, run_dir, overrides)
+        chosen = choose_composition(typed, cfg, run_dir)
         if isinstance(chosen, dict):  # the refused record, written
             raise ConfigError("+strategy=auto: no candidate fits (the ranking is in auto.json)")
         typed, cfg = chosen

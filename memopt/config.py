@@ -92,6 +92,7 @@ class EngineConfig:
 
 
 StrategyConfig = schema()  # one optional field per registered strategy: strategy.NAME
+StrategyConfig.__module__ = __name__  # pickled by name (the search's worker processes get typed candidates)
 
 
 @dataclass
@@ -209,7 +210,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
-    if GlobalHydra.instance().is_initialized():  # inside the CLI (the planner composes candidates there)
+    if GlobalHydra.instance().is_initialized():  # inside the CLI (largest_model composes its command there)
         return compose(config_name="train", overrides=list(overrides or []))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides or []))

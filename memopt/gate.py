@@ -30,9 +30,9 @@ class Verdict:
     summary: dict | None = None
 
 
-def gate(cfg: DictConfig, run_dir: str, overrides: list[str], launched: bool) -> Verdict:
-    """The gate of one job. ``overrides``: the command's (auto's candidates and the suggestions keep the
-    rest of it); ``launched``: this process is a rank of an external launcher (its launch checked)."""
+def gate(cfg: DictConfig, run_dir: str, launched: bool) -> Verdict:
+    """The gate of one job (``cfg``: the command's composed config). ``launched``: this process is a rank of
+    an external launcher (its launch checked)."""
     from memopt.records import RunDirInUse, claim_run_dir
 
     try:
@@ -48,7 +48,7 @@ def gate(cfg: DictConfig, run_dir: str, overrides: list[str], launched: bool) ->
         print(f"memopt: configuration refused: {e}", file=sys.stderr)
         return Verdict(summary=refused)
     if "auto" in typed.strategy.selected():
-        chosen = choose_composition(typed, cfg, run_dir, overrides)
+        chosen = choose_composition(typed, cfg, run_dir)
         if isinstance(chosen, dict):
             return Verdict(summary=chosen)
         typed, cfg = chosen
@@ -56,9 +56,9 @@ def gate(cfg: DictConfig, run_dir: str, overrides: list[str], launched: bool) ->
 
     resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, before any plan or rank
     if typed.trainer.mode == "plan":
-        return Verdict(summary=plan_run(typed, cfg, run_dir, overrides))
+        return Verdict(summary=plan_run(typed, cfg, run_dir))
     if typed.trainer.preflight and not launched:
-        refused = run_preflight(typed, cfg, run_dir, overrides)
+        refused = run_preflight(typed, cfg, run_dir)
         if refused is not None:
             return Verdict(summary=refused)
     return Verdict(typed, cfg)
@@ -81,7 +81,7 @@ def hardware(typed, step_rates: bool = False):
     return hw
 
 
-def plan_run(typed, cfg: DictConfig, run_dir: str, overrides: list[str] = ()) -> dict:
+def plan_run(typed, cfg: DictConfig, run_dir: str) -> dict:
     """``trainer.mode=plan``: plan.json, plan.png and summary.json in the run directory, the table printed.
     When the composition does not fit or the engine refuses it at build (the chunk engine checks its
     host budget there), the preflight's suggestion is added: the first composition of its list whose
@@ -108,7 +108,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, overrides: list[str] = ()) ->
     else:
         plan["status"] = "fits" if plan["fits"] else "does_not_fit"
     if plan["status"] != "fits":
-        plan["suggestion"] = suggestion(typed, hw, list(overrides))
+        plan["suggestion"] = suggestion(typed, hw)
     write_json(os.path.join(run_dir, "plan.json"), plan)
     summary = {"status": "ok", "mode": "plan", "fits": plan["fits"], "plan_status": plan["status"], **job_identity(cfg),
                "params": plan["params"], "world_size": plan["world_size"]}
@@ -152,47 +152,46 @@ def _refused_plan(typed, hw, error: str) -> dict:
             "error": error, "hardware": asdict(hw)}
 
 
-def choose_composition(typed, cfg: DictConfig, run_dir: str, overrides: list[str]):
+def choose_composition(typed, cfg: DictConfig, run_dir: str):
     """``+strategy=auto``: (typed, DictConfig) of the fastest predicted composition that fits, or the
-    refused record (written) when no candidate fits. ``overrides``: the command's."""
-    from memopt.config import compose_config
-    from memopt.planner.search import ranked_table, search, split_base
+    refused record (written) when no candidate fits. The candidates are typed copies of the command's
+    config (``planner/candidate.py``); the table prints each as the overrides that compose it."""
+    from omegaconf import OmegaConf
 
-    overrides = list(overrides)
-    base = split_base(overrides)[0]  # candidates carry the strategies (and MoE's options) they need
+    from memopt.planner.search import base_of, ranked_table, search
+
     def progress(done: int, total: int, row: dict, best: dict | None) -> None:
         lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
         what = "fits" if row["fits"] else "skipped: a larger micro-batch fits" if row.get("skipped") else "does not fit"
         print(f"memopt auto: planned {done}/{total} ({what}); {lead}", file=sys.stderr, flush=True)
 
     hw = hardware(typed, step_rates=True)
-    rows = search(typed, hw, overrides, progress=progress)
+    rows = search(typed, hw, progress=progress)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
-    write_json(os.path.join(run_dir, "auto.json"), rows)
+    write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
     if not rows or not rows[0]["fits"]:
         from memopt.planner.plan import fmt
         from memopt.planner.search import smallest_device_budget
 
-        need = smallest_device_budget(rows, hw, overrides, typed)
+        need = smallest_device_budget(rows, hw, typed)
         why = f"; a budget that works: {fmt(need[0])} on the device for the most frugal candidates ({need[1]}), " \
               f"so hardware.device_memory_gb={math.ceil(need[0] / 2**30 * 1000) / 1000:g} or more" if need else ""
         refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return refused
     print(f"memopt auto: running {rows[0]['label']}")
-    new = compose_config([*base, *rows[0]["overrides"]])
-    chosen = to_dataclass(new)
+    chosen = rows[0]["candidate"].config(base_of(typed))
     validate(chosen)
-    return chosen, new
+    return chosen, OmegaConf.structured(chosen)
 
 
-def run_preflight(typed, cfg: DictConfig, run_dir: str, overrides: list[str] = ()) -> dict | None:
+def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
     """Plan before launching; the refused record (written) when the run would not fit, else None."""
     from memopt.planner.preflight import PreflightRefusal, preflight
 
     try:
-        plan = preflight(typed, hardware(typed), list(overrides))
+        plan = preflight(typed, hardware(typed))
     except PreflightRefusal as e:
         extra = {}
         if e.plan is not None:

@@ -1,4 +1,4 @@
-"""Run records (metrics.jsonl, summary.json) and Weights & Biases logging.
+"""Run records (metrics.jsonl; summary.json is written by ``memopt.outcome``) and Weights & Biases logging.
 
 Rank 0 writes the records into the Hydra run directory; every rank's peaks reach it through the
 trainer. W&B runs online when credentials exist and offline otherwise (the run directory then
@@ -58,34 +58,6 @@ def _jsonable(x: Any) -> Any:
 
 def write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
-
-
-SUMMARY = "summary.json"
-
-
-def write_summary(run_dir: str, summary: dict) -> bool:
-    """The one writer of a run's ``summary.json`` (atomic), whatever ended the run: True when written;
-    when the directory cannot take it (a full disk, a read-only or vanished directory) the run's status
-    still reaches the user, on stderr with the reason, and False."""
-    path = os.path.join(run_dir, SUMMARY)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        write_json(path, summary)
-        return True
-    except OSError as e:
-        print(f"memopt: summary.json could not be written to {path}: {e.strerror or e} "
-              f"({free_space(run_dir)} free there); the run ended with status {summary.get('status')}", file=sys.stderr)
-        return False
-
-
-def read_summary(run_dir: str) -> dict | None:
-    """The run's ``summary.json`` (None when there is none or it is not a JSON object)."""
-    try:
-        with open(os.path.join(run_dir, SUMMARY)) as f:
-            out = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None
 
 
 def wandb_mode(requested: str) -> str:
@@ -148,9 +120,9 @@ class RunLogger:
             self._wandb.log(flat_metrics(record), step=record["step"])
 
     def finish(self, summary: dict) -> None:
+        """Close the metrics and W&B (the caller has recorded ``summary`` through ``outcome.record``)."""
         if not self.enabled:
             return
-        write_summary(self.run_dir, summary)
         self._metrics.close()
         if self._wandb is not None:
             self._log_peak_table(summary)

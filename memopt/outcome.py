@@ -1,20 +1,46 @@
 """How a job ended, recorded and said: its ``summary.json`` and the process's exit code.
 
-Every record the command line writes goes through ``record`` (a refusal at the gate or before Hydra
-composes, plan mode's result, what the launcher adds to its ranks' record when they fail); the
-trainer writes the run's own with the same writer (``logging.write_summary``). ``end`` is the one
+Every ``summary.json`` is written by ``record``, whatever ended the job: a refusal at the gate or
+before Hydra composes, plan mode's result, what the launcher adds to its ranks' record when they fail,
+and the trainer's own record of the run (ok, a stop, a failure, a stalled rank). ``end`` is the one
 place a job's status becomes the exit code (``errors.EXIT_CODES``; ``errors.status_of`` maps an
 exception to a status): a multirun's job returns its record instead, so the sweep goes on.
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 from memopt.errors import EXIT_CODES
-from memopt.logging import read_summary, write_summary
+from memopt.logging import free_space, write_json
+
+SUMMARY = "summary.json"
 
 
 def record(run_dir: str, summary: dict) -> bool:
-    """Write ``summary`` as the job's summary.json: whether it was written (when not, stderr says why)."""
-    return write_summary(run_dir, summary)
+    """The one writer of a job's ``summary.json`` (atomic): True when written; when the directory cannot
+    take it (a full disk, a read-only or vanished directory) the status still reaches the user, on stderr
+    with the reason, and False."""
+    path = os.path.join(run_dir, SUMMARY)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        write_json(path, summary)
+        return True
+    except OSError as e:
+        print(f"memopt: summary.json could not be written to {path}: {e.strerror or e} "
+              f"({free_space(run_dir)} free there); the run ended with status {summary.get('status')}", file=sys.stderr)
+        return False
+
+
+def read(run_dir: str) -> dict | None:
+    """The job's ``summary.json`` (None when there is none or it is not a JSON object)."""
+    try:
+        with open(os.path.join(run_dir, SUMMARY)) as f:
+            out = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def refusal(run_dir: str, cfg, error: str, **extra) -> dict:
@@ -28,7 +54,7 @@ def refusal(run_dir: str, cfg, error: str, **extra) -> dict:
 
 def recorded_status(run_dir: str) -> str:
     """The status a failed run wrote into its summary.json (``failed`` when it wrote none)."""
-    status = (read_summary(run_dir) or {}).get("status")
+    status = (read(run_dir) or {}).get("status")
     return status if status in EXIT_CODES and status != "ok" else "failed"
 
 

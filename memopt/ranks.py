@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 
 from memopt import outcome
 from memopt.errors import EXIT_CODES
-from memopt.logging import read_summary
 from memopt.parallel import under_launcher
 from memopt.watchdog import WATCHED_BY_LAUNCHER
 
@@ -55,7 +54,7 @@ def _summary_so_far(run_dir: str, resolved: dict) -> dict:
     its Trainer started wrote nothing)."""
     from memopt.sweep import job_identity
 
-    return {**job_identity(OmegaConf.create(resolved)), **(read_summary(run_dir) or {})}
+    return {**job_identity(OmegaConf.create(resolved)), **(outcome.read(run_dir) or {})}
 
 
 def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -> dict:

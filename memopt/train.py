@@ -33,7 +33,7 @@ def run(cfg: DictConfig) -> dict:
     group = cfg.logger.group or cfg.experiment
     if group is None and multirun:
         group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
-    verdict = gate(cfg, run_dir, list(HydraConfig.get().overrides.task) if hydra_on else [], under_launcher())
+    verdict = gate(cfg, run_dir, under_launcher())
     if verdict.summary is not None:  # refused, or planned (trainer.mode=plan): no rank starts
         return outcome.end(verdict.summary, multirun)
     failed = None

@@ -23,7 +23,8 @@ from memopt.config import TrainConfig
 from memopt.data import TokenBatches, load_tokens
 from memopt.errors import ConfigError, Diverged, status_of
 from memopt.guards import DivergenceGuard, StopSignals
-from memopt.logging import RunLogger, write_summary
+from memopt import outcome
+from memopt.logging import RunLogger
 from memopt.memory.hardware import peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
@@ -98,6 +99,8 @@ class Trainer:
                 if tracker.enabled:
                     self.summary["peak_bytes"] = {str(self.rank): tracker.peaks()}
                 self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
+            if self.logger.enabled:
+                outcome.record(self.run_dir, self.summary)
             self.logger.finish(self.summary)
         return self.summary
 
@@ -277,7 +280,7 @@ class Trainer:
                                 "strategy": self.cfg.strategy.selected(), "model": self.cfg.model.name,
                                 "params": compose.num_params(self.cfg), "world_size": self.world,
                                 "resumed_from": path, "start_step": meta["step"], "steps": 0}
-                write_summary(self.run_dir, self.summary)
+                outcome.record(self.run_dir, self.summary)
             print(f"memopt: nothing to run: checkpoint {path} is at step {meta['step']} and trainer.max_steps="
                   f"{t.max_steps}, so the run is already finished; its summary.json is left as it is (raise "
                   "trainer.max_steps to train further)")
@@ -351,7 +354,7 @@ class Trainer:
 
         print(f"memopt: {message}", file=sys.stderr)
         if self.rank == 0:
-            write_summary(self.run_dir, {**self.summary, "status": "failed", "error": message, "stalled_rank": rank})
+            outcome.record(self.run_dir, {**self.summary, "status": "failed", "error": message, "stalled_rank": rank})
         os._exit(EXIT_CODES["failed"])
 
     # ------------------------------------------------------------------------------------------

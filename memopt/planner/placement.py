@@ -105,7 +105,7 @@ def _noted(placed: dict, k: int, n: int, most: int, first: dict) -> dict:
 def _chunk_size(cfg) -> int:
     """The chunk size the engine chooses for ``cfg`` (its layout on rank 0, nothing allocated)."""
     from memopt.parallel.dims import expected_world
-    from memopt.planner.extrapolate import layouts
+    from memopt.planner.engines.chunk.depth import layouts
 
     return layouts(cfg, [0], expected_world(cfg))[0]["chunk_size"]
 
@@ -113,12 +113,12 @@ def _chunk_size(cfg) -> int:
 def host_check(cfg) -> None:
     """The chunk engine's build-time host check (``check_host_budget``, a ``ConfigError``) on the planned ranks."""
     from memopt.parallel.dims import expected_world
-    from memopt.planner.extrapolate import _layout
+    from memopt.planner.engines.chunk.depth import layout
     from memopt.planner.plan import simulated_ranks
 
     world = expected_world(cfg)
     for r in simulated_ranks(world):
-        _layout(cfg, r, world)
+        layout(cfg, r, world)
 
 
 def probe_config(cfg):

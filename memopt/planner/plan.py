@@ -203,11 +203,10 @@ def node_rank_peaks(cfg, sims: list[dict], world: int, local: int) -> list[dict]
         return [by_rank.get(r, by_rank.get(r // per * per, worst["peaks"])) for r in range(local)]
     from memopt.planner.engines import wing
 
-    if getattr(cfg.strategy, "chunk", None) is None or not wing(cfg).chunks or world == 1:
+    rank_layouts = wing(cfg).rank_layouts
+    if rank_layouts is None or world == 1:
         return [by_rank.get(r, worst["peaks"]) for r in range(local)]
-    from memopt.planner.extrapolate import layouts
-
-    lays = layouts(cfg, sorted(set(range(local)) | set(by_rank)), world)
+    lays = rank_layouts(cfg, sorted(set(range(local)) | set(by_rank)), world)
     out = []
     for r in range(local):
         same = [by_rank[k] for k in by_rank if lays[k] == lays[r]]

@@ -21,6 +21,7 @@ import warnings
 
 from memopt.data import DataError
 from memopt.errors import ConfigError
+from memopt.planner.candidate import Candidate, carried, clear, kept, selection
 from memopt.planner.plan import GiB, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
@@ -71,7 +72,7 @@ def engine_budget(cfg) -> bool:
     return budget is not None and budget(cfg) is not None
 
 
-def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
+def preflight(cfg, hw) -> dict | None:
     """None when the run trivially fits, the plan when it fits; PreflightRefusal otherwise."""
     from memopt import compose
 
@@ -90,20 +91,20 @@ def preflight(cfg, hw, overrides: list[str] | None = None) -> dict | None:
         msg = (f"preflight: {what} does not fit on hardware={hw.name}: " + (e.reason or
                f"rank 0 alone goes over its share of {where} ({fmt(e.limit)}) while {e.category} holds "
                f"{fmt(e.live[e.category])} (the largest category)"))
-        raise PreflightRefusal(msg + "; " + suggest(cfg, hw, overrides) + _off(t0)) from None
+        raise PreflightRefusal(msg + "; " + suggest(cfg, hw) + _off(t0)) from None
     except DataError as e:  # the data cannot feed this run: no composition would change that
         raise PreflightRefusal(f"preflight: {e}" + _off(t0)) from None
     except ConfigError as e:  # the engine refuses the model at build (the chunk engine's host budget)
         raise PreflightRefusal(f"preflight: {what} is refused by the engine on hardware={hw.name}: {e}; "
-                               + suggest(cfg, hw, overrides) + _off(t0)) from None
+                               + suggest(cfg, hw) + _off(t0)) from None
     if "error" in plan:  # the engine's own out-of-memory at a traced moment (the chunk engine's budget)
         raise PreflightRefusal(f"preflight: {what} is refused by the engine on hardware={hw.name}: {plan['error']}; "
-                               + suggest(cfg, hw, overrides) + _off(t0), plan)
+                               + suggest(cfg, hw) + _off(t0), plan)
     if not plan["fits"]:
         o = plan["overflow"]
         msg = (f"preflight: {what} needs {fmt(plan['fit'][o['memory']]['bytes'])} of {o['memory']} memory, "
                f"{fmt(o['over_by'])} over {fmt(plan['fit'][o['memory']]['limit'])} (largest category {o['category']}: {fmt(o['bytes'])})")
-        raise PreflightRefusal(msg + "; " + suggest(cfg, hw, overrides) + _off(t0), plan)
+        raise PreflightRefusal(msg + "; " + suggest(cfg, hw) + _off(t0), plan)
     return plan
 
 
@@ -118,12 +119,12 @@ CANDIDATES = (  # from the fastest to the most frugal; zero stages only with sev
 )
 
 
-def suggest(cfg, hw, overrides: list[str] | None) -> str:
+def suggest(cfg, hw) -> str:
     """The first candidate composition whose simulation fits, or why none can (one sentence)."""
-    return suggestion(cfg, hw, overrides)["text"]
+    return suggestion(cfg, hw)["text"]
 
 
-def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
+def suggestion(cfg, hw) -> dict:
     """``suggest`` as a record (plan mode writes it into plan.json): ``overrides`` that replace the
     command's strategy selection and micro-batch (None when nothing fits), the candidate's predicted
     ``peak_bytes``, ``tried`` (candidates that did not fit) and the sentence ``text``."""
@@ -139,23 +140,20 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
                 f"({fmt(need)} per node) and hardware={hw.name} offers {fmt(cap)} (device + host) per node; at most "
                 f"~{cap / STATE_BYTES_PER_PARAM / 1e9:.2f}B params fit before activations: use a smaller model or more "
                 f"memory (more nodes: trainer.nnodes, or a larger hardware profile)")}
-    base = [o for o in (overrides or []) if not o.lstrip("+~").startswith(("strategy", "parallel.pp="))]
+    base = clear(cfg, ("pp",))  # the command without its composition: each candidate brings its own
     world = cfg.trainer.nproc_per_node * nodes
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     tried = []
-    for names, opts in _compositions(overrides or [], world, cfg):
-        fixes: list[str] = []  # the engine's fixes found at one micro-batch hold at the smaller ones
+    for comp in _compositions(cfg, world):
+        fixes: tuple = ()  # the engine's fixes found at one micro-batch hold at the smaller ones
         for mb in _micro_batches(cfg.trainer.micro_batch_size):
-            ov = [*base, f"+strategy=[{','.join(names)}]", *opts, f"trainer.micro_batch_size={mb}"]
-            plan, fixes, err = plan_with_fixes(ov, fixes, hw, limits)
-            label = f"+strategy=[{','.join(names)}]{''.join(' ' + o for o in [*opts, *fixes])} micro-batch {mb}"
+            plan, fixes, err = plan_with_fixes(comp.with_options(("trainer.micro_batch_size", mb)), base, hw, limits, fixes)
+            chosen = comp.with_options(("trainer.micro_batch_size", mb), *fixes)
             if plan is not None and plan["fits"]:
                 peak = max(f["bytes"] for f in plan["fit"].values())
-                fixed = {f.split("=")[0] for f in fixes}  # a fix replaces the command's value of its option
-                chosen = [o for o in ov[len(base):] if o.split("=")[0] not in fixed] + fixes
-                return {"overrides": chosen, "peak_bytes": peak, "tried": tried,
-                        "text": f"this fits: {' '.join(chosen)} (predicted peak {fmt(peak)})"}
-            tried.append(label)
+                return {"overrides": chosen.overrides(), "peak_bytes": peak, "tried": tried,
+                        "text": f"this fits: {chosen.label()} (predicted peak {fmt(peak)})"}
+            tried.append(f"{chosen.without('trainer.micro_batch_size').label()} micro-batch {mb}")
             over = getattr(err, "category", None) if plan is None else (plan["overflow"] or {}).get("category")
             if over in MODEL_STATES:
                 break  # a smaller micro-batch holds the same model states
@@ -166,58 +164,57 @@ def suggestion(cfg, hw, overrides: list[str] | None) -> dict:
 MAX_FIXES = 4
 
 
-def plan_with_fixes(ov: list[str], fixes: list[str], hw, limits) -> tuple[dict | None, list[str], Exception | None]:
-    """(plan, the fixes applied, the last error): ``ov`` plus ``fixes`` planned; when the engine refuses a
-    moment and names fixes (the chunk engine's warm-up budget: ``ChunkOutOfMemoryError.fixes``), the
-    first one not applied yet is added (replacing an earlier value of the same option) and the plan
-    repeated, at most ``MAX_FIXES`` times."""
-    from memopt.config import compose_config
-    from memopt.config import to_dataclass, validate
+def plan_with_fixes(cand: Candidate, base, hw, limits, fixes: tuple = ()) -> tuple[dict | None, tuple, Exception | None]:
+    """(plan, the fixes applied, the last error): ``cand`` plus ``fixes`` ((field, value) pairs) planned on
+    ``base``; when the engine refuses a moment and names fixes (the chunk engine's warm-up budget:
+    ``ChunkOutOfMemoryError.fixes``), the first one not applied yet is added (replacing an earlier value of
+    the same field) and the plan repeated, at most ``MAX_FIXES`` times."""
+    from memopt.config import validate
 
-    fixes = list(fixes)
+    fixes = tuple(fixes)
     for _ in range(MAX_FIXES + 1):
         try:
-            cand = to_dataclass(compose_config([*ov, *fixes]))
-            validate(cand)
-            return make_plan(cand, hw, limits), fixes, None
+            typed = cand.with_options(*fixes).config(base)
+            validate(typed)
+            return make_plan(typed, hw, limits), fixes, None
         except ConfigError as e:
             return None, fixes, e
         except PlanOverflow as e:
-            new = next((f for f in e.fixes if not set(f) <= set(fixes)), None)
+            new = next((tuple(f) for f in e.fixes if not set(f) <= set(fixes)), None)
             if new is None or len(fixes) >= MAX_FIXES:
                 return None, fixes, e
-            keys = {f.split("=")[0] for f in new}
-            fixes = [f for f in fixes if f.split("=")[0] not in keys] + list(new)
+            keys = {k for k, _ in new}
+            fixes = (*[f for f in fixes if f[0] not in keys], *new)
     return None, fixes, None
 
 
-def _compositions(overrides: list[str], world: int, cfg=None) -> list[tuple[list[str], list[str]]]:
-    """(strategy names, their option overrides) to try in order: the command's own composition (with
-    checkpointing added when it has none), then ``CANDIDATES``; ZeRO stages only with several ranks;
-    with several ranks, the pipeline at each ``parallel.pp`` the run's blocks allow, without and with
+def _compositions(cfg, world: int) -> list[Candidate]:
+    """The compositions to try in order: the command's own (with checkpointing added when it has none), then
+    ``CANDIDATES``, each keeping the strategies that change the model (MoE); ZeRO stages only with several
+    ranks; with several ranks, the pipeline at each ``parallel.pp`` the run's blocks allow, without and with
     checkpointing (``search_pp.pp_compositions``), after the ZeRO-2 ones: it divides every model state
     by pp, as ZeRO-3 does, but sends one activation per micro-batch instead of gathering every layer."""
-    own_names, own_opts = [], []
-    for o in overrides:
-        key, _, value = o.lstrip("+~").partition("=")
-        if key == "strategy":
-            own_names = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-        elif key.startswith("strategy.") or key == "parallel.pp":  # parallel.pp belongs to a pipeline composition
-            own_opts.append(o)
-    out = []
-    if own_names and "auto" not in own_names:
-        out.append((own_names, own_opts))
-        if "ckpt" not in own_names:
-            out.append(([*own_names, "ckpt"], own_opts))
+    from memopt.parallel.dims import ParallelConfig
     from memopt.planner.search_pp import pp_compositions
 
-    pipeline = pp_compositions(cfg, world) if cfg is not None and world > 1 else []
+    keep = carried(cfg)
+    own = selection(cfg)
+    pp = (("parallel.pp", cfg.parallel.pp),) if cfg.parallel.pp != ParallelConfig().pp else ()  # belongs to a pipeline
+    out = []
+    if own and "auto" not in own:
+        opts = (*kept(cfg, own), *pp)
+        out.append(Candidate(own, opts))
+        if "ckpt" not in own:
+            out.append(Candidate((*own, "ckpt"), opts))
+    pipeline = [Candidate((*keep.strategies, *c.strategies), (*keep.options, *c.options))
+                for c in (pp_compositions(cfg, world) if world > 1 else [])]
     for names in CANDIDATES:
         if names == ["zero3", "ckpt"]:
             out += [c for c in pipeline if c not in out]
-        if (any(n.startswith("zero") for n in names) and world == 1) or any(sorted(names) == sorted(n) for n, _ in out):
+        if (any(n.startswith("zero") for n in names) and world == 1) or \
+                any(sorted((*keep.strategies, *names)) == sorted(c.strategies) for c in out):
             continue
-        out.append((list(names), []))
+        out.append(Candidate((*keep.strategies, *names), keep.options))
     return out
 
 

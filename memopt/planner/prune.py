@@ -32,13 +32,13 @@ def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bo
 
 
 def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
-    """``plan(item, *args)`` for each item of ``chain`` in order until one fits; the rest get a row saying
-    why they were skipped (``fits`` False, ``skipped`` True, their ``overrides``). Module level, plain data
-    in and out: a worker process plans a whole chain."""
+    """``plan(item, *args)`` for each candidate of ``chain`` in order until one fits; the rest get a row saying
+    why they were skipped (``fits`` False, ``skipped`` True, their ``candidate`` and ``overrides``). Module
+    level, picklable data in and out: a worker process plans a whole chain."""
     rows: list[dict] = []
     for item in chain:
         if any(r["fits"] for r in rows):
-            rows.append({"overrides": list(item), "fits": False, "skipped": True, "why": SKIPPED})
+            rows.append({"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": True, "why": SKIPPED})
         else:
             rows.append(plan(item, *args))
     return rows

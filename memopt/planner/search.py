@@ -24,36 +24,21 @@ holds its stages' peaks and its schedule's bubble, so it competes on the same fi
 """
 from __future__ import annotations
 
+import copy
 import os
 
+from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.planner.plan import fmt, limits_of
 from memopt.planner.placement import plan_placed
 from memopt.planner.prune import chains, plan_chain
 from memopt.planner.simulate import PlanOverflow
 
-PRECISION = {"fp32": [], "bf16": ["bf16"], "fp16": ["fp16"]}
+PRECISION = {"fp32": (), "bf16": ("bf16",), "fp16": ("fp16",)}
 CHUNK_PRESET = {"fp16": "hybrid_adam", "bf16": "hybrid_adam_bf16"}
 CHUNK_FAMILY = ("chunk", "hybrid_adam", "hybrid_adam_bf16", "hybrid_adam_fp32", "static_partition")
-CKPT = {"none": ([], []), "full": (["ckpt"], []), "every_k": (["ckpt"], ["strategy.ckpt.policy=every_k"]),
-        "selective": (["ckpt"], ["strategy.ckpt.policy=selective"])}
-
-
-def split_base(overrides: list[str]) -> tuple[list[str], list[str], bool]:
-    """(the command's overrides without what the search chooses, MoE's options for every candidate,
-    whether the command named moe in ``+strategy=[...]``). The strategy selection and options are the
-    search's, except MoE's, which define the model; ``parallel.ep`` is searched when MoE is on,
-    ``parallel.tp`` and ``parallel.pp`` when it is off (and the world has several ranks)."""
-    base, carry, named = [], [], False
-    for o in overrides:
-        key = o.lstrip("+~")
-        name, _, value = key.partition("=")
-        if name.startswith("strategy.moe."):
-            carry.append(o)
-        elif name == "strategy":
-            named = named or "moe" in [v.strip() for v in value.strip("[]").split(",")]
-        elif not (name.startswith("strategy") or name in ("parallel.ep", "parallel.tp", "parallel.pp")):
-            base.append(o)
-    return base, carry, named
+CKPT = {"none": ((), ()), "full": (("ckpt",), ()), "every_k": (("ckpt",), (("strategy.ckpt.policy", "every_k"),)),
+        "selective": (("ckpt",), (("strategy.ckpt.policy", "selective"),))}
+SEARCHED = ("ep", "tp", "pp")  # the parallel sizes the search chooses: a candidate names its own
 
 
 def ep_sizes(cfg) -> list[int]:
@@ -71,12 +56,11 @@ def ep_sizes(cfg) -> list[int]:
     return [e for e in cfg.strategy.auto.ep if e in valid] if cfg.strategy.auto.ep else valid
 
 
-def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[list[str]]:
-    """Override lists, one per candidate (strategies as one ``+strategy=[...]``). ``carry`` and
-    ``moe_named``: from ``split_base`` (MoE's options; moe among each candidate's strategies)."""
+def candidates(cfg, hw) -> list[Candidate]:
+    """The search's candidates for the command's typed ``cfg`` (composed on ``base_of(cfg)``)."""
     a, t = cfg.strategy.auto, cfg.trainer
     world = t.nproc_per_node * t.nnodes
-    carry, model_names = list(carry), (["moe"] if moe_named else [])
+    keep = carried(cfg)
     eps = ep_sizes(cfg)
     precisions = ["fp32"] if hw.device_is_host else list(a.precision)
     global_mb = t.micro_batch_size * t.grad_accum
@@ -85,34 +69,35 @@ def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[
     mbs = list(a.micro_batch_size) or sorted({m for m in (max(1, t.micro_batch_size // d) for d in (1, 2, 4))
                                               if global_mb % m == 0}, reverse=True)
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
+
+    def cand(names, *opts) -> Candidate:
+        return Candidate((*keep.strategies, *names), (*keep.options, *opts))
+
     out = []
     for mb in mbs:
-        accum = max(1, global_mb // mb)
-        batch = [f"trainer.micro_batch_size={mb}", f"trainer.grad_accum={accum}"]
+        batch = (("trainer.micro_batch_size", mb), ("trainer.grad_accum", max(1, global_mb // mb)))
         for ck in a.ckpt:
             ck_s, ck_o = CKPT[ck]
             for p in precisions:
                 for ep in eps:
-                    par = [f"parallel.ep={ep}"] if cfg.strategy.moe is not None else []
+                    par = (("parallel.ep", ep),) if cfg.strategy.moe is not None else ()
                     for stage in stages:
                         for off in a.offload:
                             if off and ep > 1:  # refused: the fused host step handles one data-parallel dimension
                                 continue
-                            names = [*model_names, *PRECISION[p], *ck_s, *([stage] if world > 1 else []),
-                                     *(["cpu_offload"] if off else [])]
-                            out.append([_strategies(names), *carry, *ck_o, *par, *batch])
+                            names = (*PRECISION[p], *ck_s, *([stage] if world > 1 else []), *(["cpu_offload"] if off else []))
+                            out.append(cand(names, *ck_o, *par, *batch))
                             if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
-                                out.append([_strategies(names), *carry, *ck_o, "strategy.cpu_offload.offload_param=false",
-                                            *par, *batch])
+                                out.append(cand(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
                     if ep > 1:  # the chunk engine runs ep = 1 only
                         continue
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
-                        extra = [f"strategy.chunk.device_budget_gb={budget}"] if budget else []
-                        out.append([_strategies([*model_names, preset, *ck_s]), *carry, *ck_o, *extra, *par, *batch])
+                        extra = (("strategy.chunk.device_budget_gb", budget),) if budget else ()
+                        out.append(cand((preset, *ck_s), *ck_o, *extra, *par, *batch))
     supports = _engine_supports(cfg.engine.name)
     if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
-        out = [c for c in out if set(_names(c[0])) <= supports]
+        out = [c for c in out if set(c.strategies) <= supports]
     if world > 1 and supports is None:  # the pipeline engine is memopt's; pp_candidates reads its other rules
         from memopt.planner.search_pp import pp_candidates
 
@@ -121,12 +106,18 @@ def candidates(cfg, hw, carry: list[str] = (), moe_named: bool = False) -> list[
     if supports is not None and "tp" not in supports:
         tps = []
     if tps:
-        out = [[*c, "parallel.tp=1"] for c in out] + _tp_candidates(cfg, tps, precisions, mbs, global_mb, world)
-    unique = []
+        out = [c.with_options(("parallel.tp", 1)) for c in out] + _tp_candidates(cfg, tps, precisions, mbs, global_mb, world)
+    unique: list[Candidate] = []
     for c in out:
         if c not in unique:
             unique.append(c)
     return unique
+
+
+def base_of(cfg):
+    """The config every candidate of ``cfg``'s search is composed on: the command's, without its strategies
+    and with the searched parallel sizes at their defaults."""
+    return clear(cfg, SEARCHED)
 
 
 def tp_sizes(model, world: int) -> list[int]:
@@ -139,7 +130,7 @@ def tp_sizes(model, world: int) -> list[int]:
             and all(n % d == 0 for n in (model.n_head, model.ff, model.vocab_size, model.d_model))]
 
 
-def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], global_mb: int, world: int) -> list[list[str]]:
+def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], global_mb: int, world: int) -> list[Candidate]:
     a = cfg.strategy.auto
     out = []
     for tp in tps:
@@ -147,17 +138,17 @@ def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], g
         sps = [False, True] if cfg.model.seq_len % tp == 0 else [False]
         for mb in mbs:
             # tp ranks share their micro-batches: tp x the accumulation keeps the global batch of the others
-            batch = [f"trainer.micro_batch_size={mb}", f"trainer.grad_accum={max(1, global_mb * tp // mb)}"]
+            batch = (("trainer.micro_batch_size", mb), ("trainer.grad_accum", max(1, global_mb * tp // mb)))
             for ck in a.ckpt:
                 ck_s, ck_o = CKPT[ck]
                 for p in precisions:
                     for stage in stages:
                         for sp in sps:
                             for lp in (False, True):
-                                names = [*PRECISION[p], *ck_s, "tp", *([stage] if stage else [])]
-                                out.append([_strategies(names), *ck_o, *batch, f"parallel.tp={tp}",
-                                            f"strategy.tp.sequence_parallel={str(sp).lower()}",
-                                            f"strategy.tp.loss_parallel={str(lp).lower()}"])
+                                names = (*PRECISION[p], *ck_s, "tp", *([stage] if stage else []))
+                                out.append(Candidate(names, (*ck_o, *batch, ("parallel.tp", tp),
+                                                             ("strategy.tp.sequence_parallel", sp),
+                                                             ("strategy.tp.loss_parallel", lp))))
     return out
 
 
@@ -171,25 +162,16 @@ def _engine_supports(name: str) -> set[str] | None:
     return None if supports is None else set(supports)
 
 
-def _names(selection: str) -> list[str]:
-    """The strategy names of a candidate's ``+strategy=[...]``."""
-    return [n for n in selection.split("=", 1)[1].strip("[]").split(",") if n]
-
-
-def _strategies(names: list[str]) -> str:
-    return f"+strategy=[{','.join(names)}]" if names else "+strategy=[]"
-
-
-def plan_row(overrides: list[str], hw, limits: dict) -> dict:
-    """One candidate planned, as its row of the ranked table (module level and plain data in and out, so a
-    worker process can plan it). A chunk candidate the engine refuses at a moment it names fixes for
+def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
+    """One candidate planned on ``base``, as its row of the ranked table (module level, picklable data in and
+    out, so a worker process can plan it). A chunk candidate the engine refuses at a moment it names fixes for
     (warm-up budget) is planned again with them (the preflight's suggestion does the same): the row then
-    carries them."""
+    carries them. ``candidate``: the typed candidate (with its fixes), ``overrides``: it printed."""
     from memopt.planner.preflight import plan_with_fixes
 
-    plan, fixes, err = plan_with_fixes(overrides, [], hw, limits)
-    ov = [*overrides, *fixes]
-    row = {"overrides": ov, "fits": False}
+    plan, fixes, err = plan_with_fixes(cand, base, hw, limits)
+    cand = cand.with_options(*fixes)
+    row = {"overrides": cand.overrides(), "candidate": cand, "fits": False}
     if plan is not None:
         row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
                    peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
@@ -211,25 +193,25 @@ def _worker_init(runtime: int) -> None:
 PARALLEL_FROM = 16  # candidates from which the search plans in worker processes (each starts in a few seconds)
 
 
-def search(cfg, hw, base: list[str], progress=None, workers: int | None = None, prune: bool = True) -> list[dict]:
-    """Every candidate planned, ranked: fitting ones by predicted step time, then the others.
+def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = True) -> list[dict]:
+    """Every candidate of the command's typed ``cfg`` planned, ranked: fitting ones by predicted step time,
+    then the others. Each row: ``candidate`` (typed), ``overrides`` and ``label`` (it printed), ``fits``,
+    ``step_s``, ``peak``, ``dominant`` or ``why``.
     ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
     process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order.
     ``prune``: a composition's smaller micro-batches are not planned once a larger one fits (``prune.py``:
     they cannot win; their rows say so)."""
-    base, carry, moe_named = split_base(base)
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
+    base = base_of(cfg)
     rows, best = [], None
-    todo = [[*base, *ov] for ov in candidates(cfg, hw, carry, moe_named)]
-    n = len(base)
+    todo = candidates(cfg, hw)
     workers = workers or min(os.cpu_count() or 1, 4)
 
     def add(row: dict, i: int) -> None:
         nonlocal best
         row["_order"] = i  # the candidate's place in the list: ties rank as in a one-process search
-        row["overrides"] = row["overrides"][n:]  # the candidate's own overrides, as the table prints them
         row["label"] = " ".join(row["overrides"])
         rows.append(row)
         if row["fits"] and row.get("step_s") is not None and (best is None or row["step_s"] < best["step_s"]):
@@ -237,8 +219,8 @@ def search(cfg, hw, base: list[str], progress=None, workers: int | None = None, 
         if progress is not None:
             progress(len(rows), len(todo), row, best)
 
-    links = chains([_composition(ov[n:]) for ov in todo], [_micro_batch(ov) for ov in todo],
-                   [_every_size(ov[n:]) for ov in todo]) if prune else [[i] for i in range(len(todo))]
+    links = chains([c.without(*BATCH) for c in todo], [c.value(BATCH[0], 0) for c in todo],
+                   [_every_size(c) for c in todo]) if prune else [[i] for i in range(len(todo))]
     if workers > 1 and len(todo) >= PARALLEL_FROM:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -247,36 +229,22 @@ def search(cfg, hw, base: list[str], progress=None, workers: int | None = None, 
 
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                  initargs=(runtime_bytes(),)) as pool:
-            futures = {pool.submit(plan_chain, [todo[i] for i in c], plan_row, hw, limits): c for c in links}
+            futures = {pool.submit(plan_chain, [todo[i] for i in c], plan_row, base, hw, limits): c for c in links}
             for fut in as_completed(futures):
                 for i, row in zip(futures[fut], fut.result()):
                     add(row, i)
     else:
         for c in links:
-            for i, row in zip(c, plan_chain([todo[i] for i in c], plan_row, hw, limits)):
+            for i, row in zip(c, plan_chain([todo[i] for i in c], plan_row, base, hw, limits)):
                 add(row, i)
     rows.sort(key=lambda r: r.pop("_order"))
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
 
 
-_BATCH = ("trainer.micro_batch_size=", "trainer.grad_accum=")
-
-
-def _composition(overrides: list[str]) -> tuple:
-    """A candidate's overrides without its micro-batch and accumulation: what its chain shares."""
-    return tuple(o for o in overrides if not o.startswith(_BATCH))
-
-
-def _micro_batch(overrides: list[str]) -> int:
-    return next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith(_BATCH[0])), 0)
-
-
-def _every_size(overrides: list[str]) -> bool:
+def _every_size(c: Candidate) -> bool:
     """A pipeline or a chunk-engine candidate: a smaller micro-batch can be faster there (``prune.py``)."""
-    names = next((_names(o) for o in overrides if o.startswith("+strategy=")), [])
-    pp = next((o.split("=", 1)[1] for o in overrides if o.startswith("parallel.pp=")), "1")
-    return pp != "1" or "pipeline" in names or any(n in CHUNK_FAMILY for n in names)
+    return c.value("parallel.pp", 1) != 1 or "pipeline" in c.strategies or any(n in CHUNK_FAMILY for n in c.strategies)
 
 
 def ranked_table(rows: list[dict], top: int) -> str:
@@ -297,24 +265,26 @@ def ranked_table(rows: list[dict], top: int) -> str:
 
 def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = "model.n_layer",
                   scan: int = 0) -> tuple[int, dict | None, list]:
-    """The largest ``field`` (depth by default, width fixed by ``base``: PatrickStar's and ZeRO-Offload's
-    tables grow GPT models this way) whose plan fits ``hw``: by bisection, then the ``scan`` values above
-    the bisection's answer one by one. Bisection assumes fitting is monotone in depth, which holds for
+    """The largest ``field`` (depth by default, width fixed by ``base``, the command's overrides: PatrickStar's
+    and ZeRO-Offload's tables grow GPT models this way) whose plan fits ``hw``: by bisection, then the ``scan``
+    values above the bisection's answer one by one. Bisection assumes fitting is monotone in depth, which holds for
     the memopt engine and DeepSpeed's rules but not for the chunk engine: its chunk size is searched per
     model and the last communication unit's chunks go to the first ranks, so a deeper model can need
     less host memory (PatrickStar's node, width 4096, Hybrid Adam: 60 fits, 61-65 do not, 66 does).
     Returns (value, its plan, [(value, fits, seconds)] tried); value lo - 1 when none fits."""
     import time
 
-    from memopt.config import compose_config
-    from memopt.config import to_dataclass, validate
+    from memopt.config import compose_config, to_dataclass, validate
     from memopt.errors import ConfigError
+    from memopt.planner.candidate import set_field
 
+    command = to_dataclass(compose_config(["trainer.mode=plan", *base]))  # planned, not run here; typed once
     tried, best, best_plan = [], lo - 1, None
 
     def probe(n: int):
         t0 = time.perf_counter()
-        cfg = to_dataclass(compose_config(["trainer.mode=plan", *base, f"{field}={n}"]))  # planned, not run here
+        cfg = copy.deepcopy(command)
+        set_field(cfg, field, n)
         validate(cfg)
         try:
             plan = plan_placed(cfg, hw, limits_of(hw, cfg.trainer.nproc_per_node, cfg))  # as the run's preflight plans it
@@ -341,8 +311,8 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
     return best, best_plan, tried
 
 
-def smallest_device_budget(rows: list[dict], hw, base: list[str], cfg) -> tuple[int, str] | None:
-    """(device bytes, candidate label) of the least a candidate of a search where none fits needs on the
+def smallest_device_budget(rows: list[dict], hw, cfg) -> tuple[int, str] | None:
+    """(device bytes, candidate label) of the least a candidate of ``cfg``'s search where none fits needs on the
     device: the frugal candidates (full checkpointing with optimizer offload, ZeRO-3's parameters offloaded
     too where it is searched, at the smallest micro-batch searched; a candidate stopped at its first op over
     the device, so its need is unknown) planned again without the device limit. None when the search was
@@ -350,17 +320,17 @@ def smallest_device_budget(rows: list[dict], hw, base: list[str], cfg) -> tuple[
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     if "device" not in limits or not rows:
         return None
-    base = split_base(base)[0]
-    small = min(_micro_batch(r["overrides"]) for r in rows)
-    frugal = [r for r in rows if _micro_batch(r["overrides"]) == small and not r.get("skipped")
-              and {"ckpt", "cpu_offload"} <= set(next((_names(o) for o in r["overrides"] if o.startswith("+strategy=")), []))
-              and not any(o.startswith("strategy.ckpt.policy=") or o == "strategy.cpu_offload.offload_param=false"
-                          for o in r["overrides"])]
+    base = base_of(cfg)
+    small = min(r["candidate"].value(BATCH[0], 0) for r in rows)
+    frugal = [r for r in rows if r["candidate"].value(BATCH[0], 0) == small and not r.get("skipped")
+              and {"ckpt", "cpu_offload"} <= set(r["candidate"].strategies)
+              and r["candidate"].value("strategy.ckpt.policy") is None
+              and r["candidate"].value("strategy.cpu_offload.offload_param") is not False]
     from memopt.planner.preflight import plan_with_fixes
 
     best = None
     for r in frugal:
-        plan = plan_with_fixes([*base, *r["overrides"]], [], hw, {k: v for k, v in limits.items() if k != "device"})[0]
+        plan = plan_with_fixes(r["candidate"], base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
         need = (plan or {}).get("fit", {}).get("device", {}).get("bytes")
         if need is not None and (plan.get("fit", {}).get("host") or {}).get("fits", True) and (best is None or need < best[0]):
             best = (need, r["label"])

@@ -15,6 +15,7 @@ least pp, which 1F1B needs.
 """
 from __future__ import annotations
 
+from memopt.planner.candidate import Candidate
 from memopt.strategies.pipeline import MULTI, micro_batch_rule
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # zero_bubble: its bubble is not planned (an upper bound only)
@@ -48,10 +49,10 @@ def schedules_for(n_layer: int, pp: int, m: int, names=SCHEDULES) -> list[str]:
 
 
 def pp_candidates(cfg, precisions: list[str], mbs: list[int], global_mb: int, world: int, ckpt: dict,
-                  precision: dict) -> list[list[str]]:
-    """Override lists of the pipeline candidates of ``+strategy=auto``: pp size x schedule x micro-batch x
-    checkpointing x precision, ddp over the data-parallel ranks each stage has left (``ckpt`` and
-    ``precision``: the search's tables of strategy names and options)."""
+                  precision: dict) -> list[Candidate]:
+    """The pipeline candidates of ``+strategy=auto``: pp size x schedule x micro-batch x checkpointing x
+    precision, ddp over the data-parallel ranks each stage has left (``ckpt`` and ``precision``: the search's
+    tables of strategy names and options)."""
     a = cfg.strategy.auto
     if not a.pp:
         return []
@@ -64,23 +65,22 @@ def pp_candidates(cfg, precisions: list[str], mbs: list[int], global_mb: int, wo
                 for ck in a.ckpt:
                     ck_s, ck_o = ckpt[ck]
                     for p in precisions:
-                        names = [*precision[p], *ck_s, "pipeline", *(["ddp"] if dp > 1 else [])]
-                        out.append([f"+strategy=[{','.join(names)}]", *ck_o, f"trainer.micro_batch_size={mb}",
-                                    f"trainer.grad_accum={accum}", f"parallel.pp={pp}",
-                                    f"strategy.pipeline.schedule={sched}"])
+                        names = (*precision[p], *ck_s, "pipeline", *(["ddp"] if dp > 1 else []))
+                        out.append(Candidate(names, (*ck_o, ("trainer.micro_batch_size", mb), ("trainer.grad_accum", accum),
+                                                     ("parallel.pp", pp), ("strategy.pipeline.schedule", sched))))
     return out
 
 
-def pp_compositions(cfg, world: int) -> list[tuple[list[str], list[str]]]:
-    """The preflight's pipeline suggestions, (strategy names, options): 1F1B (the fewest micro-batches in
-    flight) at each pp size from the smallest (the least bubble), without and with checkpointing; the
-    accumulation scaled by pp / the command's pp keeps its global batch (skipped where that is no integer)."""
+def pp_compositions(cfg, world: int) -> list[Candidate]:
+    """The preflight's pipeline suggestions: 1F1B (the fewest micro-batches in flight) at each pp size from
+    the smallest (the least bubble), without and with checkpointing; the accumulation scaled by pp / the
+    command's pp keeps its global batch (skipped where that is no integer)."""
     accum, own = cfg.trainer.grad_accum, max(1, cfg.parallel.pp)
     out = []
     for pp in pp_sizes(cfg, world):
         m, rest = divmod(accum * pp, own)
         if rest or not schedules_for(cfg.model.n_layer, pp, m, ("1f1b",)):
             continue
-        opts = [f"parallel.pp={pp}", f"trainer.grad_accum={m}"]
-        out += [(["pipeline"], opts), (["pipeline", "ckpt"], opts)]
+        opts = (("parallel.pp", pp), ("trainer.grad_accum", m))
+        out += [Candidate(("pipeline",), opts), Candidate(("pipeline", "ckpt"), opts)]
     return out

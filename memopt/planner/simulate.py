@@ -110,7 +110,7 @@ class PlanOverflow(RuntimeError):
 
     def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None, fixes=()):
         self.device, self.live, self.limit = device, {c: b for c, b in live.items() if c[0] != "_"}, limit
-        self.fixes = list(fixes)  # the engine's own ways out (ChunkOutOfMemoryError.fixes), as override lists
+        self.fixes = list(fixes)  # the engine's own ways out (ChunkOutOfMemoryError.fixes), as (field, value) pairs
         self.total = sum(live.values())
         self.category = max(self.live, key=self.live.get) if self.live else "other"
         self.reason = reason  # the engine's own out-of-memory message (the chunk engine checks its budgets at build)

@@ -31,13 +31,14 @@ def same_as_full_depth(overrides: list[str], world: int, ranks, verify: bool = T
 
 
 def test_layout_that_no_shallow_window_follows_is_replayed_exactly():
-    from memopt.planner.extrapolate import _layout, _layout_inconsistency, at_depth
+    from memopt.planner.engines.chunk.depth import layout, window_check
+    from memopt.planner.extrapolate import at_depth
 
     overrides = ["+strategy=hybrid_adam", "model.n_layer=8", *FAST]
     cfg = typed([*COMMON, *overrides, "trainer.nproc_per_node=2"])
-    lays = [_layout(at_depth(cfg, d), 0, 2) for d in (3, 4, 5, 8)]
+    lays = [layout(at_depth(cfg, d), 0, 2) for d in (3, 4, 5, 8)]
     assert lays[-1]["local"] == 2 and lays[0]["local"] == 1  # rank 0 owns a chunk of two groups at depth 8, of one at 3
-    assert _layout_inconsistency(lays, 0, (3, 4, 5, 8)) is not None  # what extrapolation gave up on
+    assert window_check(cfg, 0, 2, (3, 4, 5, 8), {}) is not None  # what extrapolation gave up on
     method, = same_as_full_depth(overrides, 2, ranks=(0,), verify=False)
     assert method == "replayed at n_layer=8 from a recorded n_layer=5 step", method
     # both sides above run the planner; the replay is also anchored outside it: the FLOPs of a rank's
@@ -51,11 +52,11 @@ def test_layout_that_no_shallow_window_follows_is_replayed_exactly():
 
 def test_a_recording_does_not_depend_on_the_chunk_engines_options():
     """Preflight candidates that differ only in the chunk engine's options replay one recording
-    (``extrapolate.model_side``): recorded again under other options (a device budget that leaves Hybrid
+    (``depth.model_side``): recorded again under other options (a device budget that leaves Hybrid
     Adam no group on the device, mem_saving_comm, another warm-up ratio, the state dict, another hardware), the model side is the
     same item for item."""
     from memopt.planner.engines.chunk import replay as chunk_replay
-    from memopt.planner.extrapolate import model_side
+    from memopt.planner.engines.chunk.depth import model_side
 
     base = [*COMMON, "+strategy=[hybrid_adam,ckpt]", "model.n_layer=5", "trainer.eval_every=1", "trainer.nproc_per_node=2"]
     a = typed([*base, "trainer.save_checkpoint=false"])

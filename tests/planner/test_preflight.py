@@ -21,7 +21,7 @@ def test_refuses_when_params_overflow_and_names_the_category():
     # RAM that holds the runtime plus 1 MiB: gpt_tiny's 3.2 MiB of fp32 parameters go over while being created
     small = hw((runtime_bytes() + 2**20) / 2**30)
     with pytest.raises(PreflightRefusal) as e:
-        preflight(cfg, small, ["model=gpt_tiny"])
+        preflight(cfg, small)
     msg = str(e.value)
     assert "does not fit" in msg and "params holds" in msg and "trainer.preflight=false" in msg, msg
     assert "no composition fits" in msg  # 14 B/param of 0.8M params is over 1 MiB
@@ -42,7 +42,7 @@ def test_engine_refusal_at_build_is_a_preflight_refusal():
     cfg = typed(["model=gpt_10b", "+strategy=hybrid_adam", "logger=none", "hardware.host_memory_gb=24",
                  "hardware.device_memory_gb=null"])
     with pytest.raises(PreflightRefusal) as e:
-        preflight(cfg, hw(24.0), ["model=gpt_10b"])
+        preflight(cfg, hw(24.0))
     msg = str(e.value)
     assert "refused by the engine" in msg and "host budget" in msg and "no composition fits" in msg, msg
 
@@ -79,9 +79,9 @@ def test_chunk_budget_below_a_traced_moment_is_refused_before_the_run():
     small = typed([*base, "strategy.chunk.device_budget_gb=0.005"])
     assert trivially_fits(small, hw(64.0))
     with pytest.raises(PreflightRefusal) as e:
-        preflight(small, hw(64.0), base)
+        preflight(small, hw(64.0))
     msg = str(e.value)
     assert "moment" in msg and "device_budget_gb" in msg and "this fits" in msg, msg
     roomy = typed([*base, "strategy.chunk.device_budget_gb=0.05"])
-    plan = preflight(roomy, hw(64.0), base)
+    plan = preflight(roomy, hw(64.0))
     assert plan is not None and plan["fits"]

@@ -29,12 +29,12 @@ def test_auto_ranks_fitting_candidates_and_drops_the_others():
     cfg = typed([*base, "+strategy=auto", "strategy.auto.ckpt=[none,full]", "strategy.auto.micro_batch_size=[4]"])
     # 24 MiB: plain gpt_tiny (about 22 MiB at micro-batch 4 with its 8.5 MiB of activations) fits only just;
     # checkpointing leaves room; both ranked by predicted step time, the recomputing one slower
-    rows = search(cfg, small_hw(24), base)
+    rows = search(cfg, small_hw(24))
     fits = [r for r in rows if r["fits"]]
     assert fits and all(a["step_s"] <= b["step_s"] for a, b in zip(fits, fits[1:]))
     labels = [r["label"] for r in fits]
     assert any("ckpt" in lab for lab in labels), labels
-    tight = search(cfg, small_hw(12), base)  # 12 MiB: only checkpointing (or offload) fits, never the plain run
+    tight = search(cfg, small_hw(12))  # 12 MiB: only checkpointing (or offload) fits, never the plain run
     assert all("+strategy=[] " not in r["label"] for r in tight if r["fits"]), [r["label"] for r in tight]
 
 
@@ -69,8 +69,8 @@ def test_largest_model_scans_above_the_bisection_where_fitting_is_not_monotone(m
 
     fits = {1, 2, 3, 4, 5, 8}
     monkeypatch.setattr(search, "plan_placed", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
-    monkeypatch.setattr(memopt.config, "compose_config", lambda ov: int(ov[-1].split("=")[1]))  # the depth probed
-    monkeypatch.setattr(memopt.config, "to_dataclass", lambda n: NS(model=NS(n_layer=n), trainer=NS(nproc_per_node=1)))
+    monkeypatch.setattr(memopt.config, "compose_config", lambda ov: ov)  # the command, typed once; each depth set on a copy
+    monkeypatch.setattr(memopt.config, "to_dataclass", lambda ov: NS(model=NS(n_layer=0), trainer=NS(nproc_per_node=1)))
     monkeypatch.setattr(memopt.config, "validate", lambda cfg: None)
     base = ["model=gpt_tiny"]
     assert search.largest_model(base, small_hw(30), lo=1, hi=12)[0] == 5
@@ -106,15 +106,16 @@ def test_preflight_refuses_gpt_10b_here_with_status_and_exit_code(tmp_path):
 def test_auto_with_moe_searches_every_valid_expert_parallel_size():
     """+strategy=[auto,moe] keeps MoE and its options in every candidate and searches parallel.ep over
     the sizes that divide both the ranks and the experts; ep > 1 never meets the engines that refuse it."""
-    from memopt.planner.search import candidates, split_base
+    from memopt.planner.search import base_of, candidates
 
     cmd = ["model=gpt_tiny", "+strategy=[auto,moe]", "strategy.moe.num_experts=6", "trainer.nproc_per_node=4",
            "parallel.ep=2", "logger=none"]
     cfg = typed([*cmd, "strategy.auto.chunk_budget_gb=[0.0]"])
-    base, carry, named = split_base(cmd)
-    assert base == ["model=gpt_tiny", "trainer.nproc_per_node=4", "logger=none"] and named
-    assert carry == ["strategy.moe.num_experts=6"]
-    rows = candidates(cfg, small_hw(64), carry, named)
+    base = base_of(cfg)  # the command without what the search chooses: no strategy, parallel.ep at its default
+    assert base.strategy.selected() == [] and base.parallel.ep == 1 and base.trainer.nproc_per_node == 4
+    cands = candidates(cfg, small_hw(64))
+    assert all(c.config(base).strategy.moe.num_experts == 6 for c in cands)  # MoE's options carried by every candidate
+    rows = [c.overrides() for c in cands]
     eps = {next(o for o in r if o.startswith("parallel.ep=")) for r in rows}
     assert eps == {"parallel.ep=1", "parallel.ep=2"}  # 4 ranks, 6 experts: 1 and 2 divide both (4 does not divide 6)
     assert all(r[0].startswith("+strategy=[moe,") and "strategy.moe.num_experts=6" in r for r in rows)
@@ -122,7 +123,7 @@ def test_auto_with_moe_searches_every_valid_expert_parallel_size():
         if "parallel.ep=2" in r:
             assert "cpu_offload" not in r[0] and "chunk" not in r[0], r
     dense = typed(["model=gpt_tiny", "+strategy=auto", "trainer.nproc_per_node=4", "logger=none"])
-    assert not any(o.startswith("parallel.ep") for r in candidates(dense, small_hw(64)) for o in r)
+    assert not any(o.startswith("parallel.ep") for c in candidates(dense, small_hw(64)) for o in c.overrides())
 
 
 def test_auto_refuses_other_strategies_but_allows_moe():
@@ -150,12 +151,12 @@ def test_auto_chooses_expert_parallelism_when_only_it_fits():
     auto = ["+strategy=auto", "strategy.auto.ckpt=[none]", "strategy.auto.stage=[zero2]", "strategy.auto.offload=[false]",
             "strategy.auto.chunk_budget_gb=[]", "strategy.auto.micro_batch_size=[2]"]
     cfg = typed([*base, *auto])
-    roomy = search(cfg, small_hw(512), [*base, *auto])
+    roomy = search(cfg, small_hw(512))
     assert sorted(_ep(r) for r in roomy) == ["parallel.ep=1", "parallel.ep=2"] and all(r["fits"] for r in roomy)
     peak = {_ep(r): r["peak"] for r in roomy}  # the node's bytes (both ranks and their runtime)
     assert peak["parallel.ep=2"] < peak["parallel.ep=1"]
     mid = (peak["parallel.ep=1"] + peak["parallel.ep=2"]) / 2
-    tight = search(cfg, small_hw((mid - runtime_bytes()) / 2**20), [*base, *auto])  # small_hw adds one runtime
+    tight = search(cfg, small_hw((mid - runtime_bytes()) / 2**20))  # small_hw adds one runtime
     assert [_ep(r) for r in tight if r["fits"]] == ["parallel.ep=2"], [(r["label"], r.get("why")) for r in tight]
 
 
@@ -180,7 +181,7 @@ def test_auto_searches_tensor_parallelism_on_two_ranks():
     axes = ["strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[2]", "strategy.auto.stage=[ddp]",
             "strategy.auto.offload=[false]", "strategy.auto.pp=false"]  # pp against ddp: tests/planner/test_search_pp.py
     cfg = typed([*base, "+strategy=auto", *axes])
-    rows = search(cfg, node_hw(2**40), base)
+    rows = search(cfg, node_hw(2**40))
     tp = [r for r in rows if "parallel.tp=2" in r["overrides"]]
     assert {(("strategy.tp.sequence_parallel=true" in r["overrides"]), ("strategy.tp.loss_parallel=true" in r["overrides"]))
             for r in tp} == {(False, False), (False, True), (True, False), (True, True)}
@@ -188,7 +189,7 @@ def test_auto_searches_tensor_parallelism_on_two_ranks():
     (ddp,) = [r for r in rows if r["overrides"][0] == "+strategy=[ddp]"]
     assert ddp["fits"] and "trainer.grad_accum=1" in ddp["overrides"]
     assert max(r["peak"] for r in tp) < ddp["peak"], (ddp, tp)
-    tight = search(cfg, node_hw((min(r["peak"] for r in tp) + ddp["peak"]) // 2), base)
+    tight = search(cfg, node_hw((min(r["peak"] for r in tp) + ddp["peak"]) // 2))
     assert tight[0]["fits"] and "parallel.tp=2" in tight[0]["overrides"], tight[0]
     assert not [r for r in tight if r["overrides"][0] == "+strategy=[ddp]"][0]["fits"]
 
@@ -204,7 +205,7 @@ def test_auto_under_another_engine_searches_that_engines_space(engine):
                 "fsdp2": {"zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "tp"}}[engine]
     cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "trainer.nproc_per_node=2",
                  "hardware.device_memory_gb=0.05"])
-    rows = candidates(cfg, small_hw(64))
+    rows = [c.overrides() for c in candidates(cfg, small_hw(64))]
     sels = [r[0] for r in rows]
     names = [set(s.split("=", 1)[1].strip("[]").split(",")) - {""} for s in sels]
     assert rows and all(n <= supports for n in names), [n - supports for n in names if not n <= supports]
@@ -212,7 +213,7 @@ def test_auto_under_another_engine_searches_that_engines_space(engine):
     off_only = [r for r in rows if "strategy.cpu_offload.offload_param=false" in r]
     assert off_only and all("zero3" in r[0] for r in off_only)
     assert any(o.startswith("parallel.tp=2") for r in rows for o in r) == (engine == "fsdp2")
-    memopt_rows = candidates(typed(["model=gpt_tiny", "+strategy=auto", "trainer.nproc_per_node=2"]), small_hw(64))
+    memopt_rows = [c.overrides() for c in candidates(typed(["model=gpt_tiny", "+strategy=auto", "trainer.nproc_per_node=2"]), small_hw(64))]
     assert any("chunk" in r[0] or "hybrid_adam" in r[0] for r in memopt_rows)  # the chunk engine is memopt's only
 
 
@@ -242,7 +243,7 @@ def test_search_reports_each_candidate_and_the_best_so_far():
     over = ["model=gpt_tiny", "model.seq_len=32", "+strategy=auto", "strategy.auto.ckpt=[none]",
             "strategy.auto.micro_batch_size=[2]", "strategy.auto.offload=[false]"]
     seen = []
-    rows = search(typed(over), small_hw(512), over, progress=lambda d, t, row, best: seen.append((d, t, row, best)))
+    rows = search(typed(over), small_hw(512), progress=lambda d, t, row, best: seen.append((d, t, row, best)))
     assert [d for d, *_ in seen] == list(range(1, len(rows) + 1)) and {t for _, t, *_ in seen} == {len(rows)}
     fitting = [r for _, _, r, _ in seen if r["fits"]]
     assert fitting and seen[-1][3]["step_s"] == min(r["step_s"] for r in fitting) == rows[0]["step_s"]
@@ -256,8 +257,8 @@ def test_search_in_worker_processes_ranks_as_one_process():
 
     over = ["model=gpt_tiny", "model.seq_len=32", "+strategy=auto"]
     cfg = typed(over)
-    one = search(cfg, small_hw(512), over, workers=1)
-    two = search(cfg, small_hw(512), over, workers=2)
+    one = search(cfg, small_hw(512), workers=1)
+    two = search(cfg, small_hw(512), workers=2)
     assert len(one) >= PARALLEL_FROM
     keys = ("label", "fits", "step_s", "peak", "why")
     assert [tuple(r.get(k) for k in keys) for r in one] == [tuple(r.get(k) for k in keys) for r in two]
@@ -277,8 +278,8 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner():
 
     # every term the CPU model has, so a smaller micro-batch's extra ops and calls make it slower, not a tie
     hw = replace(small_hw(64), memory_gbps=10.0, op_overhead_us=10.0, collective_latency_us=100.0, host_adam_gparams_s=0.5)
-    full = {r["label"]: r for r in search(cfg, hw, base, workers=1, prune=False)}
-    pruned = search(cfg, hw, base, workers=1)
+    full = {r["label"]: r for r in search(cfg, hw, workers=1, prune=False)}
+    pruned = search(cfg, hw, workers=1)
     assert pruned[0]["label"] == min((r for r in full.values() if r["fits"]), key=lambda r: r["step_s"])["label"]
     skipped = [r for r in pruned if r.get("skipped")]
     assert skipped, "the space has compositions whose largest micro-batch fits"
@@ -323,7 +324,7 @@ def test_auto_micro_batches_divide_the_global_batch():
 
     base = ["model=gpt_tiny", "trainer.micro_batch_size=5", "logger=none", "+strategy=auto"]
     cfg = typed(base)
-    sizes = {next(int(o.split("=")[1]) for o in c if o.startswith("trainer.micro_batch_size=")) for c in candidates(cfg, small_hw(64))}
+    sizes = {next(int(o.split("=")[1]) for o in c.overrides() if o.startswith("trainer.micro_batch_size=")) for c in candidates(cfg, small_hw(64))}
     assert sizes == {5, 1}
     with pytest.raises(ConfigError, match=r"strategy.auto.micro_batch_size=\[2\].*sizes that do: \[1, 5\]"):
         typed([*base, "strategy.auto.micro_batch_size=[2]"])

@@ -50,7 +50,7 @@ def test_pp_candidates_keep_the_global_batch_and_the_pipelines_rules():
 
     cmd = ["model=gpt_tiny", "+strategy=auto", "trainer.nproc_per_node=4", "trainer.micro_batch_size=16",
            "trainer.grad_accum=2", "logger=none"]
-    rows = candidates(typed(cmd), node(2**40))
+    rows = [c.overrides() for c in candidates(typed(cmd), node(2**40))]
     pp = [r for r in rows if _value(r, "parallel.pp")]
     assert {int(_value(r, "parallel.pp")) for r in pp} == {2, 4}
     for r in pp:
@@ -63,9 +63,9 @@ def test_pp_candidates_keep_the_global_batch_and_the_pipelines_rules():
         assert "pipeline" in names and ("ddp" in names) == (size < 4), r
     assert {_value(r, "strategy.pipeline.schedule") for r in pp if _value(r, "parallel.pp") == "2"} == \
         {"1f1b", "gpipe", "interleaved_1f1b"}
-    assert not any(_value(r, "parallel.pp") for r in candidates(typed([*cmd, "strategy.auto.pp=false"]), node(2**40)))
-    assert not any(_value(r, "parallel.pp") for r in candidates(typed([*cmd, "engine=deepspeed"]), node(2**40)))
-    one = candidates(typed(["model=gpt_tiny", "+strategy=auto", "logger=none"]), node(2**40))
+    assert not any(_value(r, "parallel.pp") for r in (c.overrides() for c in candidates(typed([*cmd, "strategy.auto.pp=false"]), node(2**40))))
+    assert not any(_value(r, "parallel.pp") for r in (c.overrides() for c in candidates(typed([*cmd, "engine=deepspeed"]), node(2**40))))
+    one = [c.overrides() for c in candidates(typed(["model=gpt_tiny", "+strategy=auto", "logger=none"]), node(2**40))]
     assert not any(_value(r, "parallel.pp") for r in one)  # one rank: nothing to split over
 
 
@@ -87,13 +87,13 @@ def test_auto_answers_with_pp_when_only_pp_fits_and_plans_it_as_plan_mode(tmp_pa
     from memopt.planner.search import search
 
     cfg = typed([*BASE, "+strategy=auto", *AXES])
-    rows = search(cfg, node(2**40), BASE)
+    rows = search(cfg, node(2**40))
     pp = [r for r in rows if _value(r["overrides"], "parallel.pp") == "2"]
     assert {_value(r["overrides"], "strategy.pipeline.schedule") for r in pp} == {"1f1b", "gpipe", "interleaved_1f1b"}
     (ddp,) = [r for r in rows if r["overrides"][0] == "+strategy=[ddp]"]
     assert all(r["fits"] for r in rows) and max(r["peak"] for r in pp) < ddp["peak"], rows
     limit = (max(r["peak"] for r in pp) + ddp["peak"]) // 2
-    tight = search(cfg, node(limit), BASE)
+    tight = search(cfg, node(limit))
     assert tight[0]["fits"] and _value(tight[0]["overrides"], "parallel.pp") == "2", tight[0]
     assert all(r["fits"] == (r in pp or _value(r["overrides"], "parallel.pp") == "2") for r in tight), tight
     assert not [r for r in tight if r["overrides"][0] == "+strategy=[ddp]"][0]["fits"]
@@ -127,7 +127,7 @@ def test_preflight_suggests_the_pipeline_where_only_it_fits():
                                ("zero2", ["+strategy=[zero2,ckpt]"]))}
     assert need["pp"] < need["zero2"], need
     limit = (need["pp"] + need["zero2"]) // 2
-    got = suggestion(typed(cmd), node(limit), cmd)
+    got = suggestion(typed(cmd), node(limit))
     assert got["overrides"] is not None, got["text"]
     assert got["overrides"][0] == "+strategy=[pipeline]" and "parallel.pp=2" in got["overrides"], got
     assert "trainer.grad_accum=2" in got["overrides"] and any("zero2" in t for t in got["tried"]), got

@@ -20,11 +20,11 @@ def test_the_wing_mirrors_the_engines():
 def test_the_wing_is_the_resolved_engines():
     from memopt.planner.engines import wing
 
-    assert wing(typed(["+strategy=hybrid_adam"])).chunks  # engine=memopt, the chunk engine by its strategy
+    assert wing(typed(["+strategy=hybrid_adam"])).replay is not None  # engine=memopt, the chunk engine by its strategy
     assert wing(typed(["engine=deepspeed", "+strategy=zero2"])).rules is not None
     assert wing(typed(["engine=fsdp2", "+strategy=zero3"])).process_group_always
     plain = wing(typed([]))
-    assert plain.bucket_layout is not None and plain.rules is None and not plain.chunks
+    assert plain.window_check is not None and plain.rules is None and plain.replay is None and plain.rank_layouts is None
 
 
 def test_no_engine_name_is_tested_in_the_planner():

@@ -37,7 +37,7 @@ ALIGN = 1024  # chunk sizes the search considers are multiples of this many elem
 
 class ChunkOutOfMemoryError(torch.OutOfMemoryError):
     """The chunks one moment needs do not fit in the chunk budget (message: moment, budget, bytes).
-    ``fixes``: override lists that would make that moment fit, cheapest first (the planner applies them)."""
+    ``fixes``: (field, value) pairs that would make that moment fit, cheapest first (the planner applies them)."""
 
     fixes: tuple = ()
 
@@ -323,7 +323,7 @@ class ChunkManager:
         pinned = [c for c in self.chunks if c.where == DEVICE and c.pinned and c not in chunks]
         pinned_b = sum(c.nbytes for c in pinned)
         mine = sum(c.payload_bytes * (2 if c.has_grad else 1) for c in chunks) + extra  # with a gradient being made
-        fixes = []  # override lists that make this moment fit, cheapest first (the planner's search applies them)
+        fixes = []  # (field, value) pairs that make this moment fit, cheapest first (the planner's search applies them)
         phase, name = key
         what = {"reduce": "gradient reduction of", "fwd": "forward of", "bwd": "backward of", "rec": "recomputation (ckpt) of", "grad": "gradient of",
                 "eval": "evaluation forward of"}.get(phase, phase)
@@ -336,9 +336,9 @@ class ChunkManager:
             if self.comm is not None and not self.comm.mem_saving and len(chunks) > 1:
                 fix += (f", or set strategy.chunk.mem_saving_comm=true (its {len(chunks)} chunks are gathered together "
                         "by one all-gather; with it, one broadcast per chunk)")
-                fixes.append(["strategy.chunk.mem_saving_comm=true"])
+                fixes.append((("strategy.chunk.mem_saving_comm", True),))
             if not self.static and at_least <= 1:
-                fixes.append([f"strategy.chunk.warmup_gpu_chunk_mem_ratio={at_least:.2f}"])
+                fixes.append((("strategy.chunk.warmup_gpu_chunk_mem_ratio", float(f"{at_least:.2f}")),))
         else:
             nm = self.tracer.nonmodel_at(pos)
             how = (f"the chunk budget {_mb(budget)} = device budget {_mb(self.device_budget)} - non-model memory "

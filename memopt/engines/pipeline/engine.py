@@ -294,10 +294,13 @@ def _embedding_group(dims):
     pp = dims.pp
     if pp.size == 2:
         return pp.group
-    ranks = dims.world.mesh.mesh.reshape(pp.size, -1)  # pp is the outermost mesh dimension
+    # pp is the outermost dimension of a mesh laid out as arange(world) (init_device_mesh): pipeline j holds
+    # ranks j, j + per, ... Counted, not read from the mesh's tensor: the planner builds engines under
+    # FakeTensorMode, where that tensor's values read as 0 (every pair was [0, 0])
+    per = dims.world.size // pp.size
     mine = None
-    for j in range(ranks.shape[1]):
-        pair = [int(ranks[0, j]), int(ranks[-1, j])]
+    for j in range(per):
+        pair = [j, (pp.size - 1) * per + j]
         g = dist.new_group(pair)
         if dist.get_rank() in pair:
             mine = g

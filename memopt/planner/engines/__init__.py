@@ -5,8 +5,8 @@ core (simulate, extrapolate, plan, preflight, search) reads as one path and asks
 engine's name. What each wing holds (``base.Wing`` lists the questions, with the default answers):
 
     memopt     its size buckets' packing, checked while extrapolating (memopt.py)
-    chunk      the replay of a recorded shallow step at the planned depth, the chunk layout's checks,
-               ranks of unequal bytes, the engine's own device budget (chunk/)
+    chunk      the replay of a recorded shallow step at the planned depth, the chunk layout's and decisions'
+               checks (chunk/depth.py), ranks of unequal bytes, the engine's own device budget (chunk/)
     deepspeed  DeepSpeed's buffers by its own rules, its ZeRO-3 fetch replayed, DeepSpeed-MoE (deepspeed/)
     deepspeed_pipe  DeepSpeed's pipeline engine: not planned, said so (deepspeed/pipe.py)
     fsdp2      CPUOffloadPolicy's copies made explicit on fake tensors, a process group for one rank (fsdp2.py)

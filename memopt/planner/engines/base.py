@@ -17,10 +17,24 @@ class Wing:
     step_patch: Callable | None = None
     # a process group even for one rank, and its one-rank mesh (FSDP2)
     process_group_always: bool = False
-    # (cfg, rank, world) -> the size buckets' packing, checked affine while extrapolating (None: no buckets)
-    bucket_layout: Callable | None = None
-    # the chunk engine: replayed at depth from a recorded step, its chunk layout checked, its ranks'
-    # bytes unequal (the node's host is the sum of its ranks' layouts)
-    chunks: bool = False
+    # planning at depth (extrapolate.simulate), for an engine whose decisions are not affine in depth (the
+    # chunk engine, engines/chunk/depth.py): (cfg, rank, world) -> the cfg its samples take (its searched
+    # sizes pinned); (cfg, rank, world, limits, backend, depth | None, verify) -> the plan replayed at depth
+    # from a recorded shallow step, or NotReplayed; (cfg, rank, world, depths, cache) -> why a window cannot
+    # be extrapolated (the memopt engine's buckets too); (cfg, sim_a, sim_b, n1, n2, cache) -> why the engine's
+    # decisions would not follow
+    prepare: Callable | None = None
+    replay: Callable | None = None
+    window_check: Callable | None = None
+    sample_check: Callable | None = None
+    # (cfg, ranks, world) -> {rank: its layout}: ranks with equal layouts hold equal bytes, others differ
+    # (the node's host is the sum of its ranks'); None: every rank of a stage holds what the simulated one does
+    rank_layouts: Callable | None = None
     # cfg -> the engine's own device budget in GB (None: none), a limit the hardware bound does not see
     device_budget: Callable | None = None
+
+
+class NotReplayed(Exception):
+    """A wing's replay does not apply (the reason says why; ``seconds``: what trying took)."""
+
+    seconds: float = 0.0

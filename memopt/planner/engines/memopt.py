@@ -1,4 +1,4 @@
-"""The memopt engine's wing: whether its size buckets grow like the model (a check of ``extrapolate.simulate``).
+"""The memopt engine's wing: whether its size buckets grow like the model (``Wing.window_check`` of ``extrapolate.simulate``).
 
 ddp, zero1 and zero2 pack the gradients into flat groups of at most ``bucket_mb`` (``engines/memopt/
 flat.plan_groups``), and a bucket's flat copy is a ``temp`` peak. While the whole model fits one
@@ -53,4 +53,20 @@ def bucket_inconsistency(layouts: list[dict], depths: tuple[int, ...]) -> str | 
     return None
 
 
-WING = Wing(bucket_layout=bucket_layout)
+def window_check(cfg, rank: int, world: int, depths: tuple[int, ...], cache: dict) -> str | None:
+    """Why the buckets are not affine over ``depths`` (a window, then the planned depth; None: they are, or the
+    run has none). ``cache``: layouts by depth over the caller's windows."""
+    n = depths[-1]
+    if n not in cache:
+        cache[n] = bucket_layout(cfg, rank, world)
+    if cache[n] is None:
+        return None
+    from memopt.planner.extrapolate import at_depth
+
+    for d in depths[:-1]:
+        if d not in cache:
+            cache[d] = bucket_layout(at_depth(cfg, d), rank, world)
+    return bucket_inconsistency([cache[d] for d in depths], depths)
+
+
+WING = Wing(window_check=window_check)

@@ -40,7 +40,7 @@ engine's own work at depth N on fake tensors (building and binding every chunk, 
 into its chunk per parameter, every gather): ~25k fake ops for gpt_10b, against ~3x that for the
 blocks. Most of them are views, in-place updates and allocations, which the planner answers without
 FakeTensorMode's dispatch (``fast_ops.py``), and the next rank replays the stretch the first one made
-(``extrapolate._replayed``): the same plan.json in about 30% less CPU time.
+(``depth.replayed``): the same plan.json in about 30% less CPU time.
 """
 from __future__ import annotations
 
@@ -48,10 +48,12 @@ import contextlib
 import re
 from collections import defaultdict
 
+from memopt.planner.engines.base import NotReplayed
+
 BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
-class Unsupported(Exception):
+class Unsupported(NotReplayed):
     """The recording cannot be replayed (the reason says why)."""
 
 
