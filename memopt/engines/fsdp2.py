@@ -107,8 +107,11 @@ def validate(cfg) -> None:
             f"dp_shard={sizes['dp_shard_mod_ep'] * sizes['ep']}, dp_replicate={sizes['dp_replicate']}): fully_shard runs "
             "on the dp_shard dimension after tensor parallelism (torchtitan's order); with nothing to shard use "
             "engine=memopt, and tp with HSDP is not built")
-    # plan mode allocates nothing and plans for the hardware profile's device: the planner gives its own answer
-    if s.cpu_offload is not None and not _cuda_device(cfg) and cfg.trainer.mode != "plan":
+    # plan mode allocates nothing and plans for the hardware profile's device (the planner gives its own answer),
+    # unless that profile is this CPU's (hardware=auto here, with or without a device budget): the run it plans
+    # is the one refused below (auto chose it in plan mode, and the run was refused)
+    on_this_cpu = cfg.hardware.name == "auto" and not _cuda_device(cfg)
+    if s.cpu_offload is not None and not _cuda_device(cfg) and (cfg.trainer.mode != "plan" or on_this_cpu):
         raise ConfigError(
             f"strategy cpu_offload with engine=fsdp2 needs a CUDA device (trainer.device={cfg.trainer.device} runs on "
             "the CPU here): FSDP2's CPUOffloadPolicy keeps shards in pinned host memory and copies them to the "

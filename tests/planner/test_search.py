@@ -328,3 +328,29 @@ def test_auto_micro_batches_divide_the_global_batch():
     assert sizes == {5, 1}
     with pytest.raises(ConfigError, match=r"strategy.auto.micro_batch_size=\[2\].*sizes that do: \[1, 5\]"):
         typed([*base, "strategy.auto.micro_batch_size=[2]"])
+
+
+def test_fsdp2_offload_is_refused_when_the_plan_is_for_this_cpu():
+    """FSDP2's CPU offload cannot run on a CPU (the run is refused). Plan mode still plans it for a GPU profile, but
+    not for this CPU's own profile (hardware=auto, a device budget or not): there auto's search in plan mode had
+    ranked it first at a budget, and the run it named was refused. Its candidates are refused rows now."""
+    import torch
+
+    from memopt.config import validate
+    from memopt.errors import ConfigError
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import limits_of
+    from memopt.planner.search import base_of, candidates, plan_row
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: FSDP2's offload runs here")
+    cmd = ["model=gpt_tiny", "engine=fsdp2", "trainer.nproc_per_node=2", "logger=none", "trainer.mode=plan"]
+    with pytest.raises(ConfigError, match="cpu_offload with engine=fsdp2 needs a CUDA device"):
+        validate(typed([*cmd, "+strategy=[zero2,cpu_offload]", "hardware.device_memory_gb=0.05"]))
+    validate(typed([*cmd, "+strategy=[zero2,cpu_offload]", "hardware=a100_80g"]))  # a GPU's plan, made here
+    cfg = typed([*cmd, "+strategy=auto", "hardware.device_memory_gb=0.05", "strategy.auto.micro_batch_size=[16]"])
+    hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+    offload = [c for c in candidates(cfg, hw) if "cpu_offload" in c.strategies]
+    assert offload
+    row = plan_row(offload[0], base_of(cfg), hw, limits_of(hw, 2, cfg))
+    assert not row["fits"] and "needs a CUDA device" in row["why"], row
