@@ -108,7 +108,7 @@ def measured(args, tmp: str) -> None:
             dev = max((v.get("cpu", {}).get("total", 0) for v in (top.get("peak_bytes") or {}).values()), default=0)
             planned = row.get("step_s")
             out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
-                        f"{mib(dev)} {'<=' if dev <= budget else 'OVER'} budget" if top else "-",
+                        f"{mib(dev)} {'<=' if dev <= budget else 'OVER'} budget" if top.get("peak_bytes") else "-",
                         f"{top['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
                         f"{top.get('mfu', 0) * 100:.1f}%" if ok and top.get("mfu") is not None else "-",
                         f"{top['final_loss']:.4f}" if ok else "-",
