@@ -110,8 +110,7 @@ def validate(cfg) -> None:
     # plan mode allocates nothing and plans for the hardware profile's device (the planner gives its own answer),
     # unless that profile is this CPU's (hardware=auto here, with or without a device budget): the run it plans
     # is the one refused below (auto chose it in plan mode, and the run was refused)
-    on_this_cpu = cfg.hardware.name == "auto" and not _cuda_device(cfg)
-    if s.cpu_offload is not None and not _cuda_device(cfg) and (cfg.trainer.mode != "plan" or on_this_cpu):
+    if s.cpu_offload is not None and not _cuda_device(cfg) and (cfg.trainer.mode != "plan" or cfg.hardware.name == "auto"):
         raise ConfigError(
             f"strategy cpu_offload with engine=fsdp2 needs a CUDA device (trainer.device={cfg.trainer.device} runs on "
             "the CPU here): FSDP2's CPUOffloadPolicy keeps shards in pinned host memory and copies them to the "

@@ -36,6 +36,11 @@ class Candidate:
         keys = {k for k, _ in pairs}
         return Candidate(self.strategies, (*[(k, v) for k, v in self.options if k not in keys], *pairs))
 
+    def extend(self, names=(), *pairs: tuple[str, Any]) -> Candidate:
+        """This candidate's strategies and values followed by ``names`` and ``pairs`` (what every candidate
+        keeps of the command, ``carried``, extended by a composition)."""
+        return Candidate((*self.strategies, *names), (*self.options, *pairs))
+
     def without(self, *keys: str) -> Candidate:
         return Candidate(self.strategies, tuple((k, v) for k, v in self.options if k not in keys))
 
@@ -103,14 +108,8 @@ def selection(cfg) -> tuple[str, ...]:
 
 
 def _pulled(name: str) -> set[str]:
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.load(os.path.join(CONF_STRATEGY, f"{name}.yaml"))
-    out = set()
-    for d in raw.get("defaults") or []:
-        if str(d) != "_self_":
-            out |= {str(d), *_pulled(str(d))}
-    return out
+    """The strategies a strategy file pulls in through its ``defaults`` (its composed node's other names)."""
+    return set(_group_file(name)) - {name}
 
 
 def set_field(cfg, key: str, value) -> None:

@@ -206,15 +206,14 @@ def _compositions(cfg, world: int) -> list[Candidate]:
         out.append(Candidate(own, opts))
         if "ckpt" not in own:
             out.append(Candidate((*own, "ckpt"), opts))
-    pipeline = [Candidate((*keep.strategies, *c.strategies), (*keep.options, *c.options))
-                for c in (pp_compositions(cfg, world) if world > 1 else [])]
+    pipeline = [keep.extend(c.strategies, *c.options) for c in (pp_compositions(cfg, world) if world > 1 else [])]
     for names in CANDIDATES:
         if names == ["zero3", "ckpt"]:
             out += [c for c in pipeline if c not in out]
         if (any(n.startswith("zero") for n in names) and world == 1) or \
                 any(sorted((*keep.strategies, *names)) == sorted(c.strategies) for c in out):
             continue
-        out.append(Candidate((*keep.strategies, *names), keep.options))
+        out.append(keep.extend(names))
     return out
 
 

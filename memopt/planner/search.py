@@ -70,9 +70,6 @@ def candidates(cfg, hw) -> list[Candidate]:
                                               if global_mb % m == 0}, reverse=True)
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
 
-    def cand(names, *opts) -> Candidate:
-        return Candidate((*keep.strategies, *names), (*keep.options, *opts))
-
     out = []
     for mb in mbs:
         batch = (("trainer.micro_batch_size", mb), ("trainer.grad_accum", max(1, global_mb // mb)))
@@ -86,15 +83,15 @@ def candidates(cfg, hw) -> list[Candidate]:
                             if off and ep > 1:  # refused: the fused host step handles one data-parallel dimension
                                 continue
                             names = (*PRECISION[p], *ck_s, *([stage] if world > 1 else []), *(["cpu_offload"] if off else []))
-                            out.append(cand(names, *ck_o, *par, *batch))
+                            out.append(keep.extend(names, *ck_o, *par, *batch))
                             if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
-                                out.append(cand(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
+                                out.append(keep.extend(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
                     if ep > 1:  # the chunk engine runs ep = 1 only
                         continue
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
                         extra = (("strategy.chunk.device_budget_gb", budget),) if budget else ()
-                        out.append(cand((preset, *ck_s), *ck_o, *extra, *par, *batch))
+                        out.append(keep.extend((preset, *ck_s), *ck_o, *extra, *par, *batch))
     supports = _engine_supports(cfg.engine.name)
     if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
         out = [c for c in out if set(c.strategies) <= supports]

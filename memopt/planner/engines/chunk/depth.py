@@ -19,8 +19,8 @@ REPLAY_DEPTH = 5  # blocks of the recorded step: blocks 2 and 3 are the two midd
 
 
 def replayed(cfg, rank: int, world: int, limits, backend: str, n: int | None, verify: bool) -> dict:
-    """The chunk engine at depth N from an n-block recording (``REPLAY_DEPTH`` when None) (``planner/engines/chunk/replay.py``); with ``verify``, the
-    recording stretched to n + 1 blocks must equal the recording of n + 1 blocks item for item (every
+    """The chunk engine at depth N from an n-block recording (``replay.py``; n: ``REPLAY_DEPTH`` when None); with
+    ``verify``, the recording stretched to n + 1 blocks must equal the recording of n + 1 blocks item for item (every
     byte the model side allocates and frees, in order, every call into the engine, the FLOPs and the
     traffic), else ``Unsupported`` says so."""
     import time
@@ -76,8 +76,6 @@ def model_side(cfg) -> str:
     neutral = {f: None for f in ("chunk", "hybrid_adam", "static_partition") if hasattr(s, f)}
     return repr(replace(cfg, strategy=replace(s, **neutral), hardware=None, logger=None,
                         trainer=replace(cfg.trainer, save_checkpoint=None)))
-
-
 
 
 def _pin_chunk_size(cfg, rank: int, world: int):
