@@ -77,7 +77,7 @@ def hardware(typed, step_rates: bool = False):
     if step_rates:
         from memopt.planner.cpu_rates import complete
 
-        hw = complete(typed.hardware, hw, device)
+        hw = complete(typed.hardware, hw, device, typed.model)  # the probes at the model's shapes
     return hw
 
 
@@ -162,7 +162,8 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
 
     def progress(done: int, total: int, row: dict, best: dict | None) -> None:
         lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
-        what = "fits" if row["fits"] else "skipped: a larger micro-batch fits" if row.get("skipped") else "does not fit"
+        what = "fits" if row["fits"] else {"micro-batch": "skipped: a larger micro-batch fits",
+                                           "compute": "skipped: its compute alone is slower"}.get(row.get("skipped"), "does not fit")
         print(f"memopt auto: planned {done}/{total} ({what}); {lead}", file=sys.stderr, flush=True)
 
     hw = hardware(typed, step_rates=True)

@@ -42,6 +42,19 @@ ROWS = {
     "moe_tiny ddp": [*MOE, "+strategy=[ddp]"],
     "moe_tiny ep=2": [*MOE, "+strategy=[zero2]", "parallel.ep=2"],
 }
+# the fixed-budget table's shapes (experiments/fixed_budget): gpt_small at its own sequence of 512, micro-batches of 4-16,
+# where the attention's share of the step is twice the 256-token rows' (its own rate: hardware.attention_efficiency)
+WIDE = ["model=gpt_small"]
+BF16_WIDE = {
+    "bf16 ddp 16 x 1 seq 512": [*WIDE, "+strategy=[bf16,ddp]", "trainer.micro_batch_size=16"],
+    "hybrid_adam_bf16 16 x 1 seq 512": [*WIDE, "+strategy=[hybrid_adam_bf16]", "trainer.micro_batch_size=16"],
+    "hybrid_adam_bf16 4 x 4 seq 512": [*WIDE, "+strategy=[hybrid_adam_bf16]", "trainer.micro_batch_size=4",
+                                        "trainer.grad_accum=4"],
+    "deepspeed bf16 zero2 8 x 2 seq 512": [*WIDE, "engine=deepspeed", "+strategy=[bf16,zero2]",
+                                            "trainer.micro_batch_size=8", "trainer.grad_accum=2"],
+    "deepspeed bf16 zero2+cpu_offload 4 x 4 seq 512": [*WIDE, "engine=deepspeed", "+strategy=[bf16,zero2,cpu_offload]",
+                                                       "trainer.micro_batch_size=4", "trainer.grad_accum=4"],
+}
 BF16 = {"bf16 ddp": [*SMALL, "+strategy=[bf16,ddp]"], "bf16 zero2+cpu_offload": [*SMALL, "+strategy=[bf16,zero2,cpu_offload]"],
         "hybrid_adam_bf16": [*SMALL, "+strategy=[hybrid_adam_bf16]"]}
 
@@ -73,7 +86,8 @@ def planned(overrides: list[str]) -> dict:
 
     cfg = to_dataclass(compose_config([*overrides, "trainer.nproc_per_node=2", "trainer.mode=plan"]))
     validate(cfg)
-    hw = complete(cfg.hardware, resolve_hardware(cfg.hardware, torch.device("cpu")), torch.device("cpu"))  # as plan mode
+    hw = complete(cfg.hardware, resolve_hardware(cfg.hardware, torch.device("cpu")), torch.device("cpu"),
+                  cfg.model)  # as plan mode
     return make_plan(cfg, hw)["step_time"]
 
 
@@ -87,7 +101,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated row names")
     args = ap.parse_args()
-    rows = dict(ROWS, **(BF16 if cpu_has_bf16_matmul() else {}))
+    rows = dict(ROWS, **(dict(BF16, **BF16_WIDE) if cpu_has_bf16_matmul() else {}))
     if args.only:
         rows = {k: v for k, v in rows.items() if k in args.only.split(",")}
     base = ["data=synthetic", "logger=none", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",

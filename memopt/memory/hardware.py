@@ -34,6 +34,12 @@ class HardwareConfig:
     # Per compute dtype, an efficiency that replaces ``compute_efficiency`` for it (a CPU's bf16 products reach a
     # different fraction of their 512-cube peak than its fp32 ones: planner/cpu_rates.py measures both).
     dtype_efficiency: dict[str, float] = field(default_factory=dict)
+    # Per compute dtype, the fraction of the matmul peak fused attention reaches (its FLOPs counted as PyTorch's
+    # flash formula counts them, the causal half included): the planner's compute term divides attention's FLOPs
+    # by peak x this. Empty: attention at the products' efficiency (the GPU profiles: their compute_efficiency
+    # stands for the whole step). A CPU's bf16 attention reached a fifth of the bf16 peak, its products three
+    # fifths: planner/cpu_rates.py measures it at the run's sequence length.
+    attention_efficiency: dict[str, float] = field(default_factory=dict)
     # The node's ranks share one compute device (a CPU's cores and memory bandwidth), so each plans with its
     # share of the peak and bandwidth. Set by the planner for this CPU's profile (planner/cpu_rates.py), a
     # device budget or not; ``device_is_host`` implies it.
@@ -46,6 +52,9 @@ class HardwareConfig:
     # term is the simulated step's bytes of ops without a FLOP formula (elementwise, norms, softmax, the
     # optimizer's math) / this. None: not estimated (the GPU profiles' compute_efficiency absorbs it).
     memory_gbps: float | None = None
+    # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's GELU and LayerNorm
+    # move half the bytes in about the same time per element: planner/cpu_rates.py measures both).
+    dtype_memory_gbps: dict[str, float] = field(default_factory=dict)
     # Host time per dispatched op (microseconds): Python, autograd, the dispatcher and the memory tracker,
     # paid by every op of the step whatever its size (what makes gpt_tiny's step 7x its FLOPs on a CPU), and
     # per op on DTensors (tensor parallelism's sharding propagation). None: not estimated.
@@ -70,6 +79,12 @@ def check_hardware(hw: HardwareConfig) -> None:
         k, v = next(iter(bad.items()))
         raise ConfigError(f"hardware.peak_tflops.{k}={v} must be > 0 (TFLOP/s); leave the dtype out to measure it here")
 
+    for name, value in (hw.attention_efficiency or {}).items():
+        if not 0 < value <= 1:
+            raise ConfigError(f"hardware.attention_efficiency.{name}={value} must be in (0, 1]")
+    for name, value in (hw.dtype_memory_gbps or {}).items():
+        if not value > 0:
+            raise ConfigError(f"hardware.dtype_memory_gbps.{name}={value} must be > 0")
     for name, value in (hw.dtype_efficiency or {}).items():
         if not 0 < value <= 1:
             raise ConfigError(f"hardware.dtype_efficiency.{name}={value} must be in (0, 1]")

@@ -1,4 +1,4 @@
-"""What the planner's step time needs to know of this CPU, measured in about two seconds (plan mode and auto).
+"""What the planner's step time needs to know of this CPU, measured in about six seconds (plan mode and auto).
 
 A CPU rank's step is not its FLOPs at the matmul peak: on gpt_small the plan said 0.37 s where 2 ranks
 took 1.2-2.0 s, and on gpt_tiny 0.026 s against 0.19 s (issue #30). The rest is memory-bound ops, the
@@ -7,18 +7,17 @@ collectives (a copy through the kernel's sockets, not a memcpy), and on DTensors
 sharding propagation. Each probe measures one of these, for the fields of ``HardwareConfig`` a profile
 leaves unset:
 
-- ``memory_gbps``: bytes read + written per second by GELU (tanh), LayerNorm and an add on one thread, times
-  the threads;
-- ``compute_efficiency``: the fraction of the matmul peak a GPT block's forward + backward reaches
-  (its products are smaller than the peak's 512-cube and its attention is a kernel of its own), and
-  ``dtype_efficiency["bf16"]`` the same under bf16 autocast where bf16 products are fast;
+- ``compute_efficiency``, ``attention_efficiency`` and ``memory_gbps`` (per fast compute dtype: fp32, and
+  bf16 where its products are fast, ``dtype_efficiency`` / ``dtype_memory_gbps``): a GPT block at the run's
+  shapes (``probe_shape``), its products timed alone, its fused attention alone, the memory-bound ops' rate
+  what is left of the whole block's time (``block_rates``);
 - ``op_overhead_us``: a tiny training step (LayerNorm, Linear, GELU, residual, cross entropy, AdamW)
   under the memory tracker, timed after a warm-up, divided by the ops it dispatches, on one thread;
 - ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
   fake 2-rank mesh, less the plain ops' share, per op on DTensors (the tracker sees those once);
 - ``device_device_gbps`` and ``collective_latency_us``: two gloo ranks as threads of this process
   all-reducing 64 KiB and 16 MiB (latency and bus bandwidth from the two sizes);
-- ``host_adam_gparams_s``: ``memory_gbps`` / 28 (CPUAdamW is memory bound at 28 bytes a parameter:
+- ``host_adam_gparams_s``: GELU (tanh), LayerNorm and an add's bytes per second / 28 (CPUAdamW is memory bound at 28 bytes a parameter:
   experiments/cpu_adam).
 """
 from __future__ import annotations
@@ -34,38 +33,47 @@ ADAM_BYTES_PER_PARAM = 28  # CPUAdamW reads p, g, m, v and writes p, m, v (fp32)
 _CACHE: dict[tuple, object] = {}
 
 
-def complete(profile, hw, device: torch.device):
+def complete(profile, hw, device: torch.device, model=None):
     """``hw`` (``profile`` resolved) with the step-time rates ``profile`` leaves unset measured here, when
     the profile describes this CPU (``hardware=auto``: no peaks given; its ranks then share the cores, a
     device budget or not); any other profile as it is (a GPU's measured compute_efficiency stands for these
-    terms; planning an H100 on a laptop must not take the laptop's rates)."""
+    terms; planning an H100 on a laptop must not take the laptop's rates). ``model``: the run's model
+    config, whose shapes the block probes take (``probe_shape``)."""
     from dataclasses import replace
 
     if device.type != "cpu" or profile.peak_tflops:  # a GPU, or a profile of another machine (its peaks given)
         return hw
-    return replace(hw, ranks_share_device=True, **measured(profile, hw.peak_tflops))
+    return replace(hw, ranks_share_device=True, **measured(profile, hw.peak_tflops, probe_shape(model)))
 
 
-def measured(hw, peaks: dict[str, float]) -> dict[str, float]:
+def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | None = None) -> dict[str, object]:
     """The step-time fields the profile ``hw`` leaves unset, measured here (cached for the process).
-    ``peaks``: the resolved matmul peaks per dtype (whether bf16 is fast here)."""
-    out = {}
+    ``peaks``: the resolved matmul peaks per dtype (whether bf16 is fast here); ``shape``: the block the
+    probes time (``probe_shape``)."""
+    out: dict[str, object] = {}
+    shape = shape or probe_shape()
     threads = torch.get_num_threads()
-    mem = hw.memory_gbps or _cached(("elementwise", threads), elementwise_gbps)
-    if hw.memory_gbps is None:
-        out["memory_gbps"] = mem
     ovh = hw.op_overhead_us
     if ovh is None:
         ovh = out["op_overhead_us"] = _cached(("op",), op_overhead_us)
+    dtypes = {"fp32": torch.float32}
+    if peaks.get("bf16", 0) >= peaks["fp32"]:
+        # bf16 products fast here (AVX-512-BF16 / AMX): rates of their own (on an AVX2 CPU a bf16 block takes
+        # seconds, and auto ranks bf16 last there anyway)
+        dtypes["bf16"] = torch.bfloat16
+    rates = {name: _cached(("block", ovh, peaks[name], threads, shape, name),
+                           lambda d=d, name=name: block_rates(ovh, peaks[name] / threads * 1e12, shape, d))
+             for name, d in dtypes.items()}  # one thread's peak, as step_time divides by
     if hw.compute_efficiency == 1.0:  # the default: nothing measured; a profile's own value wins
-        fp32 = peaks["fp32"] / threads * 1e12  # one thread's, as step_time divides by
-        out["compute_efficiency"] = _cached(("efficiency", mem, ovh, fp32), lambda: block_efficiency(mem, ovh, fp32))
-        if not hw.dtype_efficiency and peaks.get("bf16", 0) >= peaks["fp32"]:
-            # bf16 products fast here (AVX-512-BF16 / AMX): its own fraction (on an AVX2 CPU a bf16 block takes
-            # seconds, and auto ranks bf16 last there anyway)
-            bf16 = peaks["bf16"] / threads * 1e12
-            out["dtype_efficiency"] = {"bf16": _cached(("efficiency", mem, ovh, bf16, "bf16"),
-                                                       lambda: block_efficiency(mem, ovh, bf16, dtype=torch.bfloat16))}
+        out["compute_efficiency"] = rates["fp32"][0]
+        if not hw.dtype_efficiency and "bf16" in rates:
+            out["dtype_efficiency"] = {"bf16": rates["bf16"][0]}
+    if not hw.attention_efficiency:
+        out["attention_efficiency"] = {name: r[1] for name, r in rates.items()}
+    if hw.memory_gbps is None:
+        out["memory_gbps"] = rates["fp32"][2]
+        if not hw.dtype_memory_gbps and "bf16" in rates:
+            out["dtype_memory_gbps"] = {"bf16": rates["bf16"][2]}
     if hw.dtensor_op_overhead_us is None:
         got = _tried(("dtensor", ovh, threads), lambda: dtensor_op_overhead_us(ovh))
         if got is not None:
@@ -78,7 +86,7 @@ def measured(hw, peaks: dict[str, float]) -> dict[str, float]:
             if hw.collective_latency_us is None:
                 out["collective_latency_us"] = got[0]
     if hw.host_adam_gparams_s is None:
-        out["host_adam_gparams_s"] = mem / ADAM_BYTES_PER_PARAM
+        out["host_adam_gparams_s"] = _cached(("elementwise", threads), elementwise_gbps) / ADAM_BYTES_PER_PARAM
     return out
 
 
@@ -110,61 +118,113 @@ def elementwise_gbps(rows: int = 2048, width: int = 512) -> float:
     return moved / best / 1e9 * threads
 
 
-def block_efficiency(memory_gbps: float, overhead_us: float, peak_flops: float, width: int = 512, seq: int = 256,
-                     batch: int = 2, dtype: torch.dtype = torch.float32) -> float:
-    """The fraction of the matmul peak a transformer block's forward + backward reaches on this CPU: its
-    FLOPs (the planner's formulas) over (its time under the memory tracker less its memory-bound bytes at
-    ``memory_gbps`` and its ops at ``overhead_us``) x ``peak_flops`` (one thread's resolved peak), on one thread, at gpt_small's shapes (a block of width 256
-    ran in cache, 10-25% faster per FLOP). The peak is a 512-cube product; a block's
-    products are smaller or transposed and its attention is a kernel of its own: gpt_small's products ran
-    at ~75% of the peak and its attention at ~50%. In (0.05, 1]."""
+PROBE_ROWS = 2048  # tokens of the block the probes time: gpt_small's micro-batch 4 x 512, out of a core's L2
+
+
+def probe_shape(model=None) -> tuple[int, int, int, int]:
+    """(batch, seq, width, heads) of the block the probes time: the model's sequence (up to 4096) and head
+    size, its width up to 1024, ``PROBE_ROWS`` tokens; gpt_small's where no model is given. The rates are
+    read at the run's own shapes because they move with them: the CPU's fused attention does about as many
+    FLOP/s at sequence 2048 as 1.5x at 512 (causal blocks skipped), and bf16 reaches a fifth of the bf16
+    matmul peak there against three fifths for the products."""
+    if model is None:
+        return PROBE_ROWS // 512, 512, 512, 8
+    head = model.d_model // model.n_head
+    heads = max(1, min(model.d_model, 1024) // head)
+    seq = min(model.seq_len, 4096)
+    return max(1, PROBE_ROWS // seq), seq, heads * head, heads
+
+
+def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, int, int],
+                dtype: torch.dtype = torch.float32) -> tuple[float, float, float]:
+    """(products' fraction of the matmul peak, fused attention's fraction of it, memory-bound GB/s) of a GPT
+    block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under the bf16 strategy's
+    autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
+    matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
+    ``overhead_us``; the memory-bound ops' rate is what is left of the whole block's time over their bytes
+    (GELU, LayerNorm, residual adds, autocast's casts: in bf16 they move half the bytes at about the same
+    time per element, so a rate measured on fp32 tensors is ~2x too fast for them). The FLOPs, bytes and ops
+    are counted by the planner's own rule (``simulate.op_work``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memopt.memory.tracker import MemoryTracker
-    from memopt.planner.simulate import op_work
+    from memopt.planner.simulate import ATTENTION, op_work
 
+    batch, seq, width, heads = shape
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        heads = max(1, width // 64)
         ln1, ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
         qkv, proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
         up, down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
         x = torch.randn(batch, seq, width, requires_grad=True)
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False)
 
-        def block():  # GPT-2's block (memopt's GPT), fp32 or under the bf16 strategy's autocast
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
-                forward().sum().backward()
+        def attend(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        def forward():
-            q, k, v = qkv(ln1(x)).view(batch, seq, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            h = x + proj(a.transpose(1, 2).reshape(batch, seq, width))
-            return h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
+        def block():  # GPT-2's block (memopt's GPT)
+            with autocast:
+                q, k, v = qkv(ln1(x)).view(batch, seq, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+                h = x + proj(attend(q, k, v).transpose(1, 2).reshape(batch, seq, width))
+                out = h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
+            out.backward(grad)
+
+        low = dtype
+        grad = torch.ones(batch, seq, width)
+        a_in = [torch.randn(batch, seq, n, dtype=low, requires_grad=True) for n in (width, width, 4 * width)]
+        a_grad = [torch.ones(batch, seq, n, dtype=low) for n in (3 * width, 4 * width, width)]
+        qkv_in = [torch.randn(batch, heads, seq, width // heads, dtype=low, requires_grad=True) for _ in range(3)]
+        qkv_grad = torch.ones(batch, heads, seq, width // heads, dtype=low)
+
+        def products():  # the block's four products at its shapes, nothing else (their gradients given)
+            with autocast:
+                outs = [qkv(a_in[0]), proj(a_in[1]), up(a_in[0]), down(a_in[2])]
+            torch.autograd.backward(outs, [a_grad[0], a_grad[2], a_grad[1], a_grad[2]])
+
+        def attention():
+            with autocast:
+                out = attend(*qkv_in)
+            out.backward(qkv_grad)
 
         class Count(TorchDispatchMode):
-            flops = moved = ops = 0
+            def __init__(self):
+                super().__init__()
+                self.flops = self.attention = self.moved = self.ops = 0
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 flops, moved = op_work(func, args, kwargs, out)
-                Count.ops, Count.flops, Count.moved = Count.ops + 1, Count.flops + flops, Count.moved + moved
+                self.ops, self.flops, self.moved = self.ops + 1, self.flops + flops, self.moved + moved
+                if func._overloadpacket in ATTENTION:
+                    self.attention += flops
                 return out
 
-        block()
-        with Count():
-            block()
-        best = float("inf")
-        with MemoryTracker(torch.device("cpu")):  # as runs have it, and as op_overhead_us was timed
-            for _ in range(4):
-                t0 = time.perf_counter()
-                block()
-                best = min(best, time.perf_counter() - t0)
+        def timed(fn) -> tuple[float, Count]:
+            with Count() as count:  # also the warm-up (first calls build kernels)
+                fn()
+            best = float("inf")
+            with MemoryTracker(torch.device("cpu")):
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - t0)
+            return best, count
+
+        t_mm, c_mm = timed(products)
+        t_att, c_att = timed(attention)
+        t_all, c_all = timed(block)
     finally:
         torch.set_num_threads(threads)
-    compute = best - Count.moved / (memory_gbps / threads * 1e9) - Count.ops * overhead_us * 1e-6
-    return min(1.0, max(0.05, Count.flops / max(compute, 1e-9) / peak_flops))
+    ovh = overhead_us * 1e-6
+    mm = c_mm.flops / max(t_mm - c_mm.ops * ovh, 1e-9) / peak_flops
+    att = c_att.attention / max(t_att - c_att.ops * ovh, 1e-9) / peak_flops
+    mm, att = (min(1.0, max(0.01, e)) for e in (mm, att))
+    rest = t_all - c_all.ops * ovh - (c_all.flops - c_all.attention) / (mm * peak_flops) \
+        - c_all.attention / (att * peak_flops)
+    rest = max(rest, 0.05 * t_all)  # the products' and attention's share misread: never a free memory term
+    return mm, att, c_all.moved / rest / 1e9 * threads
 
 
 def _cached(key: tuple, fn):

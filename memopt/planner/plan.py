@@ -154,7 +154,12 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     dtype = Precision.of(cfg).name
     peak = peak_tflops_for(hw, dtype)
     eff = (hw.dtype_efficiency or {}).get(dtype, hw.compute_efficiency)
+    att_eff = (hw.attention_efficiency or {}).get(dtype)
+    mem_gbps = (hw.dtype_memory_gbps or {}).get(dtype, hw.memory_gbps)
     tr = sim["traffic"]
+    attention = tr.get("attention_flops", 0) if att_eff else 0  # else at the products' efficiency
+    # FLOPs at the products' rate: fused attention at its own where measured
+    flops_at_eff = sim["flops"] - attention + (attention * eff / att_eff if attention else 0)
     host_params = tr.get("host_optim_params", 0)
     rate = hw.host_adam_gparams_s
     # a CPU's ranks share its cores (each runs cores / ranks threads) and its memory bandwidth: each gets its
@@ -166,8 +171,8 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     if comm is not None and hw.collective_latency_us is not None:
         comm += tr.get("collectives", 0) * hw.collective_latency_us * 1e-6
     terms = {
-        "compute_s": sim["flops"] * share / (peak * eff * 1e12) if peak else None,
-        "memory_s": tr.get("op_bytes", 0) * share / (hw.memory_gbps * 1e9) if hw.memory_gbps else None,
+        "compute_s": flops_at_eff * share / (peak * eff * 1e12) if peak else None,
+        "memory_s": tr.get("op_bytes", 0) * share / (mem_gbps * 1e9) if mem_gbps else None,
         "overhead_s": overhead * 1e-6 if overhead is not None else None,
         "offload_s": tr.get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
         "comm_s": comm,
@@ -185,6 +190,7 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     tokens = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * cfg.model.seq_len
     return {**terms, "total_s": total, "dominant": max(known, key=known.get)[:-2] if known else None,
             "compute_dtype": dtype, "peak_tflops": peak, "compute_efficiency": eff,
+            **({"attention_efficiency": att_eff, "attention_flops": attention} if attention else {}),
             "host_optim_params": host_params, "host_adam_gparams_s": rate, **({"bubble_fraction": bubble} if bubble else {}),
             "tokens_per_s_per_device": tokens / total if total else None}
 

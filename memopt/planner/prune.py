@@ -8,12 +8,54 @@ and stops at the first that fits: the ones below it cannot win (a tie keeps the 
 lists first anyway). Two kinds are planned at every size, because there a smaller micro-batch can be faster:
 a pipeline (more micro-batches shrink the bubble) and the chunk engine (smaller activations leave the device
 room for more optimizer groups, whose Adam then runs on the device).
+
+And a candidate whose compute alone is slower than the fastest fitting step found so far is not planned:
+candidates that do the same math (``work_class``: checkpointing, parallel sizes and their options; not the
+precision, the ZeRO stage, offload or chunk placement, which change rates and bytes, not FLOPs) count the
+same FLOPs, and their compute term (those FLOPs at the candidate's dtype's rates) is a part of their step,
+so once one of them is planned the others are bounded. The search plans the likely fastest first (the
+dtype of the highest peak, no recomputation), so that fp32 and fp16 candidates under a fast bf16 winner
+are bounded by the bf16 plans' FLOPs without a plan of their own.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 SKIPPED = "not planned: a larger micro-batch of this composition fits, and a smaller one is never predicted faster"
+
+
+# A class's members plan FLOPs within 1.3% of each other (the chunk engine's few counted ops of its own: every
+# class of gpt_tiny's and moe_tiny's exhaustive 2-rank searches, 2026-11-27): the bound is taken 3% under.
+MARGIN = 0.97
+
+
+def work_class(cfg) -> tuple:
+    """What a candidate's FLOPs depend on (its typed config): checkpointing (its recomputation), the parallel
+    sizes and tensor parallelism's and the pipeline's options, and under a pipeline the micro-batches (its
+    bubble). Not the precision: candidates of one class run the same FLOPs, each at its dtype's rates."""
+    s = cfg.strategy
+    pipeline = getattr(s, "pipeline", None)
+    return (repr(getattr(s, "ckpt", None)), repr(cfg.parallel), repr(getattr(s, "tp", None)), repr(pipeline),
+            (cfg.trainer.micro_batch_size, cfg.trainer.grad_accum) if pipeline is not None else None)
+
+
+def bounded(chain: Sequence[int], bound: Callable[[int], float | None], best_s: float | None) -> int:
+    """How many of ``chain``'s first candidates to plan: the chain stops at the first whose compute alone
+    (``bound(i)``: seconds, None where its class has no plan yet), less ``MARGIN``, is slower than ``best_s``;
+    the smaller micro-batches after it are never faster (above)."""
+    if best_s is None:
+        return len(chain)
+    for k, i in enumerate(chain):
+        b = bound(i)
+        if b is not None and b * MARGIN > best_s:
+            return k
+    return len(chain)
+
+
+def bound_row(item, bound_s: float, best_s: float) -> dict:
+    return {"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": "compute",
+            "why": f"not planned: its compute alone ({bound_s:.3g} s, planned on a candidate of the same math) "
+                   f"is slower than a fitting candidate's whole step ({best_s:.3g} s)"}
 
 
 def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bool]) -> list[list[int]]:
@@ -38,7 +80,8 @@ def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
     rows: list[dict] = []
     for item in chain:
         if any(r["fits"] for r in rows):
-            rows.append({"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": True, "why": SKIPPED})
+            rows.append({"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": "micro-batch",
+                         "why": SKIPPED})
         else:
             rows.append(plan(item, *args))
     return rows

@@ -28,10 +28,12 @@ import copy
 import os
 
 from memopt.planner.candidate import BATCH, Candidate, carried, clear
-from memopt.planner.plan import fmt, limits_of
+from memopt.memory.hardware import peak_tflops_for
+from memopt.planner.plan import fmt, limits_of, step_time
 from memopt.planner.placement import plan_placed
-from memopt.planner.prune import chains, plan_chain
+from memopt.planner.prune import bound_row, bounded, chains, plan_chain, work_class
 from memopt.planner.simulate import PlanOverflow
+from memopt.strategies.precision import Precision
 
 PRECISION = {"fp32": (), "bf16": ("bf16",), "fp16": ("fp16",)}
 CHUNK_PRESET = {"fp16": "hybrid_adam", "bf16": "hybrid_adam_bf16"}
@@ -172,7 +174,8 @@ def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
     if plan is not None:
         row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
                    peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
-                   dominant=plan.get("step_time", {}).get("dominant"))
+                   dominant=plan.get("step_time", {}).get("dominant"), compute_s=plan.get("step_time", {}).get("compute_s"),
+                   work=(plan["flops_per_step"], plan["traffic"].get("attention_flops", 0), plan["ranks_per_node"]))
     elif isinstance(err, PlanOverflow):
         row["why"] = err.reason or f"{err.device} over at {err.category}"
     elif err is not None:
@@ -218,22 +221,58 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
 
     links = chains([c.without(*BATCH) for c in todo], [c.value(BATCH[0], 0) for c in todo],
                    [_every_size(c) for c in todo]) if prune else [[i] for i in range(len(todo))]
+    cfgs = [c.config(base) for c in todo]
+    classes = [work_class(c) for c in cfgs]
+    dtypes = [Precision.of(c).name for c in cfgs]
+    # likely fastest first, so that bounds stop the slow candidates early: the dtype of the highest peak, no recomputation
+    links.sort(key=lambda c: (-(peak_tflops_for(hw, dtypes[c[0]]) or 0.0), classes[c[0]][0] != "None", min(c)))
+    known: dict = {}  # work class -> (FLOPs, attention FLOPs, ranks per node) of a planned candidate of it
+
+    def bound(i: int) -> float | None:
+        """Candidate ``i``'s compute term: its class's planned FLOPs at its own dtype's rates."""
+        if classes[i] not in known:
+            return None
+        flops, attention, local = known[classes[i]]
+        return step_time(cfgs[i], hw, {"flops": flops, "traffic": {"attention_flops": attention}}, local)["compute_s"]
+
+    def take(chain: list[int], got: list[dict]) -> None:
+        for i, row in zip(chain, got):
+            work = row.pop("work", None)
+            if work is not None and (classes[i] not in known or work[0] < known[classes[i]][0]):
+                known[classes[i]] = work
+            add(row, i)
+
+    def next_chain() -> list[int] | None:
+        """The next chain to plan, its bounded tail given its rows first (None: no chain left)."""
+        while links:
+            chain = links.pop(0)
+            k = bounded(chain, bound, best["step_s"] if best and prune else None)
+            for i in chain[k:]:
+                add(bound_row(todo[i], bound(chain[k]), best["step_s"]), i)
+            if k:
+                return chain[:k]
+        return None
+
     if workers > 1 and len(todo) >= PARALLEL_FROM:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         from memopt.planner.plan import runtime_bytes
 
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                  initargs=(runtime_bytes(),)) as pool:
-            futures = {pool.submit(plan_chain, [todo[i] for i in c], plan_row, base, hw, limits): c for c in links}
-            for fut in as_completed(futures):
-                for i, row in zip(futures[fut], fut.result()):
-                    add(row, i)
+            running: dict = {}  # as many chains as workers: each bound is read when its chain is sent
+            while True:
+                while len(running) < workers and (chain := next_chain()) is not None:
+                    running[pool.submit(plan_chain, [todo[i] for i in chain], plan_row, base, hw, limits)] = chain
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    take(running.pop(fut), fut.result())
     else:
-        for c in links:
-            for i, row in zip(c, plan_chain([todo[i] for i in c], plan_row, base, hw, limits)):
-                add(row, i)
+        while (chain := next_chain()) is not None:
+            take(chain, plan_chain([todo[i] for i in chain], plan_row, base, hw, limits))
     rows.sort(key=lambda r: r.pop("_order"))
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
@@ -245,16 +284,18 @@ def _every_size(c: Candidate) -> bool:
 
 
 def ranked_table(rows: list[dict], top: int) -> str:
-    skipped = sum(bool(r.get("skipped")) for r in rows)
+    smaller = sum(r.get("skipped") == "micro-batch" for r in rows)
+    slower = sum(r.get("skipped") == "compute" for r in rows)
+    why = [f"{smaller} as a larger micro-batch of their composition fits"] * bool(smaller) \
+        + [f"{slower} as their compute alone is slower than the fastest fitting step"] * bool(slower)
     lines = [f"memopt auto: {sum(r['fits'] for r in rows)} of {len(rows)} candidates fit"
-             + (f" ({skipped} not planned: a larger micro-batch of their composition fits)" if skipped else "")
-             + "; fastest predicted first"]
+             + (f" (not planned: {', '.join(why)})" if why else "") + "; fastest predicted first"]
     for i, r in enumerate(rows[:top]):
         if r["fits"]:
             speed = f"{r['step_s']:.3g} s/step ({r['dominant']})" if r["step_s"] is not None else "step time unknown"
             lines.append(f"  {i + 1:>2}. {speed}, peak {fmt(r['peak'])}: {r['label']}")
         elif r.get("skipped"):
-            lines.append(f"   -  skipped (a larger micro-batch of it fits): {r['label']}")
+            lines.append(f"   -  skipped ({'a larger micro-batch of it fits' if r['skipped'] == 'micro-batch' else 'its compute alone is slower'}): {r['label']}")
         else:
             lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
     return "\n".join(lines)

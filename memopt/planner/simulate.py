@@ -75,6 +75,13 @@ def _split_over_mesh(out) -> int:
 
 
 _FLOPS = _flop_formulas()
+_aten = torch.ops.aten
+# fused attention's kernels: its FLOPs run at a rate of their own (``hardware.attention_efficiency``)
+ATTENTION = frozenset(getattr(_aten, n) for n in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward") if hasattr(_aten, n))
 
 
 def op_work(func, args, kwargs, out, moves: bool = True) -> tuple[int, int]:
@@ -226,6 +233,8 @@ class PlanTracker(MemoryTracker):
             if flops or moved:
                 split = _split_over_mesh(out)
                 self.traffic["flops"] += flops // split
+                if func._overloadpacket in ATTENTION:
+                    self.traffic["attention_flops"] += flops // split
                 self.traffic["op_bytes"] += moved // split
             if _on_dtensors(args):
                 self.traffic["dtensor_ops"] += 1

@@ -252,40 +252,57 @@ def test_search_reports_each_candidate_and_the_best_so_far():
 @pytest.mark.slow
 def test_search_in_worker_processes_ranks_as_one_process():
     """The candidates planned side by side in worker processes give the rows of the one-process search, in
-    the same order (each plan is a function of its overrides alone)."""
+    the same order (each plan is a function of its overrides alone); pruned, the same winner (which
+    candidates a bound skips depends on the order plans finish in)."""
     from memopt.planner.search import PARALLEL_FROM, search
 
     over = ["model=gpt_tiny", "model.seq_len=32", "+strategy=auto"]
     cfg = typed(over)
-    one = search(cfg, small_hw(512), workers=1)
-    two = search(cfg, small_hw(512), workers=2)
+    one = search(cfg, small_hw(512), workers=1, prune=False)
+    two = search(cfg, small_hw(512), workers=2, prune=False)
     assert len(one) >= PARALLEL_FROM
     keys = ("label", "fits", "step_s", "peak", "why")
     assert [tuple(r.get(k) for k in keys) for r in one] == [tuple(r.get(k) for k in keys) for r in two]
+    assert search(cfg, small_hw(512), workers=2)[0]["label"] == one[0]["label"]
 
 
-def test_pruned_search_keeps_the_exhaustive_searchs_winner():
-    """A composition's smaller micro-batches are not planned once a larger fits (planner/prune.py): against
-    the exhaustive search of the same space, the same winner and the same rows for every candidate planned,
-    and every skipped candidate predicted no faster than the larger micro-batch of its composition that fit."""
+@pytest.mark.parametrize("dtypes", [["fp32"], ["fp32", "bf16"]])
+def test_pruned_search_keeps_the_exhaustive_searchs_winner(dtypes):
+    """A composition's smaller micro-batches are not planned once a larger fits, nor a candidate whose class's
+    compute alone is slower than a fitting step (planner/prune.py): against the exhaustive search of the same
+    space, the same winner and the same rows for every candidate planned; every candidate skipped for its
+    micro-batch predicted no faster than the larger micro-batch of its composition that fit, every one skipped
+    for its compute slower than the winner (or not fitting) and of compute no less than its bound."""
     from memopt.planner.search import search
 
     base = ["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "trainer.micro_batch_size=4", "logger=none",
             "data=synthetic", "trainer.save_checkpoint=false", "trainer.eval_every=0"]
-    cfg = typed([*base, "+strategy=auto", "strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[4,2,1]",
-                 "strategy.auto.chunk_budget_gb=[]"])
+    cfg = typed([*base, "+strategy=auto", "strategy.auto.ckpt=[none,full]", "strategy.auto.micro_batch_size=[4,2,1]",
+                 "strategy.auto.chunk_budget_gb=[]", f"strategy.auto.precision=[{','.join(dtypes)}]"])
     from dataclasses import replace
 
     # every term the CPU model has, so a smaller micro-batch's extra ops and calls make it slower, not a tie
-    hw = replace(small_hw(64), memory_gbps=10.0, op_overhead_us=10.0, collective_latency_us=100.0, host_adam_gparams_s=0.5)
+    # and a peak low enough that compute leads the step (full recomputation's compute alone then exceeds it)
+    # with bf16 10x faster (a device, not the host: both searched), fp32's candidates are bounded by bf16's FLOPs
+    hw = replace(small_hw(64), memory_gbps=10.0, op_overhead_us=10.0, collective_latency_us=100.0, host_adam_gparams_s=0.5,
+                 peak_tflops={"fp32": 0.002, "bf16": 0.02}, device_is_host=len(dtypes) == 1, device_memory_gb=64 / 1024)
     full = {r["label"]: r for r in search(cfg, hw, workers=1, prune=False)}
     pruned = search(cfg, hw, workers=1)
     assert pruned[0]["label"] == min((r for r in full.values() if r["fits"]), key=lambda r: r["step_s"])["label"]
-    skipped = [r for r in pruned if r.get("skipped")]
-    assert skipped, "the space has compositions whose largest micro-batch fits"
+    kinds = {r.get("skipped") for r in pruned}
+    if "bf16" in dtypes:  # fp32 bounded without an fp32 plan of the class: none planned at all
+        assert all(r.get("skipped") for r in pruned if "bf16" not in r["label"])
+    could_win = {label for label, f in full.items() if f.get("compute_s") is not None and f["compute_s"] <= pruned[0]["step_s"]}
+    assert not [r["label"] for r in pruned if r.get("skipped") == "compute" and r["label"] in could_win]
+    assert {"micro-batch", "compute"} <= kinds, "the space has both kinds (full recomputation is slower)"
     for r in pruned:
         if not r.get("skipped"):
             assert (r["fits"], r.get("step_s")) == (full[r["label"]]["fits"], full[r["label"]].get("step_s")), r["label"]
+            continue
+        if r["skipped"] == "compute":
+            f = full[r["label"]]  # its compute, as the exhaustive search planned it, is over the winner's step
+            assert f.get("compute_s") is None or f["compute_s"] > pruned[0]["step_s"], r["label"]
+            assert not f["fits"] or f["step_s"] > pruned[0]["step_s"], r["label"]
             continue
         comp = [o for o in r["overrides"] if not o.startswith(("trainer.micro_batch_size=", "trainer.grad_accum="))]
         larger = [f for f in pruned if f["fits"] and [o for o in f["overrides"] if not o.startswith(

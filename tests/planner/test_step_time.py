@@ -134,6 +134,37 @@ def test_cpu_terms_are_the_formulas():
     assert plain["memory_s"] is None and plain["overhead_s"] is None and plain["comm_s"] == pytest.approx(0.2)
 
 
+def test_attention_and_bf16_memory_at_their_own_rates():
+    """Fused attention's FLOPs at ``attention_efficiency``, the rest at ``compute_efficiency``, and a bf16
+    run's memory-bound bytes at ``dtype_memory_gbps["bf16"]``: 0.8e12 FLOPs at 2 TFLOP/s x 0.5 / 2 ranks
+    = 1.6 s plus 0.2e12 at 2 x 0.1 / 2 = 2 s; 4e9 B at 8 GB/s / 2 = 1 s (fp32's 16 GB/s would say 0.5).
+    Without attention's rate (a GPU profile's), all 1e12 FLOPs at 0.5: 2 s."""
+    sim = {"flops": 1e12, "traffic": {"attention_flops": 2e11, "op_bytes": 4e9}}
+    rates = dict(compute_efficiency=0.5, attention_efficiency={"fp32": 0.1, "bf16": 0.1}, memory_gbps=16.0,
+                 dtype_memory_gbps={"bf16": 8.0}, peak_tflops={"fp32": 2.0, "bf16": 2.0})
+    st = step_time(typed(TINY), _hw(**rates), sim, ranks_per_node=2)
+    assert (st["compute_s"], st["memory_s"]) == (pytest.approx(3.6), pytest.approx(0.5))
+    bf16 = step_time(typed([*TINY, "+strategy=bf16"]), _hw(**rates), sim, ranks_per_node=2)
+    assert (bf16["compute_s"], bf16["memory_s"]) == (pytest.approx(3.6), pytest.approx(1.0))
+    rates.pop("attention_efficiency")
+    assert step_time(typed(TINY), _hw(**rates), sim, ranks_per_node=2)["compute_s"] == pytest.approx(2.0)
+
+
+def test_the_simulated_step_counts_attention_flops_by_the_formula():
+    """The plan's attention FLOPs (what ``attention_efficiency`` divides) are the fused kernel's products,
+    causal blocks counted: forward Q K^T and P V, 4 B T^2 C; backward the scores recomputed and four products
+    (dV, dP, dQ, dK), 10 B T^2 C; per layer and micro-batch, with full checkpointing's recomputed forward once
+    more; nothing else is counted as attention."""
+    from memopt.planner.plan import make_plan
+
+    for extra, per_layer in (([], 14), (["+strategy=[ckpt]"], 18)):
+        cfg = typed([*TINY, "trainer.grad_accum=2", *extra])
+        m = cfg.model
+        got = make_plan(cfg, _hw(device_memory_gb=64.0))["traffic"]["attention_flops"]
+        b, t, c = cfg.trainer.micro_batch_size, m.seq_len, m.d_model
+        assert got == per_layer * m.n_layer * b * t * t * c * 2, extra
+
+
 @pytest.mark.parametrize("field", ["op_overhead_us", "collective_latency_us", "memory_gbps"])
 def test_refuses_a_negative_rate(field):
     with pytest.raises(ConfigError, match=f"hardware.{field}=-1"):
@@ -197,12 +228,12 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
     assert hw.op_overhead_us == 7.0
     assert 0.05 <= hw.compute_efficiency <= 1.0
     if hw.peak_tflops["bf16"] >= hw.peak_tflops["fp32"]:  # bf16 products fast here: their own fraction
-        assert 0.05 <= hw.dtype_efficiency["bf16"] <= 1.0
+        assert 0.05 <= hw.dtype_efficiency["bf16"] <= 1.0 and hw.dtype_memory_gbps["bf16"] > 0
+    assert all(0 < e <= 1 for e in hw.attention_efficiency.values()) and "fp32" in hw.attention_efficiency
     for name in ("memory_gbps", "dtensor_op_overhead_us", "collective_latency_us", "host_adam_gparams_s",
                  "device_device_gbps"):
         assert getattr(hw, name) is not None and getattr(hw, name) >= 0, name
     assert hw.memory_gbps > 0 and hw.device_device_gbps > 0
-    assert hw.host_adam_gparams_s == pytest.approx(hw.memory_gbps / 28)
     assert hw.ranks_share_device  # this CPU's ranks share its cores, with a device budget too
     run = resolve_hardware(HardwareConfig(), torch.device("cpu"))
     assert (run.memory_gbps, run.op_overhead_us, run.collective_latency_us) == (None, None, None)
