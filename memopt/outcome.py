@@ -52,6 +52,41 @@ def refusal(run_dir: str, cfg, error: str, **extra) -> dict:
     return refused
 
 
+RANK_STOP = "stop.rank{}.json"
+
+
+def record_rank_stop(run_dir: str, rank: int, status: str, error: str) -> None:
+    """A rank other than 0 that stops with an outcome of its own (its device budget crossed, a divergence)
+    leaves it here for the launcher: rank 0 only sees the collective its peer left (a closed connection)
+    and would record ``failed``. Best effort: the launcher then says what rank 0 recorded."""
+    try:
+        write_json(os.path.join(run_dir, RANK_STOP.format(rank)), {"status": status, "error": error})
+    except OSError:
+        pass
+
+
+def rank_stops(run_dir: str, world: int) -> dict[int, dict]:
+    """The outcomes ranks 1..world-1 left with ``record_rank_stop``, by rank."""
+    out = {}
+    for r in range(1, world):
+        try:
+            with open(os.path.join(run_dir, RANK_STOP.format(r))) as f:
+                got = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(got, dict) and got.get("status") in EXIT_CODES and got["status"] not in ("ok", "failed"):
+            out[r] = got
+    return out
+
+
+def clear_rank_stops(run_dir: str, world: int) -> None:
+    for r in range(1, world):
+        try:
+            os.remove(os.path.join(run_dir, RANK_STOP.format(r)))
+        except OSError:
+            pass
+
+
 def recorded_status(run_dir: str) -> str:
     """The status a failed run wrote into its summary.json (``failed`` when it wrote none)."""
     status = (read(run_dir) or {}).get("status")

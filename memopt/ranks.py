@@ -64,6 +64,7 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
     from memopt.worker import run_rank
 
     watchdog = _watch_ranks(run_dir, resolved["trainer"].get("watchdog_s") or 0)
+    outcome.clear_rank_stops(run_dir, nproc)  # a previous attempt's
     try:
         results = launch(nproc, run_rank, resolved, run_dir, group)
     except Interrupted as e:  # the launcher's signal is the cause; what rank 0 recorded of its stop stays beside it
@@ -75,6 +76,15 @@ def _launch_ranks(nproc: int, resolved: dict, run_dir: str, group: str | None) -
     except RankFailure as e:
         summary = _summary_so_far(run_dir, resolved)
         recorded = summary.get("status")  # what the ranks decided (oom, refused, diverged, interrupted)
+        stops = outcome.rank_stops(run_dir, nproc)
+        if stops and recorded in (None, "failed"):  # rank 0 failed on what another rank's stop left it (a closed peer)
+            r, stop = min(stops.items())
+            from memopt.errors import Recorded
+
+            summary.update(status=stop["status"], error=f"rank {r}: {stop['error']}", failed_rank=r,
+                           **({"rank0_error": summary["error"]} if summary.get("error") else {}))
+            outcome.record(run_dir, summary)
+            raise Recorded(stop["status"], summary["error"]) from None
         if e.clean and recorded in EXIT_CODES and recorded != "ok" and summary.get("error"):
             from memopt.errors import Recorded  # rank 0's record is the outcome: said in one line
 

@@ -101,6 +101,8 @@ class Trainer:
                 self.summary["peak_rss_bytes"] = {str(self.rank): peak_rss_bytes()}
             if self.logger.enabled:
                 outcome.record(self.run_dir, self.summary)
+            elif self.rank != 0 and self.summary["status"] not in ("ok", "failed"):
+                outcome.record_rank_stop(self.run_dir, self.rank, self.summary["status"], self.summary.get("error", ""))
             self.logger.finish(self.summary)
         return self.summary
 
@@ -111,6 +113,9 @@ class Trainer:
         the host's RAM."""
         if self.hw.device_is_host or not self.hw.device_memory_gb:
             return None
+        fault = os.environ.get("MEMOPT_FAULT_BUDGET", "")  # "<rank>:<bytes>": that rank's own budget (tests: one
+        if fault.split(":")[0] == str(self.rank):  # rank crossing alone, its peers left waiting in a collective)
+            return int(fault.split(":")[1])
         return int(self.hw.device_memory_gb * 2**30)
 
     # ------------------------------------------------------------------------------------------

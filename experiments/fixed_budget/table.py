@@ -31,6 +31,8 @@ from experiments.common import REPO, bench_dir, machine_line, mib, table  # noqa
 
 ENGINES = ("memopt", "deepspeed", "fsdp2")
 TYPED = ["engine=deepspeed", "+strategy=[zero3,cpu_offload,ckpt]"]  # a DeepSpeed user's ZeRO-3-Offload, no planner
+# DeepSpeed runs MoE with ZeRO stage 2 at most (it asserts so): for a MoE model its user's ZeRO-Offload is stage 2
+TYPED_MOE = ["engine=deepspeed", "+strategy=[zero2,cpu_offload,ckpt]"]  # (the model preset selects moe)
 COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.save_checkpoint=false",
           "data=synthetic"]
 NODES = {"8x A100 80G": ["hardware=a100_80g", "trainer.nproc_per_node=8"],
@@ -83,7 +85,7 @@ def measured(args, tmp: str) -> None:
             for engine in ENGINES:
                 ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"))
                 rows[(frac, f"{engine} auto")] = (ov, row)
-            rows[(frac, "DeepSpeed typed")] = (TYPED, {})
+            rows[(frac, "DeepSpeed typed")] = (TYPED_MOE if model.startswith("moe") else TYPED, {})
             for rep in range(args.repeats):
                 names = [n for (f, n) in rows if f == frac]
                 names = names[rep % len(names):] + names[:rep % len(names)]  # rotate who goes first

@@ -9,7 +9,7 @@ The core, one path for every engine:
     search.py       ``+strategy=auto``: every candidate planned, ranked by predicted step time
     search_pp.py    the pipeline's candidates (pp sizes and schedules a run can take)
     candidate.py    a candidate as typed data: its TrainConfig copy and the overrides it prints
-    prune.py        auto's smaller micro-batches skipped once a larger one fits
+    prune.py        auto's smaller micro-batches skipped once a larger one fits; candidates bounded by their compute
     balance.py      ``strategy.pipeline.split=balanced``: the split with the least largest stage peak
     cpu_rates.py    this CPU's step-time rates, measured for plan mode and auto
     figure.py       plan.png

@@ -201,20 +201,20 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                     self.attention += flops
                 return out
 
-        def timed(fn) -> tuple[float, Count]:
+        counts = []
+        for fn in (products, attention, block):
             with Count() as count:  # also the warm-up (first calls build kernels)
                 fn()
-            best = float("inf")
-            with MemoryTracker(torch.device("cpu")):
-                for _ in range(2):
+            counts.append(count)
+        c_mm, c_att, c_all = counts
+        best = [float("inf")] * 3
+        with MemoryTracker(torch.device("cpu")):
+            for _ in range(3):  # interleaved, so that the machine's drift reaches the three alike (the memory rate
+                for k, fn in enumerate((products, attention, block)):  # is a difference of their times)
                     t0 = time.perf_counter()
                     fn()
-                    best = min(best, time.perf_counter() - t0)
-            return best, count
-
-        t_mm, c_mm = timed(products)
-        t_att, c_att = timed(attention)
-        t_all, c_all = timed(block)
+                    best[k] = min(best[k], time.perf_counter() - t0)
+        t_mm, t_att, t_all = best
     finally:
         torch.set_num_threads(threads)
     ovh = overhead_us * 1e-6

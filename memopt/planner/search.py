@@ -97,6 +97,13 @@ def candidates(cfg, hw) -> list[Candidate]:
     supports = _engine_supports(cfg.engine.name)
     if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
         out = [c for c in out if set(c.strategies) <= supports]
+        missing = sorted(set(keep.strategies) - supports)
+        if missing:  # what the command keeps in every candidate (MoE) is not this engine's: no candidate at all
+            from memopt.errors import ConfigError
+
+            raise ConfigError(f"engine={cfg.engine.name} +strategy=auto: the command's {', '.join(missing)} is not among "
+                              f"what engine={cfg.engine.name} runs ({', '.join(sorted(supports))}), so it has no candidate; "
+                              "use engine=memopt" + (" or engine=deepspeed" if cfg.engine.name != "deepspeed" else ""))
     if world > 1 and supports is None:  # the pipeline engine is memopt's; pp_candidates reads its other rules
         from memopt.planner.search_pp import pp_candidates
 
@@ -201,8 +208,9 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
     process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order.
-    ``prune``: a composition's smaller micro-batches are not planned once a larger one fits (``prune.py``:
-    they cannot win; their rows say so)."""
+    ``prune``: a composition's smaller micro-batches are not planned once a larger one fits, nor a candidate whose
+    compute alone is slower than the best fitting step so far (``prune.py``: they cannot win; their rows say so;
+    which ones a bound skips can depend on the order worker plans finish in, the winner cannot)."""
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     base = base_of(cfg)
     rows, best = [], None

@@ -39,6 +39,20 @@ def test_a_crashing_rank_stops_the_job_and_is_named(tmp_path):
     assert s["engine"] == "memopt" and s["strategy"] == [] and s["world_size"] == 2  # what the job was asked to run
 
 
+def test_a_rank_over_its_budget_alone_ends_the_job_oom_naming_it(tmp_path):
+    """Rank 1 crosses its device budget at build while rank 0 waits for it in a collective (it then fails on
+    the closed connection, not on memory): the job ends ``oom`` (exit 3) with rank 1's own reason, the
+    budget crossing and its category, not ``failed`` with rank 0's gloo error."""
+    d = tmp_path / "r"
+    p = run([f"hydra.run.dir={d}", "trainer.nproc_per_node=2", "hardware.device_memory_gb=4", *QUICK], str(tmp_path),
+            {"MEMOPT_FAULT_BUDGET": "1:65536"})
+    assert p.returncode == 3, p.stderr[-3000:]  # memopt.errors.EXIT_CODES["oom"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "oom" and s["failed_rank"] == 1, s
+    assert s["error"].startswith("rank 1: DeviceBudgetExceeded") and "65536" in s["error"] and "crossed by" in s["error"]
+    assert "rank 1" in p.stderr.splitlines()[-1] and "oom" in p.stderr.splitlines()[-1]
+
+
 @pytest.mark.slow  # 5 s; a launch of 2 ranks runs by default (nproc_per_node)
 def test_runs_unchanged_under_torchrun(tmp_path):
     d = tmp_path / "r"

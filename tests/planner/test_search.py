@@ -371,3 +371,14 @@ def test_fsdp2_offload_is_refused_when_the_plan_is_for_this_cpu():
     assert offload
     row = plan_row(offload[0], base_of(cfg), hw, limits_of(hw, 2, cfg))
     assert not row["fits"] and "needs a CUDA device" in row["why"], row
+
+
+def test_auto_refuses_an_engine_that_cannot_run_what_the_command_keeps():
+    """engine=fsdp2 does not run MoE, which every candidate of a MoE command keeps: the search is refused
+    naming it and the engines that do, before any plan (it had answered "none of 0 candidates fits")."""
+    from memopt.errors import ConfigError
+    from memopt.planner.search import search
+
+    cfg = typed(["model=moe_tiny", "model.seq_len=32", "engine=fsdp2", "+strategy=auto", "trainer.nproc_per_node=2"])
+    with pytest.raises(ConfigError, match=r"engine=fsdp2 \+strategy=auto: the command's moe is not among .* use engine=memopt or engine=deepspeed"):
+        search(cfg, small_hw(512))
