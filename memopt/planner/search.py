@@ -101,9 +101,10 @@ def candidates(cfg, hw) -> list[Candidate]:
         if missing:  # what the command keeps in every candidate (MoE) is not this engine's: no candidate at all
             from memopt.errors import ConfigError
 
+            able = [n for n in ("memopt", "deepspeed") if (s := _engine_supports(n)) is None or set(missing) <= s]
             raise ConfigError(f"engine={cfg.engine.name} +strategy=auto: the command's {', '.join(missing)} is not among "
                               f"what engine={cfg.engine.name} runs ({', '.join(sorted(supports))}), so it has no candidate; "
-                              "use engine=memopt" + (" or engine=deepspeed" if cfg.engine.name != "deepspeed" else ""))
+                              f"use {' or '.join(f'engine={n}' for n in able)}")
     if world > 1 and supports is None:  # the pipeline engine is memopt's; pp_candidates reads its other rules
         from memopt.planner.search_pp import pp_candidates
 
