@@ -1,4 +1,4 @@
-"""What the planner's step time needs to know of this CPU, measured in about six seconds (plan mode and auto).
+"""What the planner's step time needs to know of this CPU, measured in about seven seconds (plan mode and auto).
 
 A CPU rank's step is not its FLOPs at the matmul peak: on gpt_small the plan said 0.37 s where 2 ranks
 took 1.2-2.0 s, and on gpt_tiny 0.026 s against 0.19 s (issue #30). The rest is memory-bound ops, the
@@ -142,8 +142,8 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
     matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
     ``overhead_us``; the memory-bound ops' rate is what is left of the whole block's time over their bytes
-    (GELU, LayerNorm, residual adds, autocast's casts: in bf16 they move half the bytes at about the same
-    time per element, so a rate measured on fp32 tensors is ~2x too fast for them). The FLOPs, bytes and ops
+    (GELU, LayerNorm, residual adds, autocast's casts: in bf16 some move half the bytes in about the same
+    time per element, so each dtype has its own rate). The FLOPs, bytes and ops
     are counted by the planner's own rule (``simulate.op_work``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -171,12 +171,11 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                 out = h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
             out.backward(grad)
 
-        low = dtype
         grad = torch.ones(batch, seq, width)
-        a_in = [torch.randn(batch, seq, n, dtype=low, requires_grad=True) for n in (width, width, 4 * width)]
-        a_grad = [torch.ones(batch, seq, n, dtype=low) for n in (3 * width, 4 * width, width)]
-        qkv_in = [torch.randn(batch, heads, seq, width // heads, dtype=low, requires_grad=True) for _ in range(3)]
-        qkv_grad = torch.ones(batch, heads, seq, width // heads, dtype=low)
+        a_in = [torch.randn(batch, seq, n, dtype=dtype, requires_grad=True) for n in (width, width, 4 * width)]
+        a_grad = [torch.ones(batch, seq, n, dtype=dtype) for n in (3 * width, 4 * width, width)]
+        qkv_in = [torch.randn(batch, heads, seq, width // heads, dtype=dtype, requires_grad=True) for _ in range(3)]
+        qkv_grad = torch.ones(batch, heads, seq, width // heads, dtype=dtype)
 
         def products():  # the block's four products at its shapes, nothing else (their gradients given)
             with autocast:

@@ -52,10 +52,14 @@ def bounded(chain: Sequence[int], bound: Callable[[int], float | None], best_s: 
     return len(chain)
 
 
+def skipped_row(item, kind: str, why: str) -> dict:
+    """The row of a candidate not planned: ``kind`` "micro-batch" or "compute" (the two rules above)."""
+    return {"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": kind, "why": why}
+
+
 def bound_row(item, bound_s: float, best_s: float) -> dict:
-    return {"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": "compute",
-            "why": f"not planned: its compute alone ({bound_s:.3g} s, planned on a candidate of the same math) "
-                   f"is slower than a fitting candidate's whole step ({best_s:.3g} s)"}
+    return skipped_row(item, "compute", f"not planned: its compute alone ({bound_s:.3g} s, planned on a candidate of "
+                                        f"the same math) is slower than a fitting candidate's whole step ({best_s:.3g} s)")
 
 
 def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bool]) -> list[list[int]]:
@@ -80,8 +84,7 @@ def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
     rows: list[dict] = []
     for item in chain:
         if any(r["fits"] for r in rows):
-            rows.append({"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": "micro-batch",
-                         "why": SKIPPED})
+            rows.append(skipped_row(item, "micro-batch", SKIPPED))
         else:
             rows.append(plan(item, *args))
     return rows

@@ -208,7 +208,7 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
-    process's CPU time), used from ``PARALLEL_FROM`` candidates on; the rows are the same in any order.
+    process's CPU time), used from ``PARALLEL_FROM`` candidates on; unpruned, the rows are the same in any order.
     ``prune``: a composition's smaller micro-batches are not planned once a larger one fits, nor a candidate whose
     compute alone is slower than the best fitting step so far (``prune.py``: they cannot win; their rows say so;
     which ones a bound skips can depend on the order worker plans finish in, the winner cannot)."""
