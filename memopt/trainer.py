@@ -25,7 +25,7 @@ from memopt.errors import ConfigError, Diverged, status_of
 from memopt.guards import DivergenceGuard, StopSignals
 from memopt import outcome
 from memopt.logging import RunLogger
-from memopt.memory.hardware import peak_tflops_for, resolve_hardware
+from memopt.memory.hardware import device_runtime_bytes, peak_tflops_for, resolve_hardware
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
@@ -81,7 +81,8 @@ class Trainer:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
             self.hw = resolve_hardware(cfg.hardware, self.device)  # its CPU matmul probe is not the run's memory
-            tracker = MemoryTracker(self.device, budget=self._device_budget()) if cfg.trainer.track_memory else NullTracker()
+            tracker = MemoryTracker(self.device, budget=self._device_budget(), budget_name=self._budget_name()) \
+                if cfg.trainer.track_memory else NullTracker()
             self._start_watchdog()
             with tracker, StopSignals() as self.signals:
                 self._train(tracker)
@@ -116,7 +117,12 @@ class Trainer:
         fault = os.environ.get("MEMOPT_FAULT_BUDGET", "")  # "<rank>:<bytes>": that rank's own budget (tests: one
         if fault.split(":")[0] == str(self.rank):  # rank crossing alone, its peers left waiting in a collective)
             return int(fault.split(":")[1])
-        return int(self.hw.device_memory_gb * 2**30)
+        return int(self.hw.device_memory_gb * 2**30) - device_runtime_bytes(self.hw)  # the libraries' share: the plan's
+
+    def _budget_name(self) -> str:
+        runtime = device_runtime_bytes(self.hw)
+        return "hardware.device_memory_gb" + (f" less {runtime} B of cuBLAS workspaces (hardware.device_runtime_mb)"
+                                              if runtime else "")
 
     # ------------------------------------------------------------------------------------------
     def _train(self, tracker) -> None:

@@ -21,14 +21,19 @@ Kernels
   the fp32 output accumulator in registers, writes ``O`` (input dtype) and
   ``LSE`` (fp32, natural log).  Exponentials are computed with ``exp2`` on
   scores pre-multiplied by ``scale * log2(e)``.
-* ``_flash_bwd_preprocess_kernel``: ``delta_i = sum_d dO_id * O_id`` (fp32),
-  which equals ``sum_j P_ij dP_ij`` and is needed by the softmax backward
-  ``dS = P * (dP - delta)``.
-* ``_flash_bwd_dkdv_kernel``: one program per (key block, batch*head); loops
-  over query blocks (for causal, only those at or below the diagonal) and
-  accumulates ``dV = P^T dO`` and ``dK = scale * dS^T Q`` in fp32.
-* ``_flash_bwd_dq_kernel``: one program per (query block, batch*head); loops
-  over key blocks and accumulates ``dQ = scale * dS K`` in fp32.
+* ``_flash_bwd_dq_kernel``: one program per (query block, batch*head); first
+  forms its rows' ``delta_i = sum_d dO_id * O_id`` (fp32, which equals
+  ``sum_j P_ij dP_ij``, needed by the softmax backward ``dS = P * (dP - delta)``)
+  and stores it for the dK/dV kernel, then loops over key blocks and
+  accumulates ``dQ = scale * dS K`` in fp32.
+* ``_flash_bwd_dkdv_kernel``, launched after it: one program per (key block,
+  batch*head); loops over query blocks (for causal, only those at or below the
+  diagonal) and accumulates ``dV = P^T dO`` and ``dK = scale * dS^T Q`` in fp32.
+
+``delta`` used to be a pre-pass kernel of its own; at N = 1k a forward +
+backward is bound by the host's launches (experiments/flash_attn), so it is
+folded into the dQ kernel, which loads ``dO`` for those rows anyway: three
+launches per forward + backward instead of four.
 
 Each loop runs in stages (jit helpers ``_fwd_tiles``, ``_dkdv_tiles``,
 ``_dq_tiles`` with constexpr mask flags): for causal attention the tiles wholly
@@ -37,7 +42,7 @@ causal mask; the ragged tile at a sequence end that is not a multiple of the
 block is masked against N in whichever stage reaches it.  See "Tile loops and
 the causal stage split" below.
 
-The backward uses two kernels (dK/dV, then dQ) rather than one fused kernel
+The backward uses two kernels (dQ, then dK/dV) rather than one fused kernel
 with atomic adds on dQ: each output element is written by exactly one
 program, so results are deterministic, no zero-initialised fp32 scratch buffer
 is needed, and the price (P recomputed twice) is the same trade the Triton
@@ -346,34 +351,6 @@ def _flash_fwd_kernel(
     tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_ln, lse, mask=m_valid)
 
 
-def _flash_bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_deb, stride_deh, stride_den,
-    H, N_Q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_valid = offs_m < N_Q
-    o = tl.load(
-        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-        mask=m_valid[:, None], other=0.0,
-    ).to(tl.float32)
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-        mask=m_valid[:, None], other=0.0,
-    ).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    tl.store(DELTA + b * stride_deb + h * stride_deh + offs_m * stride_den, delta, mask=m_valid)
-
-
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -459,10 +436,11 @@ def _flash_bwd_dkdv_kernel(
 
 
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, O, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_lb, stride_lh, stride_ln,
     stride_deb, stride_deh, stride_den,
@@ -497,7 +475,12 @@ def _flash_bwd_dq_kernel(
         mask=m_valid[:, None], other=0.0,
     )
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=m_valid, other=0.0)
-    delta = tl.load(DELTA + b * stride_deb + h * stride_deh + offs_m * stride_den, mask=m_valid, other=0.0)
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        mask=m_valid[:, None], other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past N_Q: 0, never stored
+    tl.store(DELTA + b * stride_deb + h * stride_deh + offs_m * stride_den, delta, mask=m_valid)  # for dK/dV
     lse_log2 = lse * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
@@ -584,7 +567,6 @@ def tuned_blocks() -> dict:
 @dataclass(frozen=True)
 class _KernelSet:
     fwd: object
-    pre: object
     dkdv: object
     dq: object
     fwd_tuned: object | None
@@ -630,17 +612,14 @@ def _kernels(interpreted: bool) -> _KernelSet:
     ns = dict(globals())
     for helper in _TILE_HELPERS:
         ns[helper.__name__] = wrap(_rebind(helper, ns))
-    fwd, dkdv, dq, pre = (
-        wrap(_rebind(fn, ns))
-        for fn in (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel)
-    )
+    fwd, dkdv, dq = (wrap(_rebind(fn, ns)) for fn in (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel))
     tuned = [None, None, None]
     if not interpreted:
         tuned = [
             triton.autotune(configs=_configs(cfgs), key=_TUNE_KEY, prune_configs_by=_PRUNE)(fn)
             for fn, cfgs in ((fwd, _FWD_TUNE), (dkdv, _DKDV_TUNE), (dq, _DQ_TUNE))
         ]
-    ks = _KernelSet(fwd, pre, dkdv, dq, *tuned)
+    ks = _KernelSet(fwd, dkdv, dq, *tuned)
     _KERNEL_SETS[interpreted] = ks
     return ks
 
@@ -650,7 +629,6 @@ class _Blocks:
     fwd: tuple[int, int]  # (BLOCK_M, BLOCK_N)
     dkdv: tuple[int, int]  # (BLOCK_M query step, BLOCK_N keys owned)
     dq: tuple[int, int]  # (BLOCK_M queries owned, BLOCK_N key step)
-    pre: int  # BLOCK_M of the delta pre-pass
     num_warps: int
     num_stages: int
 
@@ -659,14 +637,14 @@ def _fixed_blocks(head_dim: int, interpreted: bool, elem_size: int = 2) -> _Bloc
     if interpreted:
         # Small, deliberately unequal tiles: they exercise masked tails, several
         # loop iterations and the causal loop bounds with BLOCK_M != BLOCK_N.
-        return _Blocks(fwd=(32, 16), dkdv=(16, 32), dq=(32, 16), pre=32, num_warps=4, num_stages=1)
+        return _Blocks(fwd=(32, 16), dkdv=(16, 32), dq=(32, 16), num_warps=4, num_stages=1)
     # Fixed GPU tiles (MEMOPT_FLASH_NO_AUTOTUNE=1), sized so the backward
     # kernels stay under ~64 KiB of shared memory (fits sm_80/86/89/90).
     if head_dim <= 64 and elem_size <= 2:
-        return _Blocks(fwd=(64, 64), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
+        return _Blocks(fwd=(64, 64), dkdv=(32, 64), dq=(64, 32), num_warps=4, num_stages=2)
     if head_dim <= 64 or elem_size <= 2:  # fp32 with D <= 64, or fp16/bf16 with D = 128
-        return _Blocks(fwd=(64, 32), dkdv=(32, 64), dq=(64, 32), pre=64, num_warps=4, num_stages=2)
-    return _Blocks(fwd=(32, 32), dkdv=(16, 32), dq=(32, 16), pre=64, num_warps=4, num_stages=2)
+        return _Blocks(fwd=(64, 32), dkdv=(32, 64), dq=(64, 32), num_warps=4, num_stages=2)
+    return _Blocks(fwd=(32, 32), dkdv=(16, 32), dq=(32, 16), num_warps=4, num_stages=2)
 
 
 def _triton_interpreted() -> bool:
@@ -738,18 +716,25 @@ def _loop_probe_kernel(Out, N):
 @functools.lru_cache(maxsize=1)
 def _interpreter_runs_tile_loops() -> tuple[bool, str]:
     """Some Triton interpreters cannot loop to a bound computed in the kernel (Triton 3.6's with
-    numpy 2.4: a one-element array is no longer an index); say so instead of failing mid-kernel."""
-    out = torch.zeros(1, dtype=torch.int32)
-    try:
-        _loop_probe_kernel[(1,)](out, 3)
-    except Exception as e:  # noqa: BLE001 - any failure means the kernels cannot run here
-        import numpy
+    numpy 2.4: a one-element array is no longer an index); say so instead of failing mid-kernel. The probe
+    runs on a real tensor outside any dispatch mode: the first call may come from the planner's fake step
+    (under its fake mode and meta default device the probe's tensor had no storage, and the interpreter read
+    that as "cannot run")."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
-        return False, (f"Triton {triton.__version__}'s interpreter cannot run the kernel's tile loops with numpy "
-                       f"{numpy.__version__} ({type(e).__name__}: {str(e)[:120]}); use the project's pinned "
-                       "triton, or run on a CUDA device")
-    if int(out.item()) != 3:
-        return False, f"Triton {triton.__version__}'s interpreter ran a 3-step loop {int(out.item())} times"
+    with _disable_current_modes(), torch.device("cpu"):
+        out = torch.zeros(1, dtype=torch.int32)
+        try:
+            _loop_probe_kernel[(1,)](out, 3)
+        except Exception as e:  # noqa: BLE001 - any failure means the kernels cannot run here
+            import numpy
+
+            return False, (f"Triton {triton.__version__}'s interpreter cannot run the kernel's tile loops with numpy "
+                           f"{numpy.__version__} ({type(e).__name__}: {str(e)[:120]}); use the project's pinned "
+                           "triton, or run on a CUDA device")
+        ran = int(out.item())
+    if ran != 3:
+        return False, f"Triton {triton.__version__}'s interpreter ran a 3-step loop {ran} times"
     return True, ""
 
 
@@ -900,25 +885,23 @@ def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     blk = _fixed_blocks(D, interpreted, q.element_size())
     opts = _launch_opts(blk)
 
-    common = (*_s4(q), *_s4(k), *_s4(v), *_s4(do), *lse.stride(), *delta.stride())
     meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *common, *_s4(dk), *_s4(dv), H, Nq, Nk, scale, scale * _LOG2E)
-    dq_args = (q, k, v, do, lse, delta, dq, *common, *_s4(dq), H, Nq, Nk, scale, scale * _LOG2E)
+    qkv = (*_s4(q), *_s4(k), *_s4(v))
+    rows = (*_s4(do), *lse.stride(), *delta.stride())
+    # dQ first: it writes delta (rowsum(dO * O)), which the dK/dV kernel reads (same stream, in order)
+    dq_args = (q, k, v, o, do, lse, delta, dq, *qkv, *_s4(o), *rows, *_s4(dq), H, Nq, Nk, scale, scale * _LOG2E)
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *qkv, *rows, *_s4(dk), *_s4(dv), H, Nq, Nk, scale, scale * _LOG2E)
     with _launches(interpreted):
-        ks.pre[(triton.cdiv(Nq, blk.pre), B * H)](
-            o, do, delta, *_s4(o), *_s4(do), *delta.stride(), H, Nq,
-            HEAD_DIM=D, BLOCK_M=blk.pre, **opts,
-        )
         if _use_autotune():
             key = (Nq, Nk, D, bool(causal), q.dtype, q.device)
+            _launch_tuned(ks.dq_tuned, ks.dq, lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H), dq_args, meta, ("dq", *key))
             _launch_tuned(ks.dkdv_tuned, ks.dkdv, lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H), dkdv_args, meta,
                           ("dkdv", *key))
-            _launch_tuned(ks.dq_tuned, ks.dq, lambda m: (triton.cdiv(Nq, m["BLOCK_M"]), B * H), dq_args, meta, ("dq", *key))
         else:
-            bm, bn = blk.dkdv
-            ks.dkdv[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
             bm, bn = blk.dq
             ks.dq[(triton.cdiv(Nq, bm), B * H)](*dq_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+            bm, bn = blk.dkdv
+            ks.dkdv[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
     return dq, dk, dv
 
 

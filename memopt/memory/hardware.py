@@ -62,6 +62,12 @@ class HardwareConfig:
     dtensor_op_overhead_us: float | None = None
     # Fixed cost of one collective call (microseconds), beside its bytes / device_device_gbps. None: not estimated.
     collective_latency_us: float | None = None
+    # Device memory (MiB per rank) that CUDA's libraries take from the caching allocator beside the tensors the
+    # tracker and the planner count: cuBLAS's workspaces, one per (thread, stream) that issues products: the
+    # forward's thread and autograd's backward thread (cuBLASLt shares them, torch's default). The plan's
+    # device need and the run's device budget include it. None: derived where the run is (``blas_workspace_bytes``
+    # x 2 on a GPU, 0 on a CPU); the GPU profiles state torch's default for their architecture.
+    device_runtime_mb: float | None = None
 
 
 def check_hardware(hw: HardwareConfig) -> None:
@@ -92,6 +98,9 @@ def check_hardware(hw: HardwareConfig) -> None:
     if eff is None or not 0 < eff <= 1:
         raise ConfigError(f"hardware.compute_efficiency={eff} must be in (0, 1]: the fraction of the datasheet peak "
                           "FLOP/s that dense training reaches (1.0 where it was not measured)")
+    if hw.device_runtime_mb is not None and not hw.device_runtime_mb >= 0:
+        raise ConfigError(f"hardware.device_runtime_mb={hw.device_runtime_mb} must be >= 0 (MiB the CUDA libraries "
+                          "take beside the tensors, e.g. 64 on an H100), or null to derive it here")
     for name in ("op_overhead_us", "dtensor_op_overhead_us", "collective_latency_us"):
         value = getattr(hw, name)
         if value is not None and not value >= 0:
@@ -177,8 +186,44 @@ def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig
     if device.type == "cpu" and (h2d is None or d2d is None):
         copy = measure_copy_gbps()  # offload is a memory copy here (the planner measures gloo: planner/cpu_rates.py)
         h2d, d2d = h2d or copy, d2d or copy
+    runtime = hw.device_runtime_mb
+    if runtime is None:
+        runtime = 0.0 if device.type != "cuda" else \
+            BLAS_WORKSPACES * blas_workspace_bytes(torch.cuda.get_device_capability(device)) / 2**20
     return replace(hw, device_memory_gb=dev_mem, host_memory_gb=host, peak_tflops=peaks, devices_per_node=per_node,
-                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d)
+                   device_is_host=unified, host_device_gbps=h2d, device_device_gbps=d2d, device_runtime_mb=runtime)
+
+
+def device_runtime_bytes(hw: HardwareConfig) -> int:
+    """What the device's libraries hold beside the tracked tensors (cuBLAS's workspaces): part of the plan's
+    device need and of the run's device budget. 0 where the device is the host (a CPU run)."""
+    if hw.device_is_host:
+        return 0
+    return int((hw.device_runtime_mb or 0) * 2**20)
+
+
+# A training step issues products from two threads: the forward's (and the optimizer's) and autograd's device
+# thread for the backward (the recomputed forward of checkpointing included), each with its own cuBLAS handle,
+# and torch keeps one workspace per (handle, stream). Measured on an H100 (experiments/planner/README.md, sixth
+# GPU run): the caching allocator's peak was 65.5-69.0 MiB above the tracker's in all five compositions.
+BLAS_WORKSPACES = 2
+
+
+def blas_workspace_bytes(capability: tuple[int, int], env: dict | None = None) -> int:
+    """torch's cuBLAS workspace per (handle, stream): ``CUBLAS_WORKSPACE_CONFIG`` (":SIZE_KiB:COUNT" terms,
+    summed as SIZE x COUNT) if set, else 32 MiB on Hopper and Blackwell (compute capability 9, 10, 12) and
+    ":4096:2:16:8" (8 MiB + 128 KiB) before them. cuBLASLt uses the same workspace (torch's default)."""
+    import re
+
+    env = os.environ if env is None else env
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        terms = re.findall(r":([0-9]+):([0-9]+)", config)
+        if terms:
+            return sum(int(size) * 1024 * int(count) for size, count in terms)
+    if capability[0] in (9, 10, 12):
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def measure_copy_gbps(nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:

@@ -28,6 +28,7 @@ import resource
 import time
 from dataclasses import asdict
 
+from memopt.memory.hardware import device_runtime_bytes
 from memopt.memory.tracker import CATEGORIES
 
 GiB = 2**30
@@ -74,7 +75,7 @@ def limits_of(hw, local_ranks: int, cfg=None) -> dict[str, int]:
         host = int(hw.host_memory_gb * GiB / local_ranks) - runtime_bytes()
     if hw.device_is_host:
         return {"all": host}
-    return {"device": int(hw.device_memory_gb * GiB), "host": host}
+    return {"device": int(hw.device_memory_gb * GiB) - device_runtime_bytes(hw), "host": host}
 
 
 def _placement(sims: list) -> dict:
@@ -123,7 +124,8 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         node = sum(_dev(p) for p in node_peaks) + host_node
         fits = {"host": _fit(node, hw.host_memory_gb * GiB)}
     else:
-        fits = {"device": _fit(dev_total, hw.device_memory_gb * GiB), "host": _fit(host_node, hw.host_memory_gb * GiB)}
+        fits = {"device": _fit(dev_total + device_runtime_bytes(hw), hw.device_memory_gb * GiB),
+                "host": _fit(host_node, hw.host_memory_gb * GiB)}
     time_est = step_time(cfg, hw, worst, local)
     plan = {
         "model": cfg.model.name, "params": compose.num_params(cfg), "engine": cfg.engine.name,
@@ -131,6 +133,7 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         "ranks_per_node": local, "micro_batch_size": cfg.trainer.micro_batch_size, "grad_accum": cfg.trainer.grad_accum,
         "hardware": _hw_dict(hw), "simulated_ranks": [s["rank"] for s in sims],
         "peak_bytes": ranks, "node_host_bytes": host_node, "runtime_bytes_per_rank": runtime,
+        "device_runtime_bytes": device_runtime_bytes(hw),
         "fits": all(f["fits"] for f in fits.values()), "fit": fits,
         "overflow": _overflow(fits, worst["peaks"], hw),
         "rules": worst.get("rules", "the run's code on fake tensors"),
@@ -286,7 +289,9 @@ def plan_table(plan: dict) -> str:
                  f"included): {fmt(plan['node_host_bytes'])}")
     for where, f in plan["fit"].items():
         what = "device+host RAM of the node" if where == "host" and hw["device_is_host"] else where
-        lines.append(f"  {what}: needs {fmt(f['bytes'])} of {fmt(f['limit'])}: "
+        lib = plan.get("device_runtime_bytes", 0) if where == "device" else 0
+        lines.append(f"  {what}: needs {fmt(f['bytes'])}"
+                     + (f" ({fmt(lib)} of it cuBLAS's workspaces)" if lib else "") + f" of {fmt(f['limit'])}: "
                      + (f"fits, margin {fmt(f['margin'])}" if f["fits"] else f"DOES NOT FIT, over by {fmt(-f['margin'])}"))
     if plan["overflow"]:
         o = plan["overflow"]

@@ -429,7 +429,6 @@ for dt, d, causal in (("fp16", 128, True), ("bf16", 128, True), ("bf16", 64, Fal
         kernel = compile_one(fn, dt, {**c, "BLOCK_M": bm, "BLOCK_N": bn}, blk); n += 1
         loops = masked_loops(kernel.asm["ttir"])
         assert loops == STAGES[name, causal], (name, dt, d, causal, loops)
-    compile_one(ks.pre, dt, {"HEAD_DIM": d, "BLOCK_M": blk.pre}, blk); n += 1
 print("compiled", n)
 """
 
@@ -457,7 +456,7 @@ def test_kernels_compile_for_sm90():
     if res.returncode == 77:
         pytest.skip("this Triton has no triton.compiler.ASTSource/GPUTarget API: " + res.stdout.strip())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "compiled 16" in res.stdout
+    assert "compiled 12" in res.stdout  # 4 variants x (forward, dQ, dK/dV)
 
 
 _ORDER_SCRIPT = r"""

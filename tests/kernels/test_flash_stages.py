@@ -58,7 +58,7 @@ def blocks(monkeypatch):
 
         def fixed(head_dim, interpreted, elem_size=2):
             used.append(name)
-            return fa._Blocks(**geom, pre=16, num_warps=4, num_stages=1)
+            return fa._Blocks(**geom, num_warps=4, num_stages=1)
 
         monkeypatch.setattr(fa, "_fixed_blocks", fixed)
         monkeypatch.setenv("MEMOPT_FLASH_NO_AUTOTUNE", "1")

@@ -38,6 +38,48 @@ def test_a_run_over_its_device_budget_ends_oom_at_the_crossing(tmp_path):
     assert s["peak_bytes"]["0"]["cpu"]["total"] == live and "(in forward/backward of step 0)" in s["error"]
 
 
+def test_the_libraries_workspaces_come_off_the_budget(tmp_path):
+    """``hardware.device_runtime_mb`` (cuBLAS's workspaces on a GPU, which the caching allocator holds beside the
+    tracked tensors) comes off the budget the tensors are held to, as off the plan's device need: a budget
+    the step fits alone (51 MiB against a ~27 MiB peak) ends oom once 40 MiB of it are the libraries'."""
+    from memopt.memory.tracker import DeviceBudgetExceeded
+
+    budget_gb, runtime_mb = 0.05, 40
+    fits = train([*TINY, f"hardware.device_memory_gb={budget_gb}"], str(tmp_path / "alone"))
+    assert fits["status"] == "ok"
+    with pytest.raises(DeviceBudgetExceeded):
+        train([*TINY, f"hardware.device_memory_gb={budget_gb}", f"hardware.device_runtime_mb={runtime_mb}"],
+              str(tmp_path / "shared"))
+    s = read_summary(tmp_path / "shared")
+    assert s["status"] == "oom", s
+    m = re.search(r"(\d+) B live > hardware.device_memory_gb less (\d+) B of cuBLAS workspaces "
+                  r"\(hardware.device_runtime_mb\) = (\d+) B", s["error"])
+    assert m, s["error"]
+    assert int(m[2]) == runtime_mb * 2**20 and int(m[3]) == int(budget_gb * GiB) - runtime_mb * 2**20
+
+
+def test_the_plan_needs_the_workspaces_beside_its_tensors(tmp_path):
+    """The plan's device need is its tensors + ``hardware.device_runtime_mb``; a device that holds the
+    tensors but not the workspaces does not fit."""
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import make_plan
+    from tests.conftest import typed
+
+    import torch
+
+    def plan(*extra):
+        cfg = typed([*TINY, *extra])
+        return make_plan(cfg, resolve_hardware(cfg.hardware, torch.device("cpu")))
+
+    alone = plan("hardware.device_memory_gb=0.05")
+    tensors = alone["peak_bytes"]["0"]["device"]["total"]
+    assert alone["fits"] and alone["fit"]["device"]["bytes"] == tensors and alone["device_runtime_bytes"] == 0
+    runtime = 0.05 * GiB - tensors + 2**20  # 1 MiB more than the room the tensors leave
+    shared = plan("hardware.device_memory_gb=0.05", f"hardware.device_runtime_mb={runtime / 2**20}")
+    assert shared["peak_bytes"]["0"]["device"]["total"] == tensors  # the tensors' plan is unchanged
+    assert shared["fit"]["device"]["bytes"] == tensors + int(runtime) and not shared["fits"]
+
+
 @pytest.mark.parametrize("extra", [[], ["+strategy=chunk"]], ids=["memopt", "chunk"])
 def test_a_run_within_its_budget_is_the_run_without_one(tmp_path, extra):
     """The chunk engine's warm-up tracer wraps the tracker's peak update: the budget check still reads

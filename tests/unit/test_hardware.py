@@ -72,6 +72,7 @@ def _timed(a, b, time) -> float:
     ("hardware.host_memory_gb=0", "hardware.host_memory_gb=0"),
     ("hardware.devices_per_node=0", "hardware.devices_per_node=0"),
     ("+hardware.peak_tflops.bf16=-5", "hardware.peak_tflops.bf16=-5"),
+    ("hardware.device_runtime_mb=-1", "hardware.device_runtime_mb=-1"),
 ])
 def test_a_nonsense_hardware_size_is_refused_as_a_field(override, field):
     """It was refused by the preflight as a 'share of device (-1.00 GiB)', after planning."""
@@ -81,3 +82,30 @@ def test_a_nonsense_hardware_size_is_refused_as_a_field(override, field):
     with pytest.raises(ConfigError) as e:
         typed([override])
     assert field in str(e.value)
+
+
+@pytest.mark.parametrize("capability, env, want", [
+    ((9, 0), {}, 32 * 2**20),  # Hopper: 4096 KiB x 8
+    ((10, 0), {}, 32 * 2**20),  # Blackwell
+    ((8, 0), {}, 2 * 4096 * 1024 + 8 * 16 * 1024),  # Ampere: ":4096:2:16:8"
+    ((7, 0), {}, 2 * 4096 * 1024 + 8 * 16 * 1024),
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 8 * 16 * 1024),  # the deterministic setting torch documents
+    ((8, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 8 * 4096 * 1024),
+])
+def test_blas_workspace_follows_torchs_rule(capability, env, want):
+    """torch's documented CUBLAS_WORKSPACE_CONFIG format (":SIZE_KiB:COUNT" terms) and its defaults per
+    architecture, computed by hand."""
+    assert hardware.blas_workspace_bytes(capability, env) == want
+
+
+def test_gpu_profiles_state_two_workspaces_and_a_cpu_none():
+    """Each GPU profile's device_runtime_mb is two workspaces of its architecture (forward thread, backward
+    thread); a CPU resolves to none."""
+    from tests.conftest import typed
+
+    for name, capability in (("h100_sxm", (9, 0)), ("h200", (9, 0)), ("a100_80g", (8, 0)), ("rtx4090", (8, 9)),
+                             ("v100_patrickstar", (7, 0))):
+        hw = typed([f"hardware={name}"]).hardware
+        assert hw.device_runtime_mb * 2**20 == 2 * hardware.blas_workspace_bytes(capability, {}), name
+    cpu = hardware.resolve_hardware(typed(["hardware.device_memory_gb=1"]).hardware, torch.device("cpu"))
+    assert cpu.device_runtime_mb == 0 and hardware.device_runtime_bytes(cpu) == 0
