@@ -59,6 +59,7 @@ SECTIONS = ("env", "tests", "flash", "compositions", "throughput")
 CAPS = {"env": 30, "tests": 130, "flash": 90, "compositions": 130, "throughput": 40}
 DEFAULT_BUDGET_S = 420.0
 RESERVE_S = 5.0  # kept back from every section for writing the results
+CUDA_MARKED_S = 35.0  # the tests section's time kept for the tests marked cuda after the compiled kernel tests
 MIN_SECTION_S = 10.0  # a section with less than this left is skipped ("global budget spent")
 
 # The compositions compared with the planner. One model for all: gpt_1b's width (d_model 2048, 16
@@ -607,8 +608,10 @@ def section_tests(check: Check, cap: float, rec: dict) -> dict:
         start_flash_warm(check)  # compiles the autotuned kernels of the flash section meanwhile
     workers = max(1, min(4, (os.cpu_count() or 1) // 4))
     files = cuda_marked_test_files()
+    # the CUDA-marked tests keep CUDA_MARKED_S of the cap (3 tests took 18.9 s on an H100; with 15 s kept, a
+    # budget-trimmed cap cut them mid-run and the interrupted run read as a failure: sixth GPU run, second call)
     res["kernels_compiled"] = _pytest_run(check, "kernels", ["tests/kernels"], env,
-                                          deadline - time.monotonic() - (15 if files else 0), workers)
+                                          deadline - time.monotonic() - (CUDA_MARKED_S if files else 0), workers)
     res["kernels_compiled"]["env"] = "TRITON_INTERPRET=0 MEMOPT_FLASH_NO_AUTOTUNE=1 (compiled for the GPU, fixed tiles)"
     res["kernels_compiled"]["bf16_cuda"] = {k: v for k, v in res["kernels_compiled"]["outcomes"].items() if "bf16_cuda" in k}
     if files and deadline - time.monotonic() > 10:
