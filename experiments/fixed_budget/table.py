@@ -119,10 +119,10 @@ def measured(args, tmp: str) -> None:
                      f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
 
 
-def planned(tmp: str) -> None:
+def planned(tmp: str, models: tuple[str, ...] = ("gpt_1b", "gpt_10b")) -> None:
     print("\n## Planned, not run (the planner's choice per engine)\n")
     out = []
-    for model in ("gpt_1b", "gpt_10b"):
+    for model in models:
         for node, hw in NODES.items():
             base = [f"model={model}", *COMMON, *hw, "strategy.auto.ckpt=[none,full]"]
             for engine in ENGINES:
@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--planned-only", action="store_true")
+    ap.add_argument("--planned-models", default="gpt_1b,gpt_10b", help="the models of the planned node tables")
     ap.add_argument("--no-planned", dest="planned", action="store_false", help="the measured part only")
     ap.add_argument("--extra", default="", help="space-separated overrides added to every command (a smoke run: "
                     "'strategy.auto.micro_batch_size=[8] strategy.auto.ckpt=[none]')")
@@ -154,7 +155,7 @@ def main() -> None:
         measured(args, tmp)
         print(f"\n1-min load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     if args.planned:
-        planned(tmp)
+        planned(tmp, tuple(args.planned_models.split(",")))
 
 
 if __name__ == "__main__":

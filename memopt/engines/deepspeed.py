@@ -345,6 +345,22 @@ class DeepSpeedEngine(Engine):
         self.ds, self.base_optimizer, self.precision = ds, base_optimizer, precision
         self.model = ds.module
         self.device, self.dims, self.tracker, self.stage, self.offload = device, dims, tracker, stage, offload
+        self._accumulate_on_host()
+
+    def _accumulate_on_host(self) -> None:
+        """ZeRO-1/2 with offload keeps the gradients of micro-batches before the last in host buffers it makes
+        in the backward (``async_accumulate_grad_in_cpu_via_gpu``, one per parameter of the partition): counted
+        on the host from their birth, as on a GPU (on a CPU-only machine they counted under the device)."""
+        zo, tr = self.ds.optimizer, self.tracker
+        inner = getattr(zo, "async_accumulate_grad_in_cpu_via_gpu", None)
+        if not self.offload or tr is None or inner is None:
+            return
+
+        def on_host(param):
+            with tr.host_scope():
+                return inner(param)
+
+        zo.async_accumulate_grad_in_cpu_via_gpu = on_host
 
     # ---- memory accounting ------------------------------------------------------------------------
     def _masters(self) -> list[torch.Tensor]:

@@ -117,7 +117,9 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
             dev["optim"] += 12 * extra
             out["device_total"] += 12 * extra
             dev["grads"] += b * extra  # the gradient partition (counted at the reductions' moments)
-            out["reductions"] = {**out["reductions"], "gip": out["reductions"]["gip"] + b * extra}
+            red = out["reductions"]
+            out["reductions"] = {**red, "gip": red["gip"] + b * extra,
+                                 "kept": red["kept"] + (b * extra if red["kept"] else 0)}
     dev = out["device"]
     dev["params"] = max(dev["params"], 4 * (local + layer))  # the fp32 model + one layer's swap
     return out
