@@ -77,11 +77,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk):
                 xc, t = x[s:s + chunk], targets[s:s + chunk]
-                p = F.linear(xc, wc).to(lse.dtype).sub_(lse[s:s + chunk, None]).exp_()  # softmax of the chunk, (c, V)
+                # softmax of the chunk, (c, V), in the loss dtype: the subtraction reads the compute-dtype logits
+                # and writes the loss dtype in one pass (no separate upcast copy), the exp in place
+                p = torch.sub(F.linear(xc, wc), lse[s:s + chunk, None]).exp_()
                 keep = t != IGNORE_INDEX
                 p.scatter_add_(1, t.clamp_min(0)[:, None], -keep[:, None].to(p.dtype))  # - one-hot
-                p.mul_((scale * keep)[:, None])  # d loss / d logits
-                g = p.to(dtype)
+                # d loss / d logits, scaled in the loss dtype and rounded to the compute dtype in the same pass
+                g = torch.mul(p, (scale * keep)[:, None], out=torch.empty(p.shape, dtype=dtype, device=p.device)) \
+                    if dtype != p.dtype else p.mul_((scale * keep)[:, None])
                 if dx is not None:
                     dx[s:s + chunk] = g @ wc  # cast to x's dtype by the copy
                 if dw is not None:
