@@ -41,6 +41,26 @@ def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, w.dtype)
 
 
+def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype,
+                 fused: bool) -> torch.Tensor:
+    """d loss / d logits of a chunk, (c, V) in ``dtype``: (softmax - one-hot) x coef per row, the softmax as
+    exp(logits - lse) in the loss dtype (lse's). ``fused`` (on a GPU) makes three passes over the chunk where the
+    plain form makes five: the subtraction reads the compute-dtype logits and writes the loss dtype, the scale
+    and the rounding to ``dtype`` are one ``out=`` multiply (the loss head profiled on an H100 was bound by these
+    passes, experiments/strategies/README.md). Both give the same bits; on a CPU the mixed-dtype kernels of the
+    fused form were slower (bf16: 2.0-2.6 s against 1.7-1.8 s at gpt_small's head), so it keeps the plain one."""
+    rows = t.clamp_min(0)[:, None]
+    if fused:
+        p = torch.sub(logits, lse[:, None]).exp_()
+        p.scatter_add_(1, rows, -(t != IGNORE_INDEX)[:, None].to(p.dtype))  # - one-hot
+        if p.dtype == dtype:
+            return p.mul_(coef[:, None])
+        return torch.mul(p, coef[:, None], out=torch.empty(p.shape, dtype=dtype, device=p.device))
+    p = logits.to(lse.dtype).sub_(lse[:, None]).exp_()
+    p.scatter_add_(1, rows, -(t != IGNORE_INDEX)[:, None].to(p.dtype))  # - one-hot
+    return p.mul_(coef[:, None]).to(dtype)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """mean_i CE(x_i W^T, t_i) over rows of x (N, C) with W (V, C), targets (N,), never holding N x V."""
 
@@ -77,14 +97,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk):
                 xc, t = x[s:s + chunk], targets[s:s + chunk]
-                # softmax of the chunk, (c, V), in the loss dtype: the subtraction reads the compute-dtype logits
-                # and writes the loss dtype in one pass (no separate upcast copy), the exp in place
-                p = torch.sub(F.linear(xc, wc), lse[s:s + chunk, None]).exp_()
                 keep = t != IGNORE_INDEX
-                p.scatter_add_(1, t.clamp_min(0)[:, None], -keep[:, None].to(p.dtype))  # - one-hot
-                # d loss / d logits, scaled in the loss dtype and rounded to the compute dtype in the same pass
-                g = torch.mul(p, (scale * keep)[:, None], out=torch.empty(p.shape, dtype=dtype, device=p.device)) \
-                    if dtype != p.dtype else p.mul_((scale * keep)[:, None])
+                g = softmax_grad(F.linear(xc, wc), lse[s:s + chunk], t, (scale * keep), dtype, fused=x.is_cuda)
                 if dx is not None:
                     dx[s:s + chunk] = g @ wc  # cast to x's dtype by the copy
                 if dw is not None:

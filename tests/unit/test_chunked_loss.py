@@ -88,3 +88,25 @@ def test_follows_the_plain_fp32_run(tmp_path, extra, tol):
     assert plain["status"] == got["status"] == "ok", got
     lp, lg = losses(str(tmp_path / "plain")), losses(str(tmp_path / "got"))
     assert max(abs(a - b) / abs(b) for a, b in zip(lg, lp)) <= tol, (lg, lp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_softmax_grad_is_the_plain_one_to_the_bit(dtype):
+    """The GPU's three-pass softmax gradient (``fused``) against the five-pass one a CPU runs: the same bits,
+    both against (softmax - one-hot) x coef in float64 (an ignored target's row is all softmax x 0)."""
+    from memopt.strategies.chunked_loss import softmax_grad
+
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(37, 201, generator=g)).to(dtype)
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    t = torch.randint(0, 201, (37,), generator=g)
+    t[4] = IGNORE_INDEX
+    coef = torch.rand(37, generator=g) * (t != IGNORE_INDEX)
+    # a fresh copy each: in the loss the logits are the chunk's own product, which the plain form reuses in place
+    fused, plain = (softmax_grad(logits.clone(), lse, t, coef, dtype, fused=f) for f in (True, False))
+    assert fused.dtype == plain.dtype == dtype and torch.equal(fused, plain)
+    want = torch.softmax(logits.double(), dim=-1)
+    rows = torch.arange(37)[t != IGNORE_INDEX]
+    want[rows, t[rows]] -= 1
+    want *= coef.double()[:, None]
+    assert torch.allclose(fused.double(), want, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6)
