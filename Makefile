@@ -27,18 +27,26 @@ clean:
 	rm -rf $(VENV) outputs multirun
 
 # The GPU check (memopt/gpu_check.py). `make gpu-wheels`, where pip reaches a registry, puts into .whl/
-# (git-ignored) the pure-Python wheels memopt needs beyond torch and triton; `make gpu-check OUT=dir`,
+# (git-ignored) the wheels memopt needs beyond torch and triton, and DeepSpeed's; `make gpu-check OUT=dir`,
 # on a GPU machine without network access, installs them into a temporary folder and runs the check
 # with that machine's own python3 and torch (no virtual environment is made).
 GPU_WHEELS ?= hydra-core==1.3.8 omegaconf==2.3.1
+# DeepSpeed (published as an sdist: built here into a pure-Python wheel, its setup importing the project's torch;
+# its ops build on the GPU machine with ninja) and what it needs beyond torch, numpy, packaging and tqdm, for the
+# check's ZeRO-Offload comparison (~6 MB)
+GPU_WHEELS_DS_SDIST ?= deepspeed==0.19.8
+GPU_WHEELS_DS ?= einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0 \
+	pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+	nvidia-ml-py==13.615.71 psutil==7.2.2
 GPU_WHEELS_SDIST ?= antlr4-python3-runtime==4.9.3
 GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
-gpu-wheels:
+gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: $(GPU_PLATFORM) -d .whl $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: $(GPU_PLATFORM) -d .whl $(GPU_WHEELS) $(GPU_WHEELS_DS)
 	$(PYTHON) -m pip wheel --quiet --no-deps -w .whl $(GPU_WHEELS_SDIST)  # published as an sdist only: a pure-Python wheel
+	DS_BUILD_OPS=0 $(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w .whl $(GPU_WHEELS_DS_SDIST)
 	du -sh .whl && ls .whl
 
 gpu-check:

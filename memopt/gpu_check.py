@@ -18,10 +18,11 @@ budget (``--budget``, default 420 s), each section with its own cap:
   against PyTorch SDPA's flash backend, fp16 and bf16, head dim 64 and 128, causal, N = 1024, 4096,
   16384: max abs error of the output and of dq, dk, dv against an fp32 reference (SDPA's math
   backend on fp32 copies), median time (CUDA events), TFLOP/s and peak bytes of both;
-* ``compositions``: five compositions on one GPU, each planned (``trainer.mode=plan``, fake tensors,
+* ``compositions``: five compositions on one GPU (six with DeepSpeed's), each planned (``trainer.mode=plan``, fake tensors,
   started in the background at the beginning) and trained for a few steps: planned vs measured
   device peak (the tracker's and ``torch.cuda.max_memory_allocated``), planned vs measured step time,
-  the relative errors; the ZeRO-Offload step time (memopt alone: DeepSpeed is not installed there);
+  the relative errors; the ZeRO-Offload step time, beside DeepSpeed's where its wheels travelled (``make
+  gpu-wheels`` puts them in .whl/; DeepSpeed's CPU Adam op is built in the background);
 * ``throughput``: tokens/s and MFU of the plain composition and the fastest one, rerun without the
   memory tracker.
 
@@ -78,6 +79,8 @@ COMPOSITIONS = [
                            "strategy.chunk.warmup_gpu_chunk_mem_ratio=0.6", "trainer.micro_batch_size=1"]),
     ("chunked_loss", ["+strategy=[bf16,chunked_loss]"]),
 ]
+# DeepSpeed's ZeRO-Offload beside memopt's, where deepspeed imports (its wheels travel in .whl/: `make gpu-wheels`)
+DEEPSPEED_COMPOSITION = ("ds_zero2_offload", ["engine=deepspeed", "+strategy=[bf16,zero2,cpu_offload]"])
 TRAIN_STEPS = 12  # 3 warm-up steps, the median of the other 9 and their spread (tracked steps moved 10-35% between
 # calls minutes apart on the first H100 check: one median of 5 could not tell a change from noise)
 WARMUP_STEPS = 3  # the trainer's throughput_warmup_steps
@@ -120,14 +123,17 @@ def detect_cuda() -> tuple[bool, str]:
         return False, f"torch {torch.__version__}: CUDA query failed ({type(exc).__name__}: {exc})"
 
 
-def install_wheels(wheel_dir: str, target: str, python: str = sys.executable, timeout: float = 120) -> dict:
+def install_wheels(wheel_dir: str, target: str, python: str = sys.executable, timeout: float = 120,
+                   pip_args: tuple[str, ...] = ()) -> dict:
     """``pip install --no-index --no-deps --target`` every wheel of ``wheel_dir``; put ``target`` on
-    ``sys.path`` and ``PYTHONPATH`` (with the repository, for the subprocesses). Returns a record."""
+    ``sys.path`` and ``PYTHONPATH`` (with the repository, for the subprocesses) and its ``bin`` on ``PATH``.
+    ``pip_args``: e.g. the GPU machine's Python tags, to install its binary wheels from another Python (a test).
+    Returns a record."""
     wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
     rec = {"wheel_dir": wheel_dir, "target": target, "wheels": [os.path.basename(w) for w in wheels]}
     if wheels:
         cmd = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", target, *wheels]
+               "--no-cache-dir", "--upgrade", "--target", target, *pip_args, *wheels]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rec["rc"] = p.returncode
         if p.returncode != 0:
@@ -136,7 +142,16 @@ def install_wheels(wheel_dir: str, target: str, python: str = sys.executable, ti
         rec["rc"] = None
         rec["error"] = f"no wheels in {wheel_dir} (run `make gpu-wheels` where pip reaches a registry)"
     add_paths([REPO, target])
+    bin_dir = os.path.join(target, "bin")  # console scripts: ninja, which DeepSpeed's op builds run
+    if os.path.isdir(bin_dir) and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     return rec
+
+
+def compositions(check) -> list[tuple[str, list[str]]]:
+    """The compositions this check trains: DeepSpeed's ZeRO-Offload too where the env section imported it."""
+    env = ((check.results.get("sections") or {}).get("env") or {}).get("result") or {}
+    return [*COMPOSITIONS, *([DEEPSPEED_COMPOSITION] if str(env.get("deepspeed", "")).startswith("ok") else [])]
 
 
 def add_paths(paths: list[str]) -> None:
@@ -306,6 +321,11 @@ def format_text(results: dict) -> str:
         if zo:
             lines.append(f"ZeRO-Offload (zero2 + cpu_offload, {zo.get('engine')}): step {_fmt(zo.get('step_time_s'), '.4f')} s, "
                          f"optimizer step {_fmt(zo.get('optim_step_s'), '.4f')} s; {zo.get('note')}")
+            ds = zo.get("deepspeed")
+            if ds:
+                lines.append(f"  DeepSpeed's (engine=deepspeed): {ds.get('status')}, step {_fmt(ds.get('step_time_s'), '.4f')} s, "
+                             f"optimizer step {_fmt(ds.get('optim_step_s'), '.4f')} s; memopt's step "
+                             f"{_fmt(zo.get('memopt_speedup_over_deepspeed'), '.2f')}x as fast")
     thr = ((secs.get("throughput") or {}).get("result") or {}).get("runs") or []
     if thr:
         lines.append("")
@@ -437,6 +457,10 @@ def section_env(check: Check, cap: float, rec: dict) -> dict:
         code += "; import memopt.kernels.flash_attn"
     r = run_cmd([sys.executable, "-c", code], min(cap, 60), log)
     info["import_memopt_train"] = "ok" if r["rc"] == 0 else f"failed (rc {r['rc']}): {tail(log, 600).strip()}"
+    ds_log = check.log_path("env_deepspeed")
+    d = run_cmd([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"], min(cap, 40), ds_log)
+    info["deepspeed"] = (f"ok {tail(ds_log, 200).strip().splitlines()[-1]}" if d["rc"] == 0
+                         else f"not importable: {(tail(ds_log, 300).strip().splitlines() or ['?'])[-1]}")
     if r["rc"] == 0:
         info["hydra_omegaconf"] = tail(log, 200).strip().splitlines()[-1]
     else:
@@ -456,7 +480,7 @@ def start_plans(check: Check) -> dict:
     """Start every composition's plan (fake tensors, CPU only) in the background; collected later."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # plans never touch the GPU the other sections time
     started = []
-    for name, ov in COMPOSITIONS:
+    for name, ov in compositions(check):
         d = os.path.join(check.work, f"plan_{name}")
         shutil.rmtree(d, ignore_errors=True)
         cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, ov, check.mode != "cuda"),
@@ -470,6 +494,11 @@ def start_plans(check: Check) -> dict:
     p = spawn([sys.executable, "-c", "from memopt.optim.cpu_adam import load_kernel, kernel_error; "
                "load_kernel(); print('cpu_adam kernel:', kernel_error() or 'built')"], log, env)
     check.background["cpu_adam_build"] = (p, {"log": log, "t0": time.monotonic()})
+    if DEEPSPEED_COMPOSITION in compositions(check):  # DeepSpeed's own CPU Adam op, built once (JIT, ninja)
+        log = check.log_path("deepspeed_cpu_adam_build")
+        p = spawn([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); "
+                   "print('deepspeed cpu_adam: built')"], log, dict(os.environ))
+        check.background["deepspeed_cpu_adam_build"] = (p, {"log": log, "t0": time.monotonic()})
     return {"started": started}
 
 
@@ -931,9 +960,10 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
     runs = []
     dry = check.mode != "cuda"
     steps = DRY_TRAIN_STEPS if dry else TRAIN_STEPS
-    for i, (name, ov) in enumerate(COMPOSITIONS):
+    comps = compositions(check)
+    for i, (name, ov) in enumerate(comps):
         left = deadline - time.monotonic()
-        share = left / (len(COMPOSITIONS) - i)
+        share = left / (len(comps) - i)
         if left < 8:
             runs.append({"name": name, "status": "skipped", "error": "the section's cap was reached"})
             continue
@@ -954,18 +984,28 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
                  "note": "rel err = (planned - measured) / measured; measured device peak: the tracker's (what the planner "
                          "predicts) and torch.cuda.max_memory_allocated (the caching allocator's); step time: the trainer's "
                          "median after warm-up, with the memory tracker on"}
-    bg = check.background.get("cpu_adam_build")
-    if bg is not None:
-        res["cpu_adam_build"] = (tail(bg[1]["log"], 400).strip().splitlines() or ["(no output)"])[-1] if bg[0].poll() is not None \
-            else "still building"
+    for key in ("cpu_adam_build", "deepspeed_cpu_adam_build"):
+        bg = check.background.get(key)
+        if bg is not None and key not in res:
+            res[key] = (tail(bg[1]["log"], 400).strip().splitlines() or ["(no output)"])[-1] if bg[0].poll() is not None \
+                else "still building"
     zo = next((r for r in runs if r.get("name") == "zero2_offload"), None)
+    ds = next((r for r in runs if r.get("name") == DEEPSPEED_COMPOSITION[0]), None)
     if zo:
         res["zero_offload"] = {"engine": "memopt", "step_time_s": zo.get("step_time_s"), "optim_step_s": zo.get("optim_step_s"),
                                "planned_step_s": zo.get("planned_step_s"),
                                "planned_offload_s": (zo.get("planned_step_terms") or {}).get("offload_s"),
                                "tokens_per_s": zo.get("tokens_per_s"), "status": zo.get("status"),
-                               "note": "memopt alone: DeepSpeed is not installed on this machine, so no DeepSpeed ZeRO-Offload "
-                                       "number beside it; host gradients go over the CUDA side stream (memopt/optim/host_grads.py)"}
+                               "note": "host gradients go over the CUDA side stream (memopt/optim/host_grads.py); "
+                                       + ("DeepSpeed's ZeRO-Offload beside it (deepspeed)" if ds else
+                                          "memopt alone: DeepSpeed is not importable on this machine (carry its wheels: "
+                                          "make gpu-wheels), so no DeepSpeed ZeRO-Offload number beside it")}
+        if ds:
+            res["zero_offload"]["deepspeed"] = {k: ds.get(k) for k in ("status", "step_time_s", "optim_step_s", "tokens_per_s",
+                                                                       "planned_step_s", "tracker_device_bytes",
+                                                                       "allocator_peak_bytes", "tracker_host_bytes")}
+            if zo.get("step_time_s") and ds.get("step_time_s"):
+                res["zero_offload"]["memopt_speedup_over_deepspeed"] = ds["step_time_s"] / zo["step_time_s"]
     if any(r.get("status") != "ok" for r in runs):
         res["_status"] = "partial"
     return res
@@ -982,7 +1022,7 @@ def section_throughput(check: Check, cap: float, rec: dict) -> dict:
     dry = check.mode != "cuda"
     runs = []
     for i, name in enumerate(names):
-        ov = dict(COMPOSITIONS)[name]
+        ov = dict(compositions(check))[name]
         left = deadline - time.monotonic()
         if left < 8:
             runs.append({"name": name, "status": "skipped", "error": "the section's cap was reached"})

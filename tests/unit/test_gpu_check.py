@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -191,7 +192,7 @@ def test_compositions_compose():
     from tests.conftest import compose
 
     for dry in (False, True):
-        for name, ov in gc.COMPOSITIONS:
+        for name, ov in [*gc.COMPOSITIONS, gc.DEEPSPEED_COMPOSITION]:
             args = [a for a in gc.composition_args(name, ov, dry)]
             validate(to_dataclass(compose(args)))
 
@@ -233,6 +234,61 @@ def test_wheels_install_into_a_fresh_target_and_import(tmp_path):
                        env={"PYTHONPATH": os.pathsep.join([target, str(base)]), "PATH": os.environ.get("PATH", "")})
     assert p.returncode == 0, p.stderr
     assert all(line.startswith(target) for line in p.stdout.split()), p.stdout
+
+
+@pytest.mark.slow
+def test_deepspeed_wheels_import_beside_the_gpu_machines_packages(tmp_path):
+    """DeepSpeed's wheels in .whl/ installed into a fresh target import, in a fresh interpreter that has only
+    the packages the GPU machine has (torch and its dependencies, numpy, packaging, tqdm, pyyaml): the check's
+    ZeRO-Offload comparison needs nothing else, its CPU Adam op included (its build needs ninja: on PATH from
+    the target's bin/)."""
+    import importlib.util
+
+    wheel_dir = os.path.join(REPO, ".whl")
+    if not glob.glob(os.path.join(wheel_dir, "deepspeed-*.whl")):
+        subprocess.run(["make", "gpu-wheels"], cwd=REPO, check=True, timeout=900)
+    target = str(tmp_path / "site")
+    saved = (list(sys.path), os.environ.get("PYTHONPATH"), os.environ.get("PATH"))
+    tags = ("--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")  # the GPU machine's
+    try:
+        rec = gc.install_wheels(wheel_dir, target, pip_args=tags)
+        path = os.environ["PATH"]
+    finally:
+        sys.path[:] = saved[0]
+        for key, value in (("PYTHONPATH", saved[1]), ("PATH", saved[2])):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    assert rec["rc"] == 0, rec
+    assert path.split(os.pathsep)[0] == os.path.join(target, "bin") and os.path.exists(os.path.join(target, "bin", "ninja"))
+    base = tmp_path / "base"  # the GPU machine's own packages, from this environment, and nothing else; the carried
+    base.mkdir()  # compiled modules (built for its Python 3.12) replaced by this Python's builds of the same packages
+    for carried in ("pydantic_core", "msgpack", "psutil"):
+        shutil.rmtree(os.path.join(target, carried))
+    for name in ("torch", "torchgen", "functorch", "numpy", "numpy.libs", "packaging", "tqdm", "yaml", "sympy", "mpmath",
+                 "networkx", "jinja2", "markupsafe", "filelock", "fsspec", "triton", "_yaml", "pydantic_core", "msgpack",
+                 "psutil"):
+        spec = importlib.util.find_spec(name) if "." not in name else None
+        src = (os.path.dirname(spec.origin) if spec and spec.origin and spec.origin.endswith("__init__.py")
+               else spec.origin if spec else os.path.join(os.path.dirname(os.path.dirname(torch_dir())), name))
+        if src and os.path.exists(src):
+            os.symlink(src, base / os.path.basename(src))
+    venv = str(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    code = ("import deepspeed, sys; from deepspeed.ops.adam import DeepSpeedCPUAdam; "
+            "assert deepspeed.__file__.startswith(sys.argv[1]), deepspeed.__file__; print(deepspeed.__version__)")
+    p = subprocess.run([os.path.join(venv, "bin", "python"), "-c", code, target], capture_output=True, text=True,
+                       timeout=300, env={"PYTHONPATH": os.pathsep.join([target, str(base)]), "PATH": path})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[-1] == "0.19.8"
+
+
+def torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(torch.__file__)
 
 
 @pytest.mark.slow  # 2.4 s; the FlashAttention part's bookkeeping
