@@ -58,13 +58,27 @@ def ep_sizes(cfg) -> list[int]:
     return [e for e in cfg.strategy.auto.ep if e in valid] if cfg.strategy.auto.ep else valid
 
 
+def half_dtype(hw) -> str:
+    """``strategy.auto.precision``'s ``half``: the 16-bit dtype the profile runs faster, fp16 where its peak is at
+    least twice bf16's (a V100 has no bf16 units: 125 against 15.7 TFLOP/s, so every choice on PatrickStar's node
+    was bf16 at the fp32 rate), else bf16. This CPU's own profile (``auto``) keeps bf16: its measured fp16
+    products are converted or emulated, and which of two slow dtypes measures faster varies between CPUs."""
+    from memopt.memory.hardware import peak_tflops_for
+
+    if hw.name == "auto":
+        return "bf16"
+    fp16, bf16 = peak_tflops_for(hw, "fp16") or 0.0, peak_tflops_for(hw, "bf16") or 0.0
+    return "fp16" if fp16 >= 2 * bf16 and fp16 > 0 else "bf16"
+
+
 def candidates(cfg, hw) -> list[Candidate]:
     """The search's candidates for the command's typed ``cfg`` (composed on ``base_of(cfg)``)."""
     a, t = cfg.strategy.auto, cfg.trainer
     world = t.nproc_per_node * t.nnodes
     keep = carried(cfg)
     eps = ep_sizes(cfg)
-    precisions = ["fp32"] if hw.device_is_host else list(a.precision)
+    precisions = ["fp32"] if hw.device_is_host else list(dict.fromkeys(half_dtype(hw) if p == "half" else p
+                                                                        for p in a.precision))
     global_mb = t.micro_batch_size * t.grad_accum
     # sizes that divide the global batch: another would train fewer samples a step (5 at 2 x 2 = 4), fewer FLOPs,
     # and win the ranking by not doing the same work

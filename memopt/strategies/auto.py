@@ -20,7 +20,8 @@ from memopt.strategies.base import Strategy, register
 class AutoConfig:
     """``+strategy=auto``: the search space (each list is one axis)."""
 
-    precision: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # fp32 | bf16 | fp16 (CPU-only: fp32 kept, see search.py)
+    # fp32 | bf16 | fp16 | half: the profile's faster 16-bit dtype (planner/search.half_dtype); CPU-only: fp32 kept
+    precision: list[str] = field(default_factory=lambda: ["fp32", "half"])
     ckpt: list[str] = field(default_factory=lambda: ["none", "full"])  # none | full | every_k | selective
     stage: list[str] = field(default_factory=lambda: ["ddp", "zero2", "zero3"])  # ddp | zero1 | zero2 | zero3 (several ranks)
     offload: list[bool] = field(default_factory=lambda: [False, True])  # cpu_offload
@@ -52,7 +53,7 @@ class Auto(Strategy):
                               f"sizes that do: {ok}")
         if any(e < 1 for e in opts.ep):
             raise ConfigError(f"strategy.auto.ep={list(opts.ep)}: expert-parallel sizes must be >= 1 (empty: every valid one)")
-        for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16")),
+        for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16", "half")),
                                       ("ckpt", opts.ckpt, ("none", "full", "every_k", "selective")),
                                       ("stage", opts.stage, ("ddp", "zero1", "zero2", "zero3"))):
             bad = [v for v in values if v not in allowed]

@@ -107,3 +107,22 @@ def test_preflight_compositions_keep_the_commands_options():
         assert comps[0].config(clear(cfg, ("pp",))).strategy == cfg.strategy  # the command's own, options and all
         for c in comps:
             assert c.config(clear(cfg, ("pp",))) == composed([*rest, *c.overrides()]), c.label()
+
+
+@pytest.mark.parametrize("hardware, want", [("v100_patrickstar", "fp16"), ("a100_80g", "bf16"), ("h100_sxm", "bf16")])
+def test_the_default_half_precision_is_the_profiles_faster_one(hardware, want):
+    """auto's default precisions are fp32 and ``half``: on a V100 (fp16 125, bf16 15.7 TFLOP/s, its fp32 rate)
+    the candidates are fp16, where the tensor cores are, and on an A100 or H100 (equal peaks) bf16; a command
+    that names its precisions gets those."""
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.search import candidates
+
+    def dtypes(*extra):
+        cfg = typed(["model=gpt_tiny", f"hardware={hardware}", "trainer.nproc_per_node=2", "+strategy=auto", *extra])
+        hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+        return {d for c in candidates(cfg, hw) for d in ("fp16", "bf16") if d in c.strategies}
+
+    assert dtypes() == {want}
+    assert dtypes("strategy.auto.precision=[fp32,bf16,fp16]") == {"fp16", "bf16"}
