@@ -25,7 +25,7 @@ from memopt.errors import ConfigError, Diverged, status_of
 from memopt.guards import DivergenceGuard, StopSignals
 from memopt import outcome
 from memopt.logging import RunLogger
-from memopt.memory.hardware import device_runtime_bytes, peak_tflops_for, resolve_hardware
+from memopt.memory.hardware import device_runtime_bytes, peak_tflops_for, resolve_hardware, tensor_budget_bytes
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
@@ -117,7 +117,7 @@ class Trainer:
         fault = os.environ.get("MEMOPT_FAULT_BUDGET", "")  # "<rank>:<bytes>": that rank's own budget (tests: one
         if fault.split(":")[0] == str(self.rank):  # rank crossing alone, its peers left waiting in a collective)
             return int(fault.split(":")[1])
-        return int(self.hw.device_memory_gb * 2**30) - device_runtime_bytes(self.hw)  # the libraries' share: the plan's
+        return tensor_budget_bytes(self.hw)  # the libraries' workspaces left out, as in the plan
 
     def _budget_name(self) -> str:
         runtime = device_runtime_bytes(self.hw)

@@ -202,6 +202,12 @@ def device_runtime_bytes(hw: HardwareConfig) -> int:
     return int((hw.device_runtime_mb or 0) * 2**20)
 
 
+def tensor_budget_bytes(hw: HardwareConfig) -> int:
+    """The device memory a rank's tensors may take: the device's less its libraries' workspaces (the plan's
+    preflight limit and a run's device budget alike)."""
+    return int(hw.device_memory_gb * 2**30) - device_runtime_bytes(hw)
+
+
 # A training step issues products from two threads: the forward's (and the optimizer's) and autograd's device
 # thread for the backward (the recomputed forward of checkpointing included), each with its own cuBLAS handle,
 # and torch keeps one workspace per (handle, stream). Measured on an H100 (experiments/planner/README.md, sixth

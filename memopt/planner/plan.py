@@ -28,7 +28,7 @@ import resource
 import time
 from dataclasses import asdict
 
-from memopt.memory.hardware import device_runtime_bytes
+from memopt.memory.hardware import device_runtime_bytes, tensor_budget_bytes
 from memopt.memory.tracker import CATEGORIES
 
 GiB = 2**30
@@ -75,7 +75,7 @@ def limits_of(hw, local_ranks: int, cfg=None) -> dict[str, int]:
         host = int(hw.host_memory_gb * GiB / local_ranks) - runtime_bytes()
     if hw.device_is_host:
         return {"all": host}
-    return {"device": int(hw.device_memory_gb * GiB) - device_runtime_bytes(hw), "host": host}
+    return {"device": tensor_budget_bytes(hw), "host": host}
 
 
 def _placement(sims: list) -> dict:

@@ -49,15 +49,10 @@ def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, coef:
     and the rounding to ``dtype`` are one ``out=`` multiply (the loss head profiled on an H100 was bound by these
     passes, experiments/strategies/README.md). Both give the same bits; on a CPU the mixed-dtype kernels of the
     fused form were slower (bf16: 2.0-2.6 s against 1.7-1.8 s at gpt_small's head), so it keeps the plain one."""
-    rows = t.clamp_min(0)[:, None]
-    if fused:
-        p = torch.sub(logits, lse[:, None]).exp_()
-        p.scatter_add_(1, rows, -(t != IGNORE_INDEX)[:, None].to(p.dtype))  # - one-hot
-        if p.dtype == dtype:
-            return p.mul_(coef[:, None])
+    p = (torch.sub(logits, lse[:, None]) if fused else logits.to(lse.dtype).sub_(lse[:, None])).exp_()
+    p.scatter_add_(1, t.clamp_min(0)[:, None], -(t != IGNORE_INDEX)[:, None].to(p.dtype))  # - one-hot
+    if fused and p.dtype != dtype:
         return torch.mul(p, coef[:, None], out=torch.empty(p.shape, dtype=dtype, device=p.device))
-    p = logits.to(lse.dtype).sub_(lse[:, None]).exp_()
-    p.scatter_add_(1, rows, -(t != IGNORE_INDEX)[:, None].to(p.dtype))  # - one-hot
     return p.mul_(coef[:, None]).to(dtype)
 
 
