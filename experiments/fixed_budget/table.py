@@ -37,6 +37,7 @@ COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every=0", "
           "data=synthetic"]
 NODES = {"8x A100 80G": ["hardware=a100_80g", "trainer.nproc_per_node=8"],
          "PatrickStar's node (8x V100 32 GB, 240 GB host)": ["hardware=v100_patrickstar", "trainer.nproc_per_node=8"]}
+NODE_KEYS = dict(zip(NODES, ("a100", "v100")))
 
 
 def cli(args: list[str], run_dir: str) -> dict | None:
@@ -119,13 +120,14 @@ def measured(args, tmp: str) -> None:
                      f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
 
 
-def planned(tmp: str, models: tuple[str, ...] = ("gpt_1b", "gpt_10b")) -> None:
+def planned(tmp: str, models: tuple[str, ...] = ("gpt_1b", "gpt_10b"), nodes: tuple[str, ...] = tuple(NODES),
+            engines: tuple[str, ...] = ENGINES, extra: tuple[str, ...] = ()) -> None:
     print("\n## Planned, not run (the planner's choice per engine)\n")
     out = []
     for model in models:
-        for node, hw in NODES.items():
-            base = [f"model={model}", *COMMON, *hw, "strategy.auto.ckpt=[none,full]"]
-            for engine in ENGINES:
+        for node in nodes:
+            base = [f"model={model}", *COMMON, *NODES[node], "strategy.auto.ckpt=[none,full]", *extra]
+            for engine in engines:
                 ov, row = choice(base, engine, os.path.join(tmp, f"planned-{model}-{engine}-{len(out)}"))
                 out.append([model, node, f"{engine} auto", " ".join(o for o in ov if not o.startswith("parallel.tp=1")) if ov
                             else f"none fits: {row.get('why', '')[:80]}", f"{row['step_s']:.3g}" if ov and row.get("step_s") else "-",
@@ -142,6 +144,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--planned-only", action="store_true")
     ap.add_argument("--planned-models", default="gpt_1b,gpt_10b", help="the models of the planned node tables")
+    ap.add_argument("--planned-nodes", default="a100,v100", help="a100 (8x A100 80G) and/or v100 (PatrickStar's node)")
+    ap.add_argument("--planned-engines", default=",".join(ENGINES))
     ap.add_argument("--no-planned", dest="planned", action="store_false", help="the measured part only")
     ap.add_argument("--extra", default="", help="space-separated overrides added to every command (a smoke run: "
                     "'strategy.auto.micro_batch_size=[8] strategy.auto.ckpt=[none]')")
@@ -155,7 +159,9 @@ def main() -> None:
         measured(args, tmp)
         print(f"\n1-min load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     if args.planned:
-        planned(tmp, tuple(args.planned_models.split(",")))
+        nodes = tuple(n for n in NODES if NODE_KEYS[n] in args.planned_nodes.split(","))
+        extra = tuple(o for o in args.extra.split() if args.planned_only)  # --extra narrows a planned-only search
+        planned(tmp, tuple(args.planned_models.split(",")), nodes, tuple(args.planned_engines.split(",")), extra)
 
 
 if __name__ == "__main__":
