@@ -344,13 +344,15 @@ class _HeldWork:
 
 @contextlib.contextmanager
 def gloo_scratch():
-    """gloo's reduce-scatter materialises an input-sized scratch on the calling thread: inside the call
-    (sync; freed when it returns) or in ``wait`` (async; alive until the caller drops the Work), as the
-    tracker measures it. The fake process group allocates nothing, so a plan of a gloo run (CPU
-    devices) adds that scratch where the run has it; NCCL needs none, so GPU plans leave it out."""
+    """gloo's single-tensor reduce-scatter (FSDP2's) materialises an input-sized scratch on the calling
+    thread: inside the call (sync; freed when it returns) or in ``wait`` (async; alive until the caller drops
+    the Work), as the tracker measures it. The fake process group allocates nothing, so a plan of a gloo run
+    (CPU devices) adds that scratch where the run has it; NCCL needs none, so GPU plans leave it out.
+    memopt's own reduce-scatter uses gloo's list form, which makes none (``dims.reduce_scatter_single``;
+    in the fake world it takes the single-tensor path, unpatched)."""
     from memopt.parallel import dims as dims_mod
 
-    original = dims_mod.reduce_scatter_single
+    original = dims_mod._reduce_scatter_tensor
 
     def reduce_scatter(*args, async_op=False, **kwargs):
         inp = args[1] if len(args) > 1 else kwargs.get("input")
@@ -360,9 +362,8 @@ def gloo_scratch():
             return work
         return _HeldWork(work, inp)
 
-    # memopt's Dim and FSDP2 (dist.reduce_scatter_single) reach gloo through these names
-    patched = [(dims_mod, "reduce_scatter_single"), *((dist, n) for n in ("reduce_scatter_single", "reduce_scatter_tensor")
-                                                       if hasattr(dist, n))]
+    # FSDP2 (dist.reduce_scatter_single) reaches gloo through these names
+    patched = [(dist, n) for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
     saved = [(mod, n, getattr(mod, n)) for mod, n in patched]
     for mod, n in patched:
         setattr(mod, n, reduce_scatter)
