@@ -158,7 +158,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     config (``planner/candidate.py``); the table prints each as the overrides that compose it."""
     from omegaconf import OmegaConf
 
-    from memopt.planner.search import base_of, ranked_table, search
+    from memopt.planner.search import base_of, check_engine_runs_kept, ranked_table, search
 
     def progress(done: int, total: int, row: dict, best: dict | None) -> None:
         lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
@@ -166,8 +166,14 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
                                            "compute": "skipped: its compute alone is slower"}.get(row.get("skipped"), "does not fit")
         print(f"memopt auto: planned {done}/{total} ({what}); {lead}", file=sys.stderr, flush=True)
 
-    hw = hardware(typed, step_rates=True)
-    rows = search(typed, hw, progress=progress)
+    try:
+        check_engine_runs_kept(typed)  # before this CPU's rates are measured
+        hw = hardware(typed, step_rates=True)
+        rows = search(typed, hw, progress=progress)
+    except ConfigError as e:  # the search's own refusals (no candidate the engine runs): recorded like the rest
+        refused = outcome.refusal(run_dir, cfg, str(e))
+        print(f"memopt: configuration refused: {e}", file=sys.stderr)
+        return refused
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])

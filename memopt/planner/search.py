@@ -71,6 +71,20 @@ def half_dtype(hw) -> str:
     return "fp16" if fp16 >= 2 * bf16 and fp16 > 0 else "bf16"
 
 
+def check_engine_runs_kept(cfg) -> None:
+    """Refuse a search whose engine cannot run what the command keeps in every candidate (MoE under FSDP2):
+    it would have no candidate at all. Cheap: the gate calls it before measuring this CPU's rates."""
+    supports = _engine_supports(cfg.engine.name)
+    missing = sorted(set(carried(cfg).strategies) - supports) if supports is not None else []
+    if missing:
+        from memopt.errors import ConfigError
+
+        able = [n for n in ("memopt", "deepspeed") if (s := _engine_supports(n)) is None or set(missing) <= s]
+        raise ConfigError(f"engine={cfg.engine.name} +strategy=auto: the command's {', '.join(missing)} is not among "
+                          f"what engine={cfg.engine.name} runs ({', '.join(sorted(supports))}), so it has no candidate; "
+                          f"use {' or '.join(f'engine={n}' for n in able)}")
+
+
 def candidates(cfg, hw) -> list[Candidate]:
     """The search's candidates for the command's typed ``cfg`` (composed on ``base_of(cfg)``)."""
     a, t = cfg.strategy.auto, cfg.trainer
@@ -111,14 +125,7 @@ def candidates(cfg, hw) -> list[Candidate]:
     supports = _engine_supports(cfg.engine.name)
     if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
         out = [c for c in out if set(c.strategies) <= supports]
-        missing = sorted(set(keep.strategies) - supports)
-        if missing:  # what the command keeps in every candidate (MoE) is not this engine's: no candidate at all
-            from memopt.errors import ConfigError
-
-            able = [n for n in ("memopt", "deepspeed") if (s := _engine_supports(n)) is None or set(missing) <= s]
-            raise ConfigError(f"engine={cfg.engine.name} +strategy=auto: the command's {', '.join(missing)} is not among "
-                              f"what engine={cfg.engine.name} runs ({', '.join(sorted(supports))}), so it has no candidate; "
-                              f"use {' or '.join(f'engine={n}' for n in able)}")
+        check_engine_runs_kept(cfg)
     if world > 1 and supports is None:  # the pipeline engine is memopt's; pp_candidates reads its other rules
         from memopt.planner.search_pp import pp_candidates
 

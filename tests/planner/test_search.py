@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, train, typed
+from tests.conftest import REPO, compose, train, typed
 
 
 def small_hw(mib: float):
@@ -382,3 +382,16 @@ def test_auto_refuses_an_engine_that_cannot_run_what_the_command_keeps():
     cfg = typed(["model=moe_tiny", "model.seq_len=32", "engine=fsdp2", "+strategy=auto", "trainer.nproc_per_node=2"])
     with pytest.raises(ConfigError, match=r"engine=fsdp2 \+strategy=auto: the command's moe is not among .* use engine=memopt or engine=deepspeed"):
         search(cfg, small_hw(512))
+
+
+def test_a_search_refused_by_its_engine_writes_its_record(tmp_path):
+    """The job ends at the gate with summary.json saying refused and why (it had ended with Hydra's
+    traceback and no record: the fixed-budget table saw "no summary.json" for FSDP2 on moe_small)."""
+    from memopt.gate import gate
+
+    ov = ["model=moe_tiny", "model.seq_len=32", "engine=fsdp2", "+strategy=auto", "trainer.nproc_per_node=2",
+          "trainer.mode=plan", "logger=none"]
+    verdict = gate(compose(ov), str(tmp_path), launched=False)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert verdict.summary["status"] == s["status"] == "refused"
+    assert "moe is not among what engine=fsdp2 runs" in s["error"], s
