@@ -10,8 +10,8 @@ engine=deepspeed and engine=fsdp2 (each search run through the CLI in plan mode,
 taken), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
 activation checkpointing, fp32). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
-the first rotating per repeat; tokens/s is the median step after the warm-up, best of the repeats (worst in
-parentheses). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
+the first rotating per repeat; tokens/s (and MFU, step time) is each run's median step after the warm-up, the
+median over the repeats (worst in parentheses). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
 the global batch: micro-batch x accumulation).
 
 Planned part (``--planned-only`` or after the measured one): the same three searches for gpt_1b and gpt_10b on
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -107,16 +108,19 @@ def measured(args, tmp: str) -> None:
                 out.append([f"{frac:.3g} ({mib(budget)})", name, f"none fits: {row.get('why', '')[:80]}", "-", "-", "-", "-", "-"])
                 continue
             ok = [s for s in runs if s.get("status") == "ok"]
-            top = max(ok, key=lambda s: s["tokens_per_s"]) if ok else (runs[0] if runs else {})
-            dev = max((v.get("cpu", {}).get("total", 0) for v in (top.get("peak_bytes") or {}).values()), default=0)
+            top = ok[0] if ok else (runs[0] if runs else {})
+            dev = max((v.get("cpu", {}).get("total", 0) for s in (ok or [top]) for v in (s.get("peak_bytes") or {}).values()),
+                      default=0)
             planned = row.get("step_s")
+            med = {k: statistics.median(s[k] for s in ok) for k in ("tokens_per_s", "step_time_s")} if ok else {}
+            mfu = [s["mfu"] for s in ok if s.get("mfu") is not None]
             out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
                         f"{mib(dev)} {'<=' if dev <= budget else 'OVER'} budget" if top.get("peak_bytes") else "-",
-                        f"{top['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
-                        f"{top.get('mfu', 0) * 100:.1f}%" if ok and top.get("mfu") is not None else "-",
+                        f"{med['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
+                        f"{statistics.median(mfu) * 100:.1f}%" if mfu else "-",
                         f"{top['final_loss']:.4f}" if ok else "-",
-                        f"{planned:.3g} / {top['step_time_s']:.3g}" if ok and planned else "-"])
-        print(table(["budget (of DDP's peak)", "row", "composition", "measured peak per rank", "tokens/s (worst)", "MFU",
+                        f"{planned:.3g} / {med['step_time_s']:.3g}" if ok and planned else "-"])
+        print(table(["budget (of DDP's peak)", "row", "composition", "measured peak per rank", "tokens/s median (worst)", "MFU",
                      f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
 
 
