@@ -154,6 +154,11 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="space-separated overrides added to every command (a smoke run: "
                     "'strategy.auto.micro_batch_size=[8] strategy.auto.ckpt=[none]')")
     args = ap.parse_args()
+    for name, given, known in (("--planned-nodes", args.planned_nodes, NODE_KEYS.values()),
+                               ("--planned-engines", args.planned_engines, ENGINES)):
+        bad = sorted(set(given.split(",")) - set(known))
+        if bad:
+            ap.error(f"{name}={given}: unknown {', '.join(bad)}; choose from {', '.join(known)}")
     tmp = bench_dir("fixed_budget")
     print(machine_line())
     if args.planned_only:
@@ -164,7 +169,7 @@ def main() -> None:
         print(f"\n1-min load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     if args.planned:
         nodes = tuple(n for n in NODES if NODE_KEYS[n] in args.planned_nodes.split(","))
-        extra = tuple(o for o in args.extra.split() if args.planned_only)  # --extra narrows a planned-only search
+        extra = tuple(args.extra.split()) if args.planned_only else ()  # --extra narrows a planned-only search
         planned(tmp, tuple(args.planned_models.split(",")), nodes, tuple(args.planned_engines.split(",")), extra)
 
 
