@@ -11,6 +11,23 @@ def mib(b) -> str:
     return f"{b / 2**20:,.1f}"
 
 
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected among measured times)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
 def table(head: list, rows: list[list]) -> str:
     """A markdown table, columns padded to their widest cell."""
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]

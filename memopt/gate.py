@@ -187,6 +187,18 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return refused
+    if typed.strategy.auto.trials:
+        from memopt.planner.trials import run_trials, trials_table
+
+        rows = run_trials(rows, base_of(typed), typed.strategy.auto.trials, typed.strategy.auto.trial_steps, run_dir)
+        print(trials_table(rows))
+        write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
+        if "trial" not in rows[0] or rows[0]["trial"]["status"] != "ok":
+            ended = ", ".join(f"{r['trial']['status']}" for r in rows if "trial" in r)
+            refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of the trials of the fastest predicted "
+                                                   f"candidates ran ({ended}; their records under {run_dir}/trials)")
+            print(f"memopt: {refused['error']}", file=sys.stderr)
+            return refused
     print(f"memopt auto: running {rows[0]['label']}")
     chosen = rows[0]["candidate"].config(base_of(typed))
     validate(chosen)

@@ -7,7 +7,8 @@
 Measured part (2 ranks of this CPU): the budget B = a fraction of plain fp32 DDP's measured device peak per rank
 (the model's own DDP run, 2 steps). At each budget, four rows: ``+strategy=auto`` under engine=memopt,
 engine=deepspeed and engine=fsdp2 (each search run through the CLI in plan mode, ``auto.json``'s winner
-taken), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
+taken; with ``--trials k`` every engine's search trains its k fastest predicted candidates a few steps and takes
+the fastest measured, ``strategy.auto.trials``), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
 activation checkpointing, fp32). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
 the first rotating per repeat; tokens/s (and MFU, step time) is each run's median step after the warm-up, the
@@ -28,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import REPO, bench_dir, machine_line, mib, table  # noqa: E402
+from experiments.common import REPO, bench_dir, machine_line, mib, spearman, table  # noqa: E402
 
 ENGINES = ("memopt", "deepspeed", "fsdp2")
 TYPED = ["engine=deepspeed", "+strategy=[zero3,cpu_offload,ckpt]"]  # a DeepSpeed user's ZeRO-3-Offload, no planner
@@ -83,7 +84,8 @@ def measured(args, tmp: str) -> None:
         for frac in [float(b) for b in args.budgets.split(",")]:
             budget = frac * peak / 2**30
             base = [f"model={model}", *COMMON, *args.extra.split(), "trainer.nproc_per_node=2", f"hardware.device_memory_gb={budget:.6f}",
-                    f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}"]
+                    f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}",
+                    *([f"strategy.auto.trials={args.trials}"] if args.trials else [])]  # each engine's search alike
             for engine in ENGINES:
                 ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"))
                 rows[(frac, f"{engine} auto")] = (ov, row)
@@ -100,7 +102,7 @@ def measured(args, tmp: str) -> None:
         best: dict = {}
         for key, (ov, run_dir) in zip(keys, jobs):  # each through the CLI, as a user runs it (an oom ends that run only)
             best.setdefault(key, []).append(cli(ov, run_dir) or {"status": "no summary"})
-        out = []
+        out, order = [], {}
         for (frac, name), (ov, row) in rows.items():
             budget = frac * peak
             runs = best.get((frac, name), [])
@@ -114,6 +116,8 @@ def measured(args, tmp: str) -> None:
             planned = row.get("step_s")
             med = {k: statistics.median(s[k] for s in ok) for k in ("tokens_per_s", "step_time_s")} if ok else {}
             mfu = [s["mfu"] for s in ok if s.get("mfu") is not None]
+            if ok and planned:
+                order.setdefault(frac, []).append((planned, med["step_time_s"]))
             out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
                         f"{mib(dev)} {'<=' if dev <= budget else 'OVER'} budget" if top.get("peak_bytes") else "-",
                         f"{med['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
@@ -122,6 +126,10 @@ def measured(args, tmp: str) -> None:
                         f"{planned:.3g} / {med['step_time_s']:.3g}" if ok and planned else "-"])
         print(table(["budget (of DDP's peak)", "row", "composition", "measured peak per rank", "tokens/s median (worst)", "MFU",
                      f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
+        for frac, pairs in order.items():  # each engine's search plans in its own process: rates differ by up to ~10%
+            rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+            print(f"budget {frac:.3g}: planned vs measured order of the {len(pairs)} searches' choices, Spearman "
+                  f"{rho:.2f}" if len(pairs) > 1 else f"budget {frac:.3g}: one measured choice, no order", flush=True)
 
 
 def planned(tmp: str, models: tuple[str, ...] = ("gpt_1b", "gpt_10b"), nodes: tuple[str, ...] = tuple(NODES),
@@ -146,6 +154,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--trials", type=int, default=0, help="strategy.auto.trials of every engine's search: its k fastest "
+                    "predicted candidates train a few steps each, the fastest measured is chosen")
     ap.add_argument("--planned-only", action="store_true")
     ap.add_argument("--planned-models", default="gpt_1b,gpt_10b", help="the models of the planned node tables")
     ap.add_argument("--planned-nodes", default="a100,v100", help="a100 (8x A100 80G) and/or v100 (PatrickStar's node)")

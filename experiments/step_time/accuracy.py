@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import bench_dir, machine_line, table  # noqa: E402
+from experiments.common import bench_dir, machine_line, spearman, table  # noqa: E402
 
 SMALL = ["model=gpt_small", "model.seq_len=256", "trainer.micro_batch_size=2"]
 TINY = ["model=gpt_tiny", "trainer.micro_batch_size=8"]
@@ -45,6 +45,7 @@ ROWS = {
 # the fixed-budget table's shapes (experiments/fixed_budget): gpt_small at its own sequence of 512, micro-batches of 4-16,
 # where the attention's share of the step is twice the 256-token rows' (its own rate: hardware.attention_efficiency)
 WIDE = ["model=gpt_small"]
+MOE_SMALL = ["strategy.moe.num_experts=8", "strategy.moe.every_k_layers=2"]  # its preset's (+strategy=moe resets them)
 BF16_WIDE = {
     "bf16 ddp 16 x 1 seq 512": [*WIDE, "+strategy=[bf16,ddp]", "trainer.micro_batch_size=16"],
     "hybrid_adam_bf16 16 x 1 seq 512": [*WIDE, "+strategy=[hybrid_adam_bf16]", "trainer.micro_batch_size=16"],
@@ -54,26 +55,14 @@ BF16_WIDE = {
                                             "trainer.micro_batch_size=8", "trainer.grad_accum=2"],
     "deepspeed bf16 zero2+cpu_offload 4 x 4 seq 512": [*WIDE, "engine=deepspeed", "+strategy=[bf16,zero2,cpu_offload]",
                                                        "trainer.micro_batch_size=4", "trainer.grad_accum=4"],
+    # the fixed-budget table's moe_small at 50% of DDP's peak: memopt's search ranked the first ahead, runs the second faster
+    "moe_small hybrid_adam_bf16 16 x 1": ["model=moe_small", "+strategy=[moe,hybrid_adam_bf16]", *MOE_SMALL,
+                                          "trainer.micro_batch_size=16"],
+    "moe_small bf16 ddp ep=2 8 x 2": ["model=moe_small", "+strategy=[moe,bf16,ddp]", *MOE_SMALL, "parallel.ep=2",
+                                      "trainer.micro_batch_size=8", "trainer.grad_accum=2"],
 }
 BF16 = {"bf16 ddp": [*SMALL, "+strategy=[bf16,ddp]"], "bf16 zero2+cpu_offload": [*SMALL, "+strategy=[bf16,zero2,cpu_offload]"],
         "hybrid_adam_bf16": [*SMALL, "+strategy=[hybrid_adam_bf16]"]}
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (no ties expected among measured times)."""
-    def ranks(x):
-        order = sorted(range(len(x)), key=x.__getitem__)
-        r = [0.0] * len(x)
-        for i, j in enumerate(order):
-            r[j] = float(i)
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    if n < 2:
-        return float("nan")
-    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
-    return 1 - 6 * d2 / (n * (n * n - 1))
 
 
 def planned(overrides: list[str]) -> dict:

@@ -62,6 +62,12 @@ class HardwareConfig:
     dtensor_op_overhead_us: float | None = None
     # Fixed cost of one collective call (microseconds), beside its bytes / device_device_gbps. None: not estimated.
     collective_latency_us: float | None = None
+    # Per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all, ...), a latency (microseconds) and
+    # a bus bandwidth (GB/s) that replace the two above for its calls: gloo's reduce-scatter costs about twice
+    # its all-reduce per bus byte on a CPU, its all-gather more at large buffers (planner/cpu_rates.py measures
+    # them between two processes). Kinds not named take the two fields above.
+    collective_latency_us_by_kind: dict[str, float] = field(default_factory=dict)
+    collective_gbps_by_kind: dict[str, float] = field(default_factory=dict)
     # Device memory (MiB per rank) that CUDA's libraries take from the caching allocator beside the tensors the
     # tracker and the planner count: cuBLAS's workspaces, one per (thread, stream) that issues products: the
     # forward's thread and autograd's backward thread (cuBLASLt shares them, torch's default). The plan's
@@ -105,6 +111,12 @@ def check_hardware(hw: HardwareConfig) -> None:
         value = getattr(hw, name)
         if value is not None and not value >= 0:
             raise ConfigError(f"hardware.{name}={value} must be >= 0 (microseconds), or null when it was not measured")
+    for name, value in (hw.collective_latency_us_by_kind or {}).items():
+        if not value >= 0:
+            raise ConfigError(f"hardware.collective_latency_us_by_kind.{name}={value} must be >= 0 (microseconds)")
+    for name, value in (hw.collective_gbps_by_kind or {}).items():
+        if not value > 0:
+            raise ConfigError(f"hardware.collective_gbps_by_kind.{name}={value} must be > 0 (GB/s of bus bytes)")
     rate = hw.host_adam_gparams_s
     if rate is not None and not rate > 0:
         raise ConfigError(f"hardware.host_adam_gparams_s={rate} must be > 0 (billions of parameter updates per second "

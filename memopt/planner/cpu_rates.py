@@ -1,4 +1,4 @@
-"""What the planner's step time needs to know of this CPU, measured in about seven seconds (plan mode and auto).
+"""What the planner's step time needs to know of this CPU, measured in about twelve seconds (plan mode and auto).
 
 A CPU rank's step is not its FLOPs at the matmul peak: on gpt_small the plan said 0.37 s where 2 ranks
 took 1.2-2.0 s, and on gpt_tiny 0.026 s against 0.19 s (issue #30). The rest is memory-bound ops, the
@@ -15,8 +15,11 @@ leaves unset:
   under the memory tracker, timed after a warm-up, divided by the ops it dispatches, on one thread;
 - ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
   fake 2-rank mesh, less the plain ops' share, per op on DTensors (the tracker sees those once);
-- ``device_device_gbps`` and ``collective_latency_us``: two gloo ranks as threads of this process
-  all-reducing 64 KiB and 16 MiB (latency and bus bandwidth from the two sizes);
+- ``collective_latency_us_by_kind`` / ``collective_gbps_by_kind`` (and the all-reduce's as
+  ``collective_latency_us`` / ``device_device_gbps``): two spawned gloo processes calling each kind at 64 KiB
+  and 16 MiB per rank between bursts of products (``gloo_step_collectives``: what a blocking call of a step
+  pays, the wait for the slower rank included); where processes cannot be spawned, two threads of this process
+  all-reducing (``gloo_allreduce``);
 - ``host_adam_gparams_s``: GELU (tanh), LayerNorm and an add's bytes per second / 28 (CPUAdamW is memory bound at 28 bytes a parameter:
   experiments/cpu_adam).
 """
@@ -78,7 +81,17 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
         got = _tried(("dtensor", ovh, threads), lambda: dtensor_op_overhead_us(ovh))
         if got is not None:
             out["dtensor_op_overhead_us"] = got
-    if hw.device_device_gbps is None or hw.collective_latency_us is None:
+    kinds = None
+    if not hw.collective_gbps_by_kind and (hw.device_device_gbps is None or hw.collective_latency_us is None):
+        kinds = _tried(("gloo-processes",), gloo_step_collectives)  # None: no spawn here; threads below
+        if kinds is not None:
+            out["collective_latency_us_by_kind"] = {k: v[0] for k, v in kinds.items()}
+            out["collective_gbps_by_kind"] = {k: v[1] for k, v in kinds.items()}
+            if hw.device_device_gbps is None:  # the kinds not probed (broadcast, reduce, send) as an all-reduce
+                out["device_device_gbps"] = kinds["all_reduce"][1]
+            if hw.collective_latency_us is None:
+                out["collective_latency_us"] = kinds["all_reduce"][0]
+    if kinds is None and (hw.device_device_gbps is None or hw.collective_latency_us is None):
         got = _tried(("gloo",), gloo_allreduce)  # failed (no gloo, no address): the copy rate stays, no latency term
         if got is not None:
             if hw.device_device_gbps is None:
@@ -357,6 +370,93 @@ def dtensor_op_overhead_us(plain_us: float) -> float:
             dist.destroy_process_group()
             _forget_dtensor_plans()  # DTensor's caches would keep this mesh's specs (simulate.py)
         torch.set_num_threads(threads)
+
+
+PROBED_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 8,
+                          compute_s: float = 0.03, timeout_s: float = 120.0) -> dict[str, tuple[float, float]]:
+    """Per collective kind, (latency in microseconds, bus GB/s) of gloo as a 2-process step pays it: two
+    processes (spawned: their own interpreters, as the ranks are), each call preceded by ``compute_s`` of
+    products on the rank's share of the threads, so a blocking call also waits for the slower rank and
+    starts with cold caches. t = latency + bus bytes / bandwidth through the medians of ``calls`` calls at
+    the two ``sizes`` (fp32 elements per rank; their line, as ``gloo_allreduce`` draws it).
+
+    Why not the threads of ``gloo_allreduce``: on 2 processes of this CPU the chunk engine's 124
+    all-gathers and reduce-scatters of moe_small took 0.55-0.87 s of a step its plan gave 0.17 s; gloo's
+    reduce-scatter costs about twice its all-reduce per bus byte, its all-to-all about half
+    (experiments/step_time/README.md)."""
+    import multiprocessing
+    import os
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    threads = max(1, torch.get_num_threads() // 2)
+    with tempfile.TemporaryDirectory() as d:
+        queue = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_collective_rank, args=(r, os.path.join(d, "store"), queue, sizes, calls,
+                                                             compute_s, threads, timeout_s)) for r in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.terminate()
+        got = queue.get() if not queue.empty() else None
+    if alive or not isinstance(got, dict):
+        raise RuntimeError(f"the 2-process gloo probe failed: {'timed out' if alive else got}")
+    out = {}
+    for kind, times in got.items():  # {size: seconds}
+        # bus bytes (nccl-tests', as the simulation counts them) of 2 ranks: an all-reduce's buffer, (n-1)/n of
+        # the others' full buffer (2 x the rank's), so 4 x n for every kind here
+        bus = {n: 4.0 * n for n in sizes}
+        small, large = sizes
+        per_byte = max(1e-12, (times[large] - times[small]) / (bus[large] - bus[small]))
+        out[kind] = (max(0.0, times[small] - bus[small] * per_byte) * 1e6, 1 / per_byte / 1e9)
+    return out
+
+
+def _collective_rank(rank: int, path: str, queue, sizes, calls: int, compute_s: float, threads: int,
+                     timeout_s: float) -> None:
+    """One rank of ``gloo_step_collectives`` (a spawned process): rank 0 puts {kind: {size: seconds}} on
+    ``queue``, or the error's text."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        pg = dist.ProcessGroupGloo(dist.FileStore(path, 2), rank, 2, datetime.timedelta(seconds=timeout_s))
+        a = torch.randn(256, 256)
+
+        def compute() -> None:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < compute_s:
+                a @ a
+
+        got: dict[str, dict[int, float]] = {}
+        for kind in PROBED_KINDS:
+            for n in sizes:
+                own, parts, full = torch.ones(n), [torch.ones(n) for _ in range(2)], torch.ones(2 * n)
+                out_full = torch.empty(2 * n)
+                call = {"all_reduce": lambda: pg.allreduce([own]),
+                        "all_gather": lambda: pg.allgather([parts], [own]),
+                        "reduce_scatter": lambda: pg.reduce_scatter([own], [parts]),
+                        "all_to_all": lambda: pg.alltoall_base(out_full, full, [], [])}[kind]
+                times = []
+                for i in range(calls + 2):  # two warm-up calls
+                    compute()
+                    t0 = time.perf_counter()
+                    call().wait()
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+                got.setdefault(kind, {})[n] = statistics.median(times)
+        if rank == 0:
+            queue.put(got)
+    except BaseException as e:  # noqa: BLE001 - reported by the caller, which falls back
+        if rank == 0:
+            queue.put(f"{type(e).__name__}: {e}")
 
 
 def gloo_allreduce(small: int = 2**14, large: int = 2**22) -> tuple[float, float]:

@@ -14,7 +14,8 @@ overlapped (an upper estimate; the plan says which term dominates): FLOPs counte
 training reaches); the bytes read and written by ops without a FLOP formula / ``memory_gbps``; the step's
 dispatched ops x ``op_overhead_us`` (+ those on DTensors x ``dtensor_op_overhead_us``) (a pipeline stage's
 three divided by 1 - its schedule's bubble: it idles through all of them); host<->device bytes / ``host_device_gbps``; collective
-bus bytes / ``device_device_gbps`` + calls x ``collective_latency_us``; and the parameters whose AdamW
+bus bytes / ``device_device_gbps`` + calls x ``collective_latency_us`` (per kind where the profile has a kind's
+own rates); and the parameters whose AdamW
 step runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk engine's host optimizer
 groups; per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. A term whose rate
 the profile lacks is not estimated (the GPU profiles leave the memory and overhead terms to
@@ -147,6 +148,24 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     return plan
 
 
+def comm_seconds(hw, traffic: dict, per_kind: dict | None) -> float | None:
+    """The step's collectives: per kind, calls x latency + bus bytes / bandwidth, with the kind's own rates
+    where the profile has them (``collective_*_by_kind``), else ``collective_latency_us`` (0 when unset) and
+    ``device_device_gbps``; None when the profile has no bandwidth. ``per_kind``: the simulation's
+    ``comm_per_step`` ({"ops": {kind: {"count", "bus_bytes"}}}); without it, the traffic's totals."""
+    lat, gbps = hw.collective_latency_us_by_kind or {}, hw.collective_gbps_by_kind or {}
+    ops = (per_kind or {}).get("ops") or {"any": {"count": traffic.get("collectives", 0),
+                                                  "bus_bytes": traffic.get("comm_bytes", 0)}}
+    total = 0.0
+    for kind, rec in ops.items():
+        rate = gbps.get(kind, hw.device_device_gbps)
+        if not rate:
+            return None
+        latency = lat.get(kind, hw.collective_latency_us) or 0.0
+        total += rec.get("bus_bytes", 0) / (rate * 1e9) + rec.get("count", 0) * latency * 1e-6
+    return total
+
+
 def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     """Seconds per optimizer step on ``hw``: compute, offload, communication and host-optimizer terms,
     which dominates. ``ranks_per_node``: the ranks whose host optimizer steps share the node's host."""
@@ -170,9 +189,7 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     share = ranks_per_node if hw.device_is_host or hw.ranks_share_device else 1
     overhead = (tr.get("ops", 0) * hw.op_overhead_us + tr.get("dtensor_ops", 0) * (hw.dtensor_op_overhead_us or 0.0)) \
         if hw.op_overhead_us is not None else None
-    comm = tr.get("comm_bytes", 0) / (hw.device_device_gbps * 1e9) if hw.device_device_gbps else None
-    if comm is not None and hw.collective_latency_us is not None:
-        comm += tr.get("collectives", 0) * hw.collective_latency_us * 1e-6
+    comm = comm_seconds(hw, tr, sim.get("comm_per_step"))
     terms = {
         "compute_s": flops_at_eff * share / (peak * eff * 1e12) if peak else None,
         "memory_s": tr.get("op_bytes", 0) * share / (mem_gbps * 1e9) if mem_gbps else None,

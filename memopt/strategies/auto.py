@@ -32,6 +32,10 @@ class AutoConfig:
     pp: bool = True  # several ranks, no MoE: also pipeline parallelism (parallel.pp x pp_schedule, planner/search_pp.py)
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved_1f1b"])  # pipeline schedules searched
     top: int = 10  # ranked candidates printed
+    # the k fastest predicted candidates that fit train trial_steps steps each; the fastest measured runs
+    # (planner/trials.py: the step-time model cannot order candidates within ~10%). 0: the plan's first runs
+    trials: int = 0
+    trial_steps: int = 3
 
 
 @register
@@ -51,6 +55,9 @@ class Auto(Strategy):
             raise ConfigError(f"strategy.auto.micro_batch_size={list(opts.micro_batch_size)}: {bad} do not divide the global "
                               f"batch per rank ({t.micro_batch_size} x {t.grad_accum} = {batch}), which every candidate keeps; "
                               f"sizes that do: {ok}")
+        if opts.trials < 0 or opts.trial_steps < 2:
+            raise ConfigError(f"strategy.auto.trials={opts.trials}, trial_steps={opts.trial_steps}: trials must be >= 0 "
+                              "(0: run the plan's first) and trial_steps >= 2 (the first step is a warm-up, not timed)")
         if any(e < 1 for e in opts.ep):
             raise ConfigError(f"strategy.auto.ep={list(opts.ep)}: expert-parallel sizes must be >= 1 (empty: every valid one)")
         for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16", "half")),

@@ -134,6 +134,22 @@ def test_cpu_terms_are_the_formulas():
     assert plain["memory_s"] is None and plain["overhead_s"] is None and plain["comm_s"] == pytest.approx(0.2)
 
 
+def test_collectives_at_their_kinds_rates():
+    """Each kind of the simulated step's collectives at its own rates where the profile has them: 40
+    reduce-scatters of 0.8e9 bus bytes in all at 0.5 GB/s + 2,000 us each = 1.68 s; 10 all-to-alls of 0.4e9 at
+    the profile's 8 GB/s + 300 us = 0.053 s (no rates of their own); with a bad rate refused, naming it."""
+    sim = {"flops": 1e12, "traffic": {"comm_bytes": 1.2e9, "collectives": 50},
+           "comm_per_step": {"ops": {"reduce_scatter": {"count": 40, "bus_bytes": 0.8e9},
+                                     "all_to_all": {"count": 10, "bus_bytes": 0.4e9}}}}
+    hw = _hw(collective_latency_us=300.0, collective_latency_us_by_kind={"reduce_scatter": 2000.0},
+             collective_gbps_by_kind={"reduce_scatter": 0.5})
+    assert step_time(typed(TINY), hw, sim, ranks_per_node=2)["comm_s"] == pytest.approx(1.6 + 0.08 + 0.05 + 0.003)
+    one_rate = _hw(collective_latency_us=300.0)  # the totals at one rate, as before the kinds
+    assert step_time(typed(TINY), one_rate, sim, ranks_per_node=2)["comm_s"] == pytest.approx(1.2e9 / 8e9 + 50 * 300e-6)
+    with pytest.raises(ConfigError, match="collective_gbps_by_kind.all_gather=0"):
+        check_hardware(_hw(collective_gbps_by_kind={"all_gather": 0.0}))
+
+
 def test_attention_and_bf16_memory_at_their_own_rates():
     """Fused attention's FLOPs at ``attention_efficiency``, the rest at ``compute_efficiency``, and a bf16
     run's memory-bound bytes at ``dtype_memory_gbps["bf16"]``: 0.8e12 FLOPs at 2 TFLOP/s x 0.5 / 2 ranks
@@ -234,6 +250,12 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
                  "device_device_gbps"):
         assert getattr(hw, name) is not None and getattr(hw, name) >= 0, name
     assert hw.memory_gbps > 0 and hw.device_device_gbps > 0
+    # every kind the steps call, between two processes; the all-reduce's rates stand for the kinds not probed
+    assert set(hw.collective_gbps_by_kind) == set(hw.collective_latency_us_by_kind) == \
+        {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert all(v > 0 for v in hw.collective_gbps_by_kind.values())
+    assert all(v >= 0 for v in hw.collective_latency_us_by_kind.values())
+    assert hw.device_device_gbps == hw.collective_gbps_by_kind["all_reduce"]
     assert hw.ranks_share_device  # this CPU's ranks share its cores, with a device budget too
     run = resolve_hardware(HardwareConfig(), torch.device("cpu"))
     assert (run.memory_gbps, run.op_overhead_us, run.collective_latency_us) == (None, None, None)

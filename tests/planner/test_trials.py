@@ -1,0 +1,92 @@
+"""``strategy.auto.trials``: the search's fastest predicted candidates train a few steps each and the fastest
+measured one runs; a trial that does not end ok drops out with its record (planner/trials.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memopt import ranks
+from memopt.api import run_job
+
+TINY = ["model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=4", "trainer.max_steps=2",
+        "trainer.eval_every=0", "data=synthetic", "data.synthetic_tokens=20000", "logger=none", "+strategy=auto",
+        "strategy.auto.precision=[fp32]", "strategy.auto.ckpt=[none,full]", "strategy.auto.stage=[ddp]",
+        "strategy.auto.offload=[false]", "strategy.auto.micro_batch_size=[4]", "strategy.auto.trials=2",
+        "strategy.auto.trial_steps=2"]
+
+
+def _auto(run_dir) -> list[dict]:
+    return json.loads((run_dir / "auto.json").read_text())
+
+
+def test_the_fastest_measured_trial_runs_not_the_first_planned(tmp_path, monkeypatch):
+    """The first planned candidate's trial (trials/0) is made to measure 10x slower, so the second planned
+    candidate runs. Both trials trained the steps asked, in run dirs of their own, and the final run is the
+    second's composition."""
+    real = ranks.start
+    started = []
+
+    def start(typed, cfg, run_dir, group):
+        summary = real(typed, cfg, run_dir, group)
+        started.append((run_dir, summary["steps_done"]))
+        if run_dir.endswith("trials/0"):
+            summary = {**summary, "step_time_s": summary["step_time_s"] * 10}  # the first planned, slowed
+        return summary
+
+    monkeypatch.setattr(ranks, "start", start)
+    run_job([*TINY, "strategy.auto.trials=0", "trainer.mode=plan"], str(tmp_path / "plan"))
+    first, second = _auto(tmp_path / "plan")[:2]
+    assert first["label"] != second["label"] and first["fits"] and second["fits"]
+
+    summary = run_job(TINY, str(tmp_path / "run"))
+    rows = _auto(tmp_path / "run")
+    tried = {r["trial"]["dir"].rsplit("/", 1)[-1]: r for r in rows if "trial" in r}
+    assert sorted(tried) == ["0", "1"] and all(r["trial"]["status"] == "ok" and r["trial"]["step_s"] > 0 for r in tried.values())
+    assert tried["0"]["label"] == first["label"] and tried["1"]["label"] == second["label"]
+    assert rows[0]["label"] == second["label"] and rows[1]["label"] == first["label"]  # fastest measured first
+    assert sorted(n for d, n in started if "/trials/" in d) == [2, 2]
+    assert summary["status"] == "ok" and summary["steps_done"] == 2
+    want = second["overrides"][0].removeprefix("+strategy=[").removesuffix("]")
+    assert sorted(summary["strategy"]) == sorted(x for x in want.split(",") if x), (summary["strategy"], second)
+
+
+def test_a_trial_that_fails_drops_out_with_its_record(tmp_path, monkeypatch):
+    """The first planned candidate's trial ends oom (an out-of-memory at its start): it is recorded as such
+    and the second one runs; when every trial fails the job is refused, naming them."""
+    from memopt.memory.tracker import DeviceBudgetExceeded
+
+    real = ranks.start
+
+    def start(typed, cfg, run_dir, group):
+        if run_dir.endswith("trials/0"):
+            raise DeviceBudgetExceeded("device budget crossed at aten::mm (activations): injected")
+        return real(typed, cfg, run_dir, group)
+
+    monkeypatch.setattr(ranks, "start", start)
+    summary = run_job(TINY, str(tmp_path / "run"))
+    rows = _auto(tmp_path / "run")
+    statuses = {r["trial"]["dir"].rsplit("/", 1)[-1]: r["trial"]["status"] for r in rows if "trial" in r}
+    assert statuses == {"0": "oom", "1": "ok"}, statuses
+    assert summary["status"] == "ok" and rows[0]["trial"]["dir"].endswith("trials/1")
+
+    def fail(typed, cfg, run_dir, group):
+        raise DeviceBudgetExceeded("device budget crossed: injected")
+
+    monkeypatch.setattr(ranks, "start", fail)
+    from memopt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no candidate fits"):
+        run_job(TINY, str(tmp_path / "none"))
+    refused = json.loads((tmp_path / "none" / "summary.json").read_text())
+    assert refused["status"] == "refused" and "none of the trials" in refused["error"] and "oom, oom" in refused["error"]
+
+
+def test_trial_options_are_checked_naming_the_field():
+    from memopt.config import validate
+    from memopt.errors import ConfigError
+    from tests.conftest import typed
+
+    for bad in ("strategy.auto.trials=-1", "strategy.auto.trial_steps=1"):
+        with pytest.raises(ConfigError, match=r"strategy.auto.trials=.*trial_steps=.*the first step is a warm-up"):
+            validate(typed([*TINY, bad]))
