@@ -190,7 +190,8 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     if typed.strategy.auto.trials:
         from memopt.planner.trials import run_trials, trials_table
 
-        rows = run_trials(rows, base_of(typed), typed.strategy.auto.trials, typed.strategy.auto.trial_steps, run_dir)
+        rows = run_trials(rows, base_of(typed), typed.strategy.auto.trials, typed.strategy.auto.trial_steps, run_dir,
+                          run_preflight)
         print(trials_table(rows))
         write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
         if "trial" not in rows[0] or rows[0]["trial"]["status"] != "ok":

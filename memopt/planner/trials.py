@@ -25,15 +25,15 @@ def trial_config(chosen, steps: int):
     return replace(chosen, trainer=t, logger=replace(chosen.logger, name="none"))
 
 
-def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str) -> list[dict]:
+def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflight) -> list[dict]:
     """Train the first ``k`` fitting rows of ``rows`` (planned order; ``base``: the config candidates compose
     on) for ``steps`` steps each; sets each tried row's ``trial`` ({status, step_s, peak_bytes, dir}) and
-    returns the rows reordered: the tried ones that ran, fastest measured first, then the rest as planned."""
+    returns the rows reordered: the tried ones that ran, fastest measured first, then the rest as planned.
+    ``preflight(typed, cfg, run_dir)``: the gate's (a refusal's record, or None with the run's placement set)."""
     from omegaconf import OmegaConf
 
     from memopt import ranks
     from memopt.config import validate
-    from memopt.gate import run_preflight
 
     tried = [r for r in rows if r["fits"] and r.get("step_s") is not None][:k]
     for i, r in enumerate(tried):
@@ -42,7 +42,7 @@ def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str) -> list
         cfg = OmegaConf.structured(typed)
         where = os.path.join(run_dir, "trials", str(i))
         print(f"memopt auto: trial {i + 1}/{len(tried)} ({steps} steps): {r['label']}", file=sys.stderr, flush=True)
-        summary = run_preflight(typed, cfg, where)  # the placement a run of it would get (Hybrid Adam's groups)
+        summary = preflight(typed, cfg, where)  # the placement a run of it would get (Hybrid Adam's groups)
         if summary is None:
             try:
                 summary = ranks.start(typed, cfg, where, None) or {}
