@@ -45,7 +45,8 @@ class OptimConfig:
 class TrainerConfig:
     """The loop (the ``trainer`` group)."""
 
-    mode: str = "train"  # train | plan (predict every rank's peak bytes, the fit and the step time; no training)
+    mode: str = "train"  # train | plan (predict every rank's peak bytes, the fit and the step time; no training but
+    # +strategy=auto's trials, strategy.auto.trials > 0, which are the search's measurements)
     preflight: bool = True  # plan before launching ranks and refuse (status refused) what would not fit
     plan_exact: bool = False  # plan every block (else deep models are planned from two shallow ones, planner/extrapolate.py)
     nnodes: int = 1  # nodes of the world (plan mode; a multi-node run is started by an external launcher)

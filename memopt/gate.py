@@ -158,6 +158,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     config (``planner/candidate.py``); the table prints each as the overrides that compose it."""
     from omegaconf import OmegaConf
 
+    from memopt.parallel import under_launcher
     from memopt.planner.search import base_of, check_engine_runs_kept, ranked_table, search
 
     def progress(done: int, total: int, row: dict, best: dict | None) -> None:
@@ -167,6 +168,10 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         print(f"memopt auto: planned {done}/{total} ({what}); {lead}", file=sys.stderr, flush=True)
 
     try:
+        if typed.strategy.auto.trials and under_launcher():
+            raise ConfigError(f"strategy.auto.trials={typed.strategy.auto.trials} starts each trial's ranks itself: every "
+                              "rank of an external launcher would run its own trials and could choose differently; run "
+                              "the search with trainer.nproc_per_node (or strategy.auto.trials=0) under a launcher")
         check_engine_runs_kept(typed)  # before this CPU's rates are measured
         hw = hardware(typed, step_rates=True)
         rows = search(typed, hw, progress=progress)
@@ -174,6 +179,11 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         refused = outcome.refusal(run_dir, cfg, str(e))
         print(f"memopt: configuration refused: {e}", file=sys.stderr)
         return refused
+    previous = _previous_choice(run_dir) if typed.trainer.resume else None
+    same = [r for r in rows if r["fits"] and r["label"] == previous]
+    if same:  # a resumed run keeps the composition its checkpoint was written by (rates and trials vary)
+        rows = same + [r for r in rows if r is not same[0]]
+        print(f"memopt auto: resuming with the choice of the run being resumed: {previous}", file=sys.stderr)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
     write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
@@ -187,7 +197,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return refused
-    if typed.strategy.auto.trials:
+    if typed.strategy.auto.trials and not same:
         from memopt.planner.trials import run_trials, trials_table
 
         rows = run_trials(rows, base_of(typed), typed.strategy.auto.trials, typed.strategy.auto.trial_steps, run_dir,
@@ -204,6 +214,18 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     chosen = rows[0]["candidate"].config(base_of(typed))
     validate(chosen)
     return chosen, OmegaConf.structured(chosen)
+
+
+def _previous_choice(run_dir: str) -> str | None:
+    """The label of the composition an earlier search in ``run_dir`` chose (its auto.json's first row)."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "auto.json")) as f:
+            rows = json.load(f)
+        return rows[0]["label"] if rows and rows[0].get("fits") else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:

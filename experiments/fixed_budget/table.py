@@ -63,7 +63,7 @@ def choice(base: list[str], engine: str, run_dir: str) -> tuple[list[str] | None
             rows = json.load(f)
     except OSError:
         return None, {"why": (summary or {}).get("error", "the search wrote no auto.json")}
-    if not rows or not rows[0]["fits"]:
+    if not rows or not rows[0]["fits"] or (summary or {}).get("status") == "refused":  # every trial failed, too
         return None, {"why": (summary or {}).get("error", "no candidate fits")}
     return [f"engine={engine}", *rows[0]["overrides"]], rows[0]
 

@@ -84,12 +84,12 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
     kinds = None
     if not hw.collective_gbps_by_kind and (hw.device_device_gbps is None or hw.collective_latency_us is None):
         kinds = _tried(("gloo-processes",), gloo_step_collectives)  # None: no spawn here; threads below
-        if kinds is not None:
-            out["collective_latency_us_by_kind"] = {k: v[0] for k, v in kinds.items()}
-            out["collective_gbps_by_kind"] = {k: v[1] for k, v in kinds.items()}
+        if kinds is not None:  # a rate the profile gives stays the only one of its kind (latency or bandwidth)
             if hw.device_device_gbps is None:  # the kinds not probed (broadcast, reduce, send) as an all-reduce
+                out["collective_gbps_by_kind"] = {k: v[1] for k, v in kinds.items()}
                 out["device_device_gbps"] = kinds["all_reduce"][1]
             if hw.collective_latency_us is None:
+                out["collective_latency_us_by_kind"] = {k: v[0] for k, v in kinds.items()}
                 out["collective_latency_us"] = kinds["all_reduce"][0]
     if kinds is None and (hw.device_device_gbps is None or hw.collective_latency_us is None):
         got = _tried(("gloo",), gloo_allreduce)  # failed (no gloo, no address): the copy rate stays, no latency term
@@ -254,6 +254,7 @@ def _tried(key: tuple, fn):
     except Exception as e:  # noqa: BLE001 - a probe that cannot run must not stop the plan
         import warnings
 
+        _CACHE[key] = None  # not tried again in this process (a failed spawn or group would fail, slowly, again)
         warnings.warn(f"memopt planner: the CPU probe {key[0]} could not run here ({type(e).__name__}: {e}); "
                       "its step-time term is not estimated", stacklevel=2)
         return None
@@ -394,9 +395,10 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, torch.get_num_threads() // 2)
     with tempfile.TemporaryDirectory() as d:
-        queue = ctx.SimpleQueue()
+        queue = ctx.SimpleQueue()  # each rank puts one item: rank 0 its timings, either one its error
+        group_timeout = timeout_s / 2  # a rank whose peer never joins reports before the parent gives up
         procs = [ctx.Process(target=_collective_rank, args=(r, os.path.join(d, "store"), queue, sizes, calls,
-                                                             compute_s, threads, timeout_s)) for r in range(2)]
+                                                             compute_s, threads, group_timeout)) for r in range(2)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -404,10 +406,16 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
             p.join(max(0.0, deadline - time.monotonic()))
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
-            p.terminate()
-        got = queue.get() if not queue.empty() else None
-    if alive or not isinstance(got, dict):
-        raise RuntimeError(f"the 2-process gloo probe failed: {'timed out' if alive else got}")
+            p.kill()
+            p.join(5)
+        items = []
+        while not alive and not queue.empty():  # read only once no child can be writing
+            items.append(queue.get())
+        queue.close()
+    got = next((x for x in items if isinstance(x, dict)), None)
+    if got is None:
+        why = "timed out" if alive else "; ".join(str(x) for x in items) or "no result"
+        raise RuntimeError(f"the 2-process gloo probe failed: {why}")
     out = {}
     for kind, times in got.items():  # {size: seconds}
         # bus bytes (nccl-tests', as the simulation counts them) of 2 ranks: an all-reduce's buffer, (n-1)/n of
@@ -455,8 +463,7 @@ def _collective_rank(rank: int, path: str, queue, sizes, calls: int, compute_s: 
         if rank == 0:
             queue.put(got)
     except BaseException as e:  # noqa: BLE001 - reported by the caller, which falls back
-        if rank == 0:
-            queue.put(f"{type(e).__name__}: {e}")
+        queue.put(f"rank {rank}: {type(e).__name__}: {e}")
 
 
 def gloo_allreduce(small: int = 2**14, large: int = 2**22) -> tuple[float, float]:

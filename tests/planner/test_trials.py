@@ -8,6 +8,8 @@ import pytest
 
 from memopt import ranks
 from memopt.api import run_job
+from memopt.gate import gate
+from tests.conftest import compose
 
 TINY = ["model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=4", "trainer.max_steps=2",
         "trainer.eval_every=0", "data=synthetic", "data.synthetic_tokens=20000", "logger=none", "+strategy=auto",
@@ -35,7 +37,8 @@ def test_the_fastest_measured_trial_runs_not_the_first_planned(tmp_path, monkeyp
         return summary
 
     monkeypatch.setattr(ranks, "start", start)
-    run_job([*TINY, "strategy.auto.trials=0", "trainer.mode=plan"], str(tmp_path / "plan"))
+    gate(compose([*TINY, "strategy.auto.trials=0", "trainer.mode=plan"]), str(tmp_path / "plan"), launched=False)
+    assert not started  # the plan alone: no rank started
     first, second = _auto(tmp_path / "plan")[:2]
     assert first["label"] != second["label"] and first["fits"] and second["fits"]
 
@@ -49,6 +52,17 @@ def test_the_fastest_measured_trial_runs_not_the_first_planned(tmp_path, monkeyp
     assert summary["status"] == "ok" and summary["steps_done"] == 2
     want = second["overrides"][0].removeprefix("+strategy=[").removesuffix("]")
     assert sorted(summary["strategy"]) == sorted(x for x in want.split(",") if x), (summary["strategy"], second)
+
+    # resumed: the run keeps the composition it was started with, without trials (the planned first would win now)
+    import memopt.planner.trials as trials
+
+    def no_trials(*a, **k):
+        raise AssertionError("a resumed run ran trials")
+
+    monkeypatch.setattr(trials, "run_trials", no_trials)
+    resumed = run_job([*TINY, "trainer.resume=auto", "trainer.max_steps=3"], str(tmp_path / "run"))
+    assert _auto(tmp_path / "run")[0]["label"] == second["label"]
+    assert sorted(resumed["strategy"]) == sorted(summary["strategy"]) and resumed["status"] == "ok"
 
 
 def test_a_trial_that_fails_drops_out_with_its_record(tmp_path, monkeypatch):
@@ -76,7 +90,7 @@ def test_a_trial_that_fails_drops_out_with_its_record(tmp_path, monkeypatch):
     monkeypatch.setattr(ranks, "start", fail)
     from memopt.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no candidate fits"):
+    with pytest.raises(ConfigError, match="none of the trials of the fastest predicted candidates ran"):
         run_job(TINY, str(tmp_path / "none"))
     refused = json.loads((tmp_path / "none" / "summary.json").read_text())
     assert refused["status"] == "refused" and "none of the trials" in refused["error"] and "oom, oom" in refused["error"]
@@ -90,3 +104,10 @@ def test_trial_options_are_checked_naming_the_field():
     for bad in ("strategy.auto.trials=-1", "strategy.auto.trial_steps=1"):
         with pytest.raises(ConfigError, match=r"strategy.auto.trials=.*trial_steps=.*the first step is a warm-up"):
             validate(typed([*TINY, bad]))
+
+
+def test_trials_under_an_external_launcher_are_refused(tmp_path, monkeypatch):
+    """Every rank of torchrun would run its own trials and could choose differently: refused, recorded."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    verdict = gate(compose(TINY), str(tmp_path), launched=True)
+    assert verdict.summary["status"] == "refused" and "strategy.auto.trials=2 starts each trial's ranks" in verdict.summary["error"]
