@@ -186,7 +186,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         print(f"memopt auto: resuming with the choice of the run being resumed: {previous}", file=sys.stderr)
     print(ranked_table(rows, typed.strategy.auto.top))
     os.makedirs(run_dir, exist_ok=True)
-    write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
+    _write_ranking(run_dir, rows)
     if not rows or not rows[0]["fits"]:
         from memopt.planner.plan import fmt
         from memopt.planner.search import smallest_device_budget
@@ -203,7 +203,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         rows = run_trials(rows, base_of(typed), typed.strategy.auto.trials, typed.strategy.auto.trial_steps, run_dir,
                           run_preflight)
         print(trials_table(rows))
-        write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
+        _write_ranking(run_dir, rows)  # with the trials, fastest measured first
         if "trial" not in rows[0] or rows[0]["trial"]["status"] != "ok":
             ended = ", ".join(f"{r['trial']['status']}" for r in rows if "trial" in r)
             refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of the trials of the fastest predicted "
@@ -214,6 +214,11 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     chosen = rows[0]["candidate"].config(base_of(typed))
     validate(chosen)
     return chosen, OmegaConf.structured(chosen)
+
+
+def _write_ranking(run_dir: str, rows: list[dict]) -> None:
+    """auto.json: the ranked rows, without their candidate objects."""
+    write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
 
 
 def _previous_choice(run_dir: str) -> str | None:

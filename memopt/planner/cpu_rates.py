@@ -81,8 +81,8 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
         got = _tried(("dtensor", ovh, threads), lambda: dtensor_op_overhead_us(ovh))
         if got is not None:
             out["dtensor_op_overhead_us"] = got
-    kinds = None
-    if not hw.collective_gbps_by_kind and (hw.device_device_gbps is None or hw.collective_latency_us is None):
+    kinds, comm_unset = None, hw.device_device_gbps is None or hw.collective_latency_us is None
+    if comm_unset and not hw.collective_gbps_by_kind:
         kinds = _tried(("gloo-processes",), gloo_step_collectives)  # None: no spawn here; threads below
         if kinds is not None:  # a rate the profile gives stays the only one of its kind (latency or bandwidth)
             if hw.device_device_gbps is None:  # the kinds not probed (broadcast, reduce, send) as an all-reduce
@@ -91,7 +91,7 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
             if hw.collective_latency_us is None:
                 out["collective_latency_us_by_kind"] = {k: v[0] for k, v in kinds.items()}
                 out["collective_latency_us"] = kinds["all_reduce"][0]
-    if kinds is None and (hw.device_device_gbps is None or hw.collective_latency_us is None):
+    if comm_unset and kinds is None:
         got = _tried(("gloo",), gloo_allreduce)  # failed (no gloo, no address): the copy rate stays, no latency term
         if got is not None:
             if hw.device_device_gbps is None:
@@ -416,15 +416,9 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
     if got is None:
         why = "timed out" if alive else "; ".join(str(x) for x in items) or "no result"
         raise RuntimeError(f"the 2-process gloo probe failed: {why}")
-    out = {}
-    for kind, times in got.items():  # {size: seconds}
-        # bus bytes (nccl-tests', as the simulation counts them) of 2 ranks: an all-reduce's buffer, (n-1)/n of
-        # the others' full buffer (2 x the rank's), so 4 x n for every kind here
-        bus = {n: 4.0 * n for n in sizes}
-        small, large = sizes
-        per_byte = max(1e-12, (times[large] - times[small]) / (bus[large] - bus[small]))
-        out[kind] = (max(0.0, times[small] - bus[small] * per_byte) * 1e6, 1 / per_byte / 1e9)
-    return out
+    # bus bytes (nccl-tests', as the simulation counts them) of 2 ranks: an all-reduce's buffer, (n-1)/n of the
+    # others' full buffer (2 x the rank's), so 4 x n for every kind here, as for gloo_allreduce's buffers
+    return {kind: _latency_and_rate(times, *sizes) for kind, times in got.items()}  # times: {size: seconds}
 
 
 def _collective_rank(rank: int, path: str, queue, sizes, calls: int, compute_s: float, threads: int,
@@ -500,6 +494,12 @@ def gloo_allreduce(small: int = 2**14, large: int = 2**22) -> tuple[float, float
         t.join(60)
     if errors or len(times) < 2:
         raise RuntimeError(f"the gloo all-reduce probe failed: {errors[0] if errors else 'timed out'}")
+    return _latency_and_rate(times, small, large)
+
+
+def _latency_and_rate(times: dict[int, float], small: int, large: int) -> tuple[float, float]:
+    """(latency in microseconds, bus GB/s): the line t = latency + bus bytes / bandwidth through the times of
+    fp32 buffers of ``small`` and ``large`` elements whose bus bytes are the buffer's (4 B an element)."""
     per_byte = max(1e-12, (times[large] - times[small]) / (4 * (large - small)))
     latency = max(0.0, times[small] - 4 * small * per_byte)
     return latency * 1e6, 1 / per_byte / 1e9

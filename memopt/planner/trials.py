@@ -47,7 +47,8 @@ def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflig
             print(f"memopt auto: trial {i + 1} ended {r['trial']['status']}: {summary.get('error', '')}", file=sys.stderr)
     ran = sorted((r for r in tried if r["trial"]["status"] == "ok" and r["trial"]["step_s"]),
                  key=lambda r: r["trial"]["step_s"])
-    return ran + [r for r in rows if r not in ran]
+    first = {id(r) for r in ran}
+    return ran + [r for r in rows if id(r) not in first]
 
 
 def _trial(row: dict, base, steps: int, where: str, preflight) -> dict:
