@@ -9,8 +9,9 @@ CPU-only machine only fp32 is searched: without bf16/fp16 matrix units their mat
 choice (it changes the model), but when it is selected the expert-parallel size ``parallel.ep`` is
 searched (every size that divides both the data-parallel ranks and the experts, or
 ``strategy.auto.ep``): it changes where the expert parameters, gradients and optimizer states live
-and adds the all-to-all buffers. ep > 1 is combined with the memopt engine without cpu_offload only
-(the chunk engine and the fused host step handle one data-parallel dimension). Tensor parallelism is
+and adds the all-to-all buffers. ep > 1 is combined with every composition but cpu_offload (the fused
+host step handles one data-parallel dimension); the chunk engine keeps the experts' chunks on their ep
+ranks. Tensor parallelism is
 searched (``strategy.auto.tp``) when the world has more than one rank and MoE is off: ``parallel.tp``
 among the divisors of the world size that the model's shape allows, with and without sequence
 parallelism and the vocabulary-parallel loss, times the ZeRO stages over the remaining data-parallel
@@ -116,8 +117,6 @@ def candidates(cfg, hw) -> list[Candidate]:
                             out.append(keep.extend(names, *ck_o, *par, *batch))
                             if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
                                 out.append(keep.extend(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
-                    if ep > 1:  # the chunk engine runs ep = 1 only
-                        continue
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
                         extra = (("strategy.chunk.device_budget_gb", budget),) if budget else ()

@@ -147,6 +147,7 @@ TWO_RANKS = {"ddp": ["+strategy=ddp"], "zero1": ["+strategy=zero1"], "zero2": ["
              "moe_zero2": ["model=moe_tiny", "+strategy=zero2"],
              "moe_ep2_zero2": ["model=moe_tiny", "+strategy=zero2", "parallel.ep=2"],
              "moe_ep2_zero3": ["model=moe_tiny", "+strategy=zero3", "parallel.ep=2"],
+             "moe_ep2_chunk": ["model=moe_tiny", "+strategy=chunk", "parallel.ep=2"],  # each rank's experts, its own chunks
              "deepspeed_zero2": ["engine=deepspeed", "+strategy=zero2"],
              "deepspeed_zero3_fp16": ["engine=deepspeed", "+strategy=[zero3,fp16]"],
              "deepspeed_zero2_offload": ["engine=deepspeed", "+strategy=[zero2,cpu_offload]"],

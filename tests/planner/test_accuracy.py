@@ -147,7 +147,8 @@ def test_matrix_two_ranks(overrides, model, tmp_path):
 # indices and gathered expert outputs); every other category is exact.
 MOE = [(1, []), (1, ["+strategy=chunk"]), (1, ["model.d_model=96", "model.n_head=4"]),
        (2, ["+strategy=zero2"]), (2, ["+strategy=zero2", "parallel.ep=2"]), (2, ["+strategy=zero3"]),
-       (2, ["+strategy=zero3", "parallel.ep=2"]), (2, ["+strategy=ddp", "parallel.ep=2"]), (2, ["+strategy=chunk"])]
+       (2, ["+strategy=zero3", "parallel.ep=2"]), (2, ["+strategy=ddp", "parallel.ep=2"]), (2, ["+strategy=chunk"]),
+       (2, ["+strategy=chunk", "parallel.ep=2"])]
 
 
 @pytest.mark.slow

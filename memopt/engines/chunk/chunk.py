@@ -90,6 +90,7 @@ class Chunk:
         # distributed (comm.py): owning rank, whether that is this rank, communication unit, and
         # whether a remote payload is only kept as a cached buffer (mem_cache)
         self.owner, self.local, self.unit, self.cached = 0, True, None, False
+        self.expert = False  # holds MoE expert parameters (partitioned over the expert data-parallel ranks)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

@@ -9,6 +9,15 @@ chunks only: model states per rank are 1/W of the model, as with ZeRO-3. The chu
 
 Communication unit: a group (default), or a single chunk with ``mem_saving_comm``.
 
+Expert parallelism (``parallel.ep`` > 1, MoE): each rank holds only its ep group's experts, so the
+expert chunks (chunks of their own, ``manager.pack``) are not partitioned over ``dp_shard`` but over
+the ranks that hold the same experts (``edp`` = dp_shard / ep), as the memopt engine partitions its
+expert groups: they form lists of their own, padded to multiples of edp and cut into groups of edp.
+With edp = 1 (ep = the data-parallel size) every expert chunk is this rank's own: its units gather and
+reduce nothing, and a step moves only the dense chunks (moe_small: 80% of the parameters stay put).
+The reduction still sums every rank's contribution: the all-to-all's backward brought each token's
+gradient to the rank holding its expert.
+
 * gather: before a module computes with a tensor whose unit is not gathered, every rank makes the
   whole unit resident on the device and fills it: ``all_gather`` of the group (each rank sends its
   own chunk), or one ``broadcast`` from the chunk's owner.
@@ -57,6 +66,9 @@ class CommUnit:
     index: int
     chunks: list[Chunk]
     trainable: bool
+    rank: int = 0  # this rank's place in the unit's dimension (its chunk of a group)
+    world: int = 1  # ranks of that dimension: 1 means every chunk is this rank's own, nothing to communicate
+    group: object = None  # its process group
     gathered: bool = False
     reduced: bool = False  # reduced in the current micro-step
     cached: bool = False
@@ -78,9 +90,11 @@ class CommStats:
 
 
 class ChunkComm:
-    def __init__(self, dim, mem_saving_comm: bool, mem_cache: int, tracker):
-        """``dim``: the parallel dimension the chunks are partitioned over (``dims.dp_shard``)."""
+    def __init__(self, dim, mem_saving_comm: bool, mem_cache: int, tracker, expert_dim=None):
+        """``dim``: the parallel dimension the chunks are partitioned over (``dims.dp_shard``); ``expert_dim``:
+        the one expert chunks are partitioned over with expert parallelism (``dims.edp``), else None (with the rest)."""
         self.rank, self.world, self.group = dim.rank, dim.size, dim.group
+        self.dim, self.expert_dim = dim, expert_dim
         self.mem_saving, self.cache_size = mem_saving_comm, mem_cache
         self.tracker = tracker
         self.units: list[CommUnit] = []
@@ -90,29 +104,34 @@ class ChunkComm:
 
     # ---- layout -------------------------------------------------------------------------------
     def assign(self, mgr) -> None:
-        """Pad the chunk lists to multiples of W, set owners, build the communication units."""
+        """Pad each chunk list to a multiple of its dimension's size, set owners, build the units."""
         self.mgr = mgr
-        W = self.world
+        kinds = (False, True) if self.expert_dim is not None else (None,)  # None: experts with the rest
         for trainable in (True, False):
-            lst = [c for c in mgr.chunks if c.trainable == trainable]
-            if not lst:
-                continue
-            while len(lst) % W:
-                pad = Chunk(len(mgr.chunks), "param", mgr.chunk_size, mgr.dtype, mgr.device, mgr.tracker,
-                             trainable=trainable, with_grad=trainable)
-                mgr.chunks.append(pad)
-                lst.append(pad)
-            for g in range(0, len(lst), W):
-                group = lst[g: g + W]
-                for i, c in enumerate(group):
-                    c.owner = i
-                    c.local = i == self.rank
-                parts = [[c] for c in group] if self.mem_saving else [group]
-                for part in parts:
-                    u = CommUnit(len(self.units), part, trainable)
-                    self.units.append(u)
-                    for c in part:
-                        c.unit = u
+            for expert in kinds:
+                lst = [c for c in mgr.chunks if c.trainable == trainable and expert in (None, c.expert)]
+                if lst:
+                    self._assign_list(mgr, lst, trainable, bool(expert), self.expert_dim if expert else self.dim)
+
+    def _assign_list(self, mgr, lst: list[Chunk], trainable: bool, expert: bool, dim) -> None:
+        W = dim.size
+        while len(lst) % W:
+            pad = Chunk(len(mgr.chunks), "param", mgr.chunk_size, mgr.dtype, mgr.device, mgr.tracker,
+                        trainable=trainable, with_grad=trainable)
+            pad.expert = expert
+            mgr.chunks.append(pad)
+            lst.append(pad)
+        for g in range(0, len(lst), W):
+            group = lst[g: g + W]
+            for i, c in enumerate(group):
+                c.owner = i
+                c.local = i == dim.rank
+            parts = [[c] for c in group] if self.mem_saving else [group]
+            for part in parts:
+                u = CommUnit(len(self.units), part, trainable, rank=dim.rank, world=W, group=dim.group)
+                self.units.append(u)
+                for c in part:
+                    c.unit = u
 
     def _temp(self):
         return self.tracker.category("temp")
@@ -126,35 +145,40 @@ class ChunkComm:
             self.stats.cache_hits += 1
             for c in u.chunks:
                 c.cached = False
+        u.gathered = True
+        if u.world == 1:  # this rank's own chunks (experts with edp = 1)
+            return
         if len(u.chunks) == 1:
             c = u.chunks[0]
-            dist.broadcast(c.data, group=self.group, group_src=c.owner)
+            dist.broadcast(c.data, group=u.group, group_src=c.owner)
         else:
-            dist.all_gather([c.data for c in u.chunks], u.chunks[self.rank].data, group=self.group)
-        u.gathered = True
+            dist.all_gather([c.data for c in u.chunks], u.chunks[u.rank].data, group=u.group)
         self.stats.gathers += 1
         self.stats.sent_bytes += sum(c.payload_bytes for c in u.chunks)
 
     def reduce(self, u: CommUnit) -> None:
         """Sum the unit's gradient companions into their owners' (resident, allocated), then release."""
+        u.reduced = True
+        if u.world == 1:  # this rank's own chunks: the gradient is complete where it is
+            self.release(u)
+            return
         if len(u.chunks) == 1:
             c = u.chunks[0]
-            dist.reduce(c.grad, group=self.group, group_dst=c.owner)
+            dist.reduce(c.grad, group=u.group, group_dst=c.owner)
         else:
-            own = u.chunks[self.rank]
+            own = u.chunks[u.rank]
             with self._temp():
                 out = torch.empty_like(own.grad)
-            dist.reduce_scatter(out, [c.grad for c in u.chunks], group=self.group)
+            dist.reduce_scatter(out, [c.grad for c in u.chunks], group=u.group)
             own.grad.copy_(out)
             del out
-        u.reduced = True
         self.stats.reduces += 1
         self.stats.sent_bytes += sum(c.payload_bytes for c in u.chunks)
         self.release(u)
 
     def release(self, u: CommUnit) -> None:
         """Free the unit's remote payloads and gradients (keep the payloads in the cache if enabled)."""
-        keep = self.cache_size > 0
+        keep = self.cache_size > 0 and u.world > 1  # a unit of this rank's own chunks has nothing to cache
         for c in u.chunks:
             if c.local:
                 continue

@@ -48,17 +48,21 @@ OPTIM_BYTES = 12  # fp32 master, momentum, variance per element of a trainable c
 ROUNDING_BYTES = 6  # half an optimizer group: the expected part of the device margin no whole group fills
 
 
-def chunk_cost(counts: list[int], c: int, world: int, payload: int, grad_factor: int) -> int:
+def chunk_cost(counts: list[int], c: int, world: int, payload: int, grad_factor: int, expert_world: int | None = None) -> int:
     """Bytes the busiest rank holds because of chunk size ``c`` (module docstring). ``counts``: the chunks
-    of each packing group (trainable dense, trainable expert, frozen), as ``search_chunk_size`` passes them."""
+    of each packing group (trainable dense, trainable expert, frozen), as ``search_chunk_size`` passes them;
+    ``expert_world``: with expert parallelism, the ranks the expert chunks are partitioned over (a list of
+    their own, comm.py), else None (one list with the dense ones)."""
     dense, expert, frozen = (list(counts) + [0, 0, 0])[:3]
-    trainable, fixed = math.ceil((dense + expert) / world), math.ceil(frozen / world)
+    trainable = (math.ceil((dense + expert) / world) if expert_world is None else
+                 math.ceil(dense / world) + math.ceil(expert / expert_world))
+    fixed = math.ceil(frozen / world)
     staging = 2 * payload  # the host step's two staging buffers of the payload dtype (staging.py)
     return c * (trainable * (payload * grad_factor + OPTIM_BYTES) + fixed * payload + staging + ROUNDING_BYTES)
 
 
 def chunk_size(given: int | None, groups: list[list[tuple[str, int]]], world: int, payload: int, grad_factor: int,
-               budget: int | None) -> int:
+               budget: int | None, expert_world: int | None = None) -> int:
     """``strategy.chunk.chunk_size`` when given (refused, naming what would work, when a parameter does not
     fit in one chunk), else the size the module docstring's rule chooses. ``groups``: (name, elements) of
     the parameters of each packing group, in registration order; ``budget``: the device budget in bytes
@@ -71,7 +75,8 @@ def chunk_size(given: int | None, groups: list[list[tuple[str, int]]], world: in
 
     def chosen() -> int:
         hi = None if budget is None else budget // (2 * payload * grad_factor)
-        return search_chunk_size(sizes, cost=partial(chunk_cost, world=world, payload=payload, grad_factor=grad_factor), hi=hi)
+        return search_chunk_size(sizes, cost=partial(chunk_cost, world=world, payload=payload, grad_factor=grad_factor,
+                                                        expert_world=expert_world), hi=hi)
 
     if not given:
         return chosen()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, rank_key, with_aux_loss
+from memopt.engines.base import PrecisionEngine, gather_over_ep, rank_key, with_aux_loss
 from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.moe import Expert
@@ -49,8 +49,8 @@ DEFAULT_DEVICE_SHARE = 0.95
 NAME, LABEL = "chunk", "the chunk engine"
 SUPPORTS = ("chunk", "static_partition", "hybrid_adam", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "moe",
             "chunked_loss", "lora")
-# chunks are partitioned over dp_shard; the other dimensions must be 1 (moe: ep=1, experts packed with the rest)
-PARALLEL = ("dp_shard",)
+# chunks are partitioned over dp_shard (MoE experts over edp = dp_shard / ep: comm.py); the other dimensions must be 1
+PARALLEL = ("dp_shard", "ep")
 
 
 def build(cfg, device, dims, tracker) -> "ChunkEngine":
@@ -77,7 +77,7 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     world = dims.dp_shard.size if dims.dp_shard.enabled else 1
     # the options left to the engine (null), chosen before anything is allocated (defaults.py)
     payload, gf = precision.param_dtype.itemsize, 1 if reuse else 2
-    chunk_size = resolve_chunk_size(ccfg, named, experts, world, payload, gf, budget)
+    chunk_size = resolve_chunk_size(ccfg, named, experts, world, payload, gf, budget, expert_world(dims))
     chunk_bytes = chunk_size * payload
     mem_saving = defaults.comm_form(ccfg, world, budget, chunk_bytes, gf)
     unit = world if world > 1 and not mem_saving else 1
@@ -91,7 +91,7 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     mgr = ChunkManager(device, tracker, precision.param_dtype, chunk_size, budget, warmup, s.static_partition is not None, tracer,
                        reuse=reuse)
     if dims.dp_shard.enabled:
-        mgr.comm = ChunkComm(dims.dp_shard, mem_saving, ccfg.mem_cache, tracker)
+        mgr.comm = ChunkComm(dims.dp_shard, mem_saving, ccfg.mem_cache, tracker, expert_dim(dims))
     else:
         idle = [n for n in ("mem_saving_comm", "release_after_init", "res_check") if getattr(ccfg, n)]
         if idle:
@@ -114,6 +114,17 @@ def build_chunk_engine(cfg, device, dims, tracker, model, precision: Precision) 
     optimizer = ChunkAdam(mgr, cfg.optim, precision, dims.dp_shard, tracker, hybrid=s.hybrid_adam, margin_use_ratio=ccfg.margin_use_ratio,
                           cpu_impl=ccfg.cpu_adam_impl)
     return ChunkEngine(model, mgr, hooks, optimizer, precision, device, dims, tracker)
+
+
+def expert_dim(dims):
+    """The dimension expert chunks are partitioned over: ``edp`` with expert parallelism, else None (with the
+    dense ones over dp_shard)."""
+    return dims.edp if dims.ep.enabled else None
+
+
+def expert_world(dims) -> int | None:
+    """Ranks an expert chunk list is partitioned over (``expert_dim``'s size), None when it is dp_shard's."""
+    return dims.edp.size if dims.ep.enabled else None
 
 
 def grad_reuse(cfg) -> bool:
@@ -142,7 +153,7 @@ def distinct_params(model) -> tuple[list, set[str]]:
 
 
 def resolve_chunk_size(ccfg, named: list, experts: set[str], world: int, payload: int, grad_factor: int,
-                       budget: int | None) -> int:
+                       budget: int | None, expert_world: int | None = None) -> int:
     """``strategy.chunk.chunk_size`` (refused when a parameter does not fit), or the engine's choice from the
     world, the payload and the device budget (``defaults.chunk_size``; MoE experts get chunks of their
     own, so trainable dense, trainable expert and frozen tensors are three packing groups)."""
@@ -150,7 +161,7 @@ def resolve_chunk_size(ccfg, named: list, experts: set[str], world: int, payload
         return [(n, p.numel()) for n, p, _, _ in named if p.requires_grad == trainable and (n in experts) == expert]
 
     groups = [sizes(True, False), sizes(True, True), sizes(False, False)]
-    return defaults.chunk_size(ccfg.chunk_size, groups, world, payload, grad_factor, budget)
+    return defaults.chunk_size(ccfg.chunk_size, groups, world, payload, grad_factor, budget, expert_world)
 
 
 def check_host_budget(cfg, mgr: ChunkManager) -> None:
@@ -208,10 +219,10 @@ def chunk_layout(cfg, model, dims, params: tuple | None = None) -> dict:
     cpu, null = torch.device("cpu"), NullTracker()
     world = dims.dp_shard.size if dims.dp_shard.enabled else 1
     size = resolve_chunk_size(ccfg, named, experts, world, Precision.of(cfg).param_dtype.itemsize, 1 if grad_reuse(cfg) else 2,
-                              device_budget_bytes(cfg, cpu))
+                              device_budget_bytes(cfg, cpu), expert_world(dims))
     mgr = ChunkManager(cpu, null, Precision.of(cfg).param_dtype, size, 0, 0, False, MemTracer(cpu, null), reuse=grad_reuse(cfg))
     if dims.dp_shard.enabled:  # the unit form does not change the layout's counts: no device budget needed to choose it
-        mgr.comm = ChunkComm(dims.dp_shard, bool(ccfg.mem_saving_comm), ccfg.mem_cache, null)
+        mgr.comm = ChunkComm(dims.dp_shard, bool(ccfg.mem_saving_comm), ccfg.mem_cache, null, expert_dim(dims))
     mgr.pack(named, {id(p) for n, p, _, _ in named if n in experts})
     check_host_budget(cfg, mgr)
     local = mgr.local_chunks
@@ -384,16 +395,25 @@ class ChunkEngine(PrecisionEngine):
             self.model.train()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights in fp32 on the host (a collective with 2+ ranks: every unit is gathered in turn)."""
-        values = {k: v.to("cpu", torch.float32, copy=True) for k, v in self.iter_full_state()}
+        """The weights in fp32 on the host (a collective with 2+ ranks: every unit is gathered in turn; with
+        expert parallelism the other ep ranks' experts are added, under their global names)."""
+        values = {k: v.to("cpu", torch.float32, copy=True) for k, v in self._iter_chunk_state()}
         aliases = {n: info.name for info in self.mgr.infos.values() for n in info.aliases}
-        return {k: values[aliases.get(k, k)] for k in self.model.state_dict(keep_vars=True)}
+        state = {k: values[aliases.get(k, k)] for k in self.model.state_dict(keep_vars=True)}
+        return gather_over_ep(state, self.model.param_dims(), self.dims)
 
     @torch.no_grad()
     def iter_full_state(self):
         """Each chunk tensor as a view of its payload (aliases once, under the tensor's name), a unit at
         a time: with 2+ ranks each unit is gathered, its tensors yielded, and released before the next;
-        then the tensors outside the chunks (buffers)."""
+        then the tensors outside the chunks (buffers). Expert parallelism assembles whole experts across
+        ranks: the whole dict then (``full_state_dict``)."""
+        if self.dims.ep.enabled:
+            yield from self.full_state_dict().items()
+            return
+        yield from self._iter_chunk_state()
+
+    def _iter_chunk_state(self):
         mgr = self.mgr
         view = lambda info: shaped_view(info.chunk.data, info)  # noqa: E731  (one view op, not narrow + view: a plan runs ~600)
         if mgr.comm is None:

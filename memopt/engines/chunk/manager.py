@@ -140,6 +140,7 @@ class ChunkManager:
             if c is None or not c.fits(info.numel):
                 c = Chunk(len(self.chunks), "param", self.chunk_size, self.dtype, self.device, self.tracker,
                           trainable=tr, with_grad=tr)
+                c.expert = key[1]
                 self.chunks.append(c)
                 open_chunk[key] = c
             c.add(info)

@@ -102,10 +102,11 @@ _CHUNK_SIZE: dict = {}
 
 
 def layout(cfg, rank: int, world: int) -> dict:
-    """This rank's chunk layout (``chunk_layout``). The meta model's parameters it packs are the same on
-    every rank (the chunk engine partitions over dp_shard only; its model-phase strategies do not depend
-    on the rank): listed once per depth, model and world, not once per rank, window and candidate (a
-    suggestion search packs ~100 layouts at ~15 depths; a 50-block model takes ~0.2 s to build)."""
+    """This rank's chunk layout (``chunk_layout``). The meta model's parameter sizes it packs are the same on
+    every rank (its model-phase strategies do not depend on the rank; with expert parallelism each rank's
+    experts have other names, the same shapes): listed once per depth, model, world and ep, not once per rank,
+    window and candidate (a suggestion search packs ~100 layouts at ~15 depths; a 50-block model takes
+    ~0.2 s to build)."""
     import torch
 
     from memopt.compose import model_on_meta
@@ -114,7 +115,7 @@ def layout(cfg, rank: int, world: int) -> dict:
     from memopt.planner.simulate import fake_world
     from memopt.strategies.base import selected
 
-    key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world)
+    key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world, cfg.parallel.ep)
     with fake_world(cfg, rank, world) as dims:
         params = _META_PARAMS.get(key)
         if params is None:
