@@ -56,7 +56,7 @@ COMMANDS = [
     pytest.param(["model=gpt_tiny", "trainer.nproc_per_node=4", "engine=fsdp2", "logger=none"], ["+strategy=auto"], 4,
                  id="fsdp2", marks=pytest.mark.slow),
     pytest.param(["model=gpt_tiny", "trainer.nproc_per_node=4", "engine=deepspeed", "logger=none"], ["+strategy=auto"], 4,
-                 id="deepspeed"),
+                 id="deepspeed", marks=pytest.mark.slow),
     pytest.param(["model=gpt_tiny", "trainer.nproc_per_node=4", "trainer.grad_accum=2", "logger=none"],
                  ["+strategy=auto", "strategy.auto.micro_batch_size=[8]"], 4, id="pp-tp", marks=pytest.mark.slow),
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import cli_main, train, typed
 
 TINY = ["logger=none", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2", "trainer.micro_batch_size=2",
@@ -67,6 +69,7 @@ def test_suggestion_applies_the_chunk_engines_fixes_and_the_fix_runs(tmp_path, c
     assert summary["status"] == "ok" and summary["steps"] == 2, summary
 
 
+@pytest.mark.slow  # 7 s on an AVX2 CPU; FSDP2's plans stay in the default suite through test_candidate and the accuracy rows
 def test_fsdp2_cpu_offload_plan_on_a_gpu_profile_puts_the_shards_on_the_host(tmp_path):
     """FSDP2's CPUOffloadPolicy on a GPU keeps the fp32 parameter shards, the gradient shards and
     AdamW's moments on the host. No GPU here to measure, so the reference is the parameter count P
@@ -102,6 +105,7 @@ def test_fsdp2_cpu_offload_plan_on_a_gpu_profile_puts_the_shards_on_the_host(tmp
     assert plan["traffic"]["offload_bytes"] > 0  # the shards' copies to the device and the gradients' back
 
 
+@pytest.mark.slow  # 8 s on an AVX2 CPU; plan mode at depth stays in the default suite (gpt_10b on PatrickStar's node)
 def test_llama3_8b_plans_on_a_node_of_8_a100s(tmp_path):
     """The Llama runs on the planner's fake tensors like the GPT: Llama 3.1 8B with ZeRO-3 and
     checkpointing on 8 A100 80G (extrapolated from two shallow plans, seconds). Each rank holds an
@@ -126,8 +130,6 @@ def test_llama3_8b_plans_on_a_node_of_8_a100s(tmp_path):
 def test_a_pipeline_stage_over_its_limit_is_an_overflow_not_a_crash():
     """torch's pipelining wraps a stage's exception in a RuntimeError; the planner's overflow inside it is the
     plan's answer (the auto search once died on the first pipeline candidate that did not fit)."""
-    import pytest
-
     from memopt.memory.hardware import HardwareConfig
     from memopt.planner.plan import make_plan
     from memopt.planner.simulate import PlanOverflow

@@ -268,7 +268,7 @@ def test_search_in_worker_processes_ranks_as_one_process():
     assert search(cfg, small_hw(512), workers=2)[0]["label"] == one[0]["label"]
 
 
-@pytest.mark.parametrize("dtypes", [["fp32"], ["fp32", "bf16"]])
+@pytest.mark.parametrize("dtypes", [["fp32"], pytest.param(["fp32", "bf16"], marks=pytest.mark.slow)])  # 17 s on AVX2
 def test_pruned_search_keeps_the_exhaustive_searchs_winner(dtypes):
     """A composition's smaller micro-batches are not planned once a larger fits, nor a candidate whose class's
     compute alone is slower than a fitting step (planner/prune.py): against the exhaustive search of the same
