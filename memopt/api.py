@@ -46,4 +46,4 @@ def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dic
         validate(typed)
         resolve_split(cfg, typed)  # before the ranks start: each builds the same stages
         containers.append((OmegaConf.to_container(cfg, resolve=True), run_dir))
-    return launch(nproc, run_many, containers)[0]
+    return launch(nproc, run_many, containers, preloaded=True)[0]

@@ -8,6 +8,7 @@ Backends: NCCL on CUDA, gloo on CPU.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -45,18 +46,23 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def launch(nproc: int, entrypoint, *args) -> dict[int, object]:
+def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, object]:
     """Run ``entrypoint(*args)`` in ``nproc`` local worker processes; returns {rank: return value}.
 
     Raises ``RankFailure`` naming the first failed rank and its error when any worker fails.
+    ``preloaded``: fork the workers from a server that has imported torch and the trainer once per
+    process (``forkserver``), for callers that launch many times (``api.run_jobs_on_ranks``); each worker
+    takes the caller's environment, working directory and import path of the moment, as spawned ones do.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if preloaded:
+        entrypoint = InCallersState(entrypoint, _forkserver_env())
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memopt-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver" if preloaded else "spawn",
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -87,6 +93,42 @@ def launch(nproc: int, entrypoint, *args) -> dict[int, object]:
     finally:
         for log, level in zip(agent_logs, levels):
             log.setLevel(level)
+
+
+# Why a forkserver: a spawned worker imports torch and the trainer again (~5 s of a 2-rank launch on a 2-core CPU,
+# most of a test's launch); forked from a server that imported them once, it starts at once. Only what a fork
+# inherits differs from a spawn, so the worker is put back into the caller's state of the moment (below).
+PRELOAD = ["torch", "sympy", "memopt.api", "memopt.trainer", "memopt.worker"]
+_SERVER_ENV: dict[str, str] | None = None  # the environment the forkserver started with (its workers inherit it)
+
+
+def _forkserver_env() -> dict[str, str]:
+    global _SERVER_ENV
+    if _SERVER_ENV is None:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        _SERVER_ENV = dict(os.environ)  # the server starts at the first launch, from this environment
+    return _SERVER_ENV
+
+
+class InCallersState:
+    """A forked worker's entry point: the caller's environment (with what the launcher set for the rank:
+    the entries that differ from the server's own), working directory and import path, then ``fn``."""
+
+    def __init__(self, fn, server_env: dict[str, str]):
+        self.fn, self.server_env = fn, server_env
+        functools.update_wrapper(self, fn)  # the launcher names (and wraps) its entry point
+        self.env, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
+
+    def __call__(self, *args):
+        rank_env = {k: v for k, v in os.environ.items() if self.server_env.get(k) != v}
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.environ.update(rank_env)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        return self.fn(*args)
 
 
 class RankFailure(RuntimeError):

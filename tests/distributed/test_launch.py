@@ -83,3 +83,24 @@ def test_zero_stage_on_one_rank_degrades_as_documented(tmp_path):
         train(base + ["+strategy=zero2"], str(tmp_path / "a"))
     train(base, str(tmp_path / "b"))
     assert losses(str(tmp_path / "a")) == losses(str(tmp_path / "b"))
+
+
+def _rank_state(name: str) -> tuple:
+    return os.environ.get(name), os.getcwd(), os.environ["RANK"]
+
+
+def test_preloaded_workers_take_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """``api.run_jobs_on_ranks`` forks its workers from a server that imported torch once (``launch(preloaded=True)``);
+    a fork inherits the server's state, so each worker is put back into the caller's: a variable set, one removed and
+    the directory changed after the server started reach the ranks of the next launch, as a spawn's would."""
+    from memopt.parallel import launch
+
+    monkeypatch.setenv("MEMOPT_LAUNCH_GONE", "server")
+    launch(2, _rank_state, "MEMOPT_LAUNCH_GONE", preloaded=True)  # the server starts here at the latest
+    monkeypatch.setenv("MEMOPT_LAUNCH_PROBE", "caller")
+    monkeypatch.delenv("MEMOPT_LAUNCH_GONE")
+    monkeypatch.chdir(tmp_path)
+    got = launch(2, _rank_state, "MEMOPT_LAUNCH_PROBE", preloaded=True)
+    assert got == {0: ("caller", str(tmp_path), "0"), 1: ("caller", str(tmp_path), "1")}
+    assert set(launch(2, _rank_state, "MEMOPT_LAUNCH_GONE", preloaded=True).values()) == \
+        {(None, str(tmp_path), "0"), (None, str(tmp_path), "1")}

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.report.helpers import QUICK, Tables, run_module, summaries, table_by_header
 
 
+@pytest.mark.slow  # 10 s on an AVX2 CPU; a sweep surviving a failed job stays in the default suite (tests/e2e/test_cli.py)
 def test_sweep_where_every_job_fails_exits_nonzero(tmp_path):
     """Job 0: a 2-rank job whose rank 1 dies at start-up (before any trainer wrote engine/strategy);
     job 1: refused. Both appear with the engine and strategies they were asked to run."""
