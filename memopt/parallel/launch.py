@@ -58,7 +58,8 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if preloaded:
-        entrypoint = InCallersState(entrypoint, _forkserver_env())
+        _preload()
+        entrypoint = InCallersState(entrypoint)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memopt-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
@@ -99,30 +100,28 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
 # most of a test's launch); forked from a server that imported them once, it starts at once. Only what a fork
 # inherits differs from a spawn, so the worker is put back into the caller's state of the moment (below).
 PRELOAD = ["torch", "sympy", "memopt.api", "memopt.trainer", "memopt.worker"]
-_SERVER_ENV: dict[str, str] | None = None  # the environment the forkserver started with (its workers inherit it)
+# what torch's elastic agent sets in each worker's environment (LocalElasticAgent._start_workers), TORCHELASTIC_* too
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                 "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
-def _forkserver_env() -> dict[str, str]:
-    global _SERVER_ENV
-    if _SERVER_ENV is None:
-        import multiprocessing
+def _preload() -> None:
+    import multiprocessing
 
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        _SERVER_ENV = dict(os.environ)  # the server starts at the first launch, from this environment
-    return _SERVER_ENV
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first preloaded launch)
 
 
 class InCallersState:
-    """A forked worker's entry point: the caller's environment (with what the launcher set for the rank:
-    the entries that differ from the server's own), working directory and import path, then ``fn``."""
+    """A forked worker's entry point: the caller's environment of the moment with what the launcher set for the
+    rank (``LAUNCHER_VARS``, ``TORCHELASTIC_*``), the caller's working directory and import path, then ``fn``."""
 
-    def __init__(self, fn, server_env: dict[str, str]):
-        self.fn, self.server_env = fn, server_env
+    def __init__(self, fn):
         functools.update_wrapper(self, fn)  # the launcher names (and wraps) its entry point
-        self.env, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
+        self.fn, self.env, self.cwd, self.path = fn, dict(os.environ), os.getcwd(), list(sys.path)
 
     def __call__(self, *args):
-        rank_env = {k: v for k, v in os.environ.items() if self.server_env.get(k) != v}
+        rank_env = {k: v for k, v in os.environ.items() if k in LAUNCHER_VARS or k.startswith("TORCHELASTIC_")}
         os.environ.clear()
         os.environ.update(self.env)
         os.environ.update(rank_env)

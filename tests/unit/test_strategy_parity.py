@@ -103,10 +103,15 @@ def test_grad_accum_with_strategies(tmp_path):
 def test_dropout_is_identical_under_recomputation(tmp_path):
     a = run(tmp_path / "a", ["model.dropout=0.1"])
     b = run(tmp_path / "b", ["model.dropout=0.1", "+strategy=ckpt"])
+    assert rel_err(b, a) <= 1e-5
+    assert rel_err(a, run(tmp_path / "e", [])) > 1e-3  # dropout is really on
+
+
+@pytest.mark.slow  # two more runs (~4 s on an AVX2 CPU); full recomputation with dropout stays in the default suite
+def test_dropout_is_identical_under_selective_recomputation(tmp_path):
     c = run(tmp_path / "c", ["model.dropout=0.1", "+strategy=ckpt", "strategy.ckpt.policy=selective", "model.attention=naive"])
     d = run(tmp_path / "d", ["model.dropout=0.1", "model.attention=naive"])
-    assert rel_err(b, a) <= 1e-5 and rel_err(c, d) <= 1e-5
-    assert rel_err(a, run(tmp_path / "e", [])) > 1e-3  # dropout is really on
+    assert rel_err(c, d) <= 1e-5
 
 
 def test_gradient_clipping_matches_reference():

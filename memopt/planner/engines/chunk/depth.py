@@ -30,7 +30,8 @@ def replayed(cfg, rank: int, world: int, limits, backend: str, n: int | None, ve
     t0 = time.perf_counter()
     n = n or REPLAY_DEPTH
     N = cfg.model.n_layer
-    key = (model_side(at_depth(cfg, n)), world, backend)
+    # with expert parallelism a rank's experts carry its own global names: a recording per rank then
+    key = (model_side(at_depth(cfg, n)), world, backend, rank if cfg.parallel.ep > 1 else None)
     mine = _RECORDED.get(key)  # the model side is every rank's (comm.py: same calls, same order) and every candidate's
     if mine is not None and verify and not mine[2]:  # that differs only in the chunk engine's options (model_side)
         mine = None
@@ -88,9 +89,9 @@ def _pin_chunk_size(cfg, rank: int, world: int):
     from memopt.strategies.precision import Precision
 
     # the choice reads the parameters' sizes (the model and its model-phase strategies: moe adds experts),
-    # the world, the payload and gradient bytes and the device budget (engines/chunk/defaults.py)
+    # the world and ep, the payload and gradient bytes and the device budget (engines/chunk/defaults.py)
     key = (repr(cfg.model), repr([(st.name, opts) for st, opts in selected(cfg, "model")]), world, repr(cfg.strategy.chunk),
-           cfg.hardware.device_memory_gb, Precision.of(cfg).name, grad_reuse(cfg))
+           cfg.hardware.device_memory_gb, Precision.of(cfg).name, grad_reuse(cfg), cfg.parallel.ep)  # ep: the expert list's ranks
     if key not in _CHUNK_SIZE:  # the same search on every rank and every candidate of that model: once
         _CHUNK_SIZE.clear()
         _CHUNK_SIZE[key] = layout(cfg, rank, world)["chunk_size"]
