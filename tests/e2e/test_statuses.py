@@ -35,6 +35,7 @@ def test_cuda_without_a_gpu_is_refused_before_allocating(tmp_path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="flash_attn runs on CUDA")
+@pytest.mark.slow  # 6 s on an AVX2 CPU; the same refusal stays in the default suite (tests/kernels/test_flash_strategy.py)
 def test_flash_attn_on_cpu_without_the_interpreter_is_refused(tmp_path):
     p, s = run(tmp_path, ["+strategy=flash_attn"])
     assert p.returncode == 2, p.stderr[-2000:]

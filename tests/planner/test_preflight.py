@@ -34,6 +34,7 @@ def test_trivially_fitting_run_is_not_simulated():
     assert preflight(cfg, hw(64.0)) is None
 
 
+@pytest.mark.slow  # 8 s on an AVX2 CPU; gpt_10b's preflight refusal through the CLI stays in the default suite (test_search.py)
 def test_engine_refusal_at_build_is_a_preflight_refusal():
     """The chunk engine refuses a model whose chunks exceed its host budget while building (a ConfigError,
     before any chunk is allocated): the preflight turns it into a refusal with the engine's reason."""
