@@ -17,8 +17,8 @@ install: $(STAMP)
 train: $(STAMP)
 	$(PY) -m memopt.train $(ARGS)
 
-# the default suite on 2 workers, a test file each at a time (its module fixtures run once): 9.5 min against 11.3 in one
-# process on a 2-core AVX2 CPU (tests/README.md); test-all stays in one process (its slow launches contend)
+# the default suite on 2 workers, a test file each at a time (its module fixtures run once): 9.5-10.6 min against 11.3 in
+# one process on a 2-core AVX2 CPU (tests/README.md); test-all stays in one process (its slow launches contend)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
