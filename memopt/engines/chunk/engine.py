@@ -124,7 +124,8 @@ def expert_dim(dims):
 
 def expert_world(dims) -> int | None:
     """Ranks an expert chunk list is partitioned over (``expert_dim``'s size), None when it is dp_shard's."""
-    return dims.edp.size if dims.ep.enabled else None
+    dim = expert_dim(dims)
+    return dim.size if dim is not None else None
 
 
 def grad_reuse(cfg) -> bool:
