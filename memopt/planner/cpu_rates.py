@@ -250,9 +250,9 @@ def settled_best(fns, least: int = 3, most: int = 8, within: float = 0.03) -> li
             t0 = time.perf_counter()
             fn()
             t = time.perf_counter() - t0
-            if t < best[k] * (1 - within):
+            if t < best[k] * (1 - within):  # a new best: to be met again
                 best[k], confirmed[k] = t, False
-            else:
+            elif t <= best[k] * (1 + within):  # met again (a slow round confirms nothing)
                 best[k], confirmed[k] = min(best[k], t), True
         if r + 1 >= least and all(confirmed):
             break

@@ -285,14 +285,17 @@ def _scripted_clock(monkeypatch, durations):
 
 def test_probe_rounds_go_on_until_each_best_is_met_again(monkeypatch):
     """Rounds still getting faster (a machine coming out of a busy phase) are not what the probe reads: the
-    rounds go on past ``least`` until a later round meets each best within 3%; a time that keeps falling stops
-    at ``most`` rounds, at its best."""
+    rounds go on past ``least`` until a later round meets each best within 3% (a slower round does not count);
+    a time that keeps falling stops at ``most`` rounds, at its best."""
     from memopt.planner.cpu_rates import settled_best
 
     fast = [1.0, 2.0]
-    rounds = [[1.3, 2.6], [1.15, 2.3], fast, [1.01, 2.02], [5.0, 5.0]]
+    rounds = [[1.3, 2.6], [1.15, 2.3], fast, [1.5, 3.0], [1.01, 2.02], [5.0, 5.0]]  # the 4th round slow
     _scripted_clock(monkeypatch, [t for r in rounds for t in r])
-    assert settled_best((lambda: None, lambda: None), least=3, most=8) == pytest.approx(fast)
+    calls = []
+    fns = (lambda: calls.append(0), lambda: calls.append(1))
+    assert settled_best(fns, least=3, most=8) == pytest.approx(fast)
+    assert len(calls) == 2 * 5  # a slow round confirms nothing: the 5th meets the best again
     falling = [1.0 * 0.9 ** k for k in range(5)]  # each round 10% faster: never met again
     _scripted_clock(monkeypatch, falling + [0.0] * 4)
     assert settled_best((lambda: None,), least=3, most=5) == [pytest.approx(0.9 ** 4)]
