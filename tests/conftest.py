@@ -8,6 +8,15 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    import torch
+
+    # pytest-xdist's workers share the cores: each takes its share for torch's intra-op threads. Two workers of
+    # two threads each on 2 cores (one of them often running a test's 2 ranks besides) made in-process runs up
+    # to 10x slower than alone (OpenMP's threads waiting on each other): the dropout-recomputation test took 41 s
+    # in the suite and 4 s alone on an AVX2 CPU.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF = os.path.join(REPO, "conf")
 

@@ -240,7 +240,8 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
     from memopt.planner.cpu_rates import complete
 
     profile = HardwareConfig(op_overhead_us=7.0)
-    hw = complete(profile, resolve_hardware(profile, torch.device("cpu")), torch.device("cpu"))
+    tiny = typed(TINY).model  # the block probes at its shapes (gpt_small's by default: ~1 s a round here)
+    hw = complete(profile, resolve_hardware(profile, torch.device("cpu")), torch.device("cpu"), tiny)
     assert hw.op_overhead_us == 7.0
     assert 0.05 <= hw.compute_efficiency <= 1.0
     if hw.peak_tflops["bf16"] >= hw.peak_tflops["fp32"]:  # bf16 products fast here: their own fraction
