@@ -237,12 +237,13 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     return mm, att, c_all.moved / rest / 1e9 * threads
 
 
-def settled_best(fns, least: int = 3, most: int = 8, within: float = 0.03) -> list[float]:
+def settled_best(fns, least: int = 3, most: int = 6, within: float = 0.05) -> list[float]:
     """The best time of each of ``fns``, timed in interleaved rounds (so that the machine's drift reaches them
     alike: the memory rate is a difference of their times) until each best has been met again within
     ``within`` by a later round, ``least`` to ``most`` rounds. Why: on a shared 2-core VM a round can run
-    20-30% slow for seconds; three fixed rounds then read the memory-bound ops 3x slow in one process of six
-    (experiments/step_time/README.md)."""
+    20-30% slow for seconds, and the memory rate, ~12% of the block's time, magnifies that 8-fold: five probes
+    of three fixed rounds read it at 4.0-13.0 GB/s, five settled ones, alternating with them, 7.2-13.6 (8-9 s
+    against 5-6; experiments/step_time/README.md)."""
     best = [float("inf")] * len(fns)
     confirmed = [False] * len(fns)
     for r in range(most):

@@ -286,7 +286,7 @@ def _scripted_clock(monkeypatch, durations):
 
 def test_probe_rounds_go_on_until_each_best_is_met_again(monkeypatch):
     """Rounds still getting faster (a machine coming out of a busy phase) are not what the probe reads: the
-    rounds go on past ``least`` until a later round meets each best within 3% (a slower round does not count);
+    rounds go on past ``least`` until a later round meets each best within 5% (a slower round does not count);
     a time that keeps falling stops at ``most`` rounds, at its best."""
     from memopt.planner.cpu_rates import settled_best
 
