@@ -1,4 +1,4 @@
-"""What the planner's step time needs to know of this CPU, measured in about twelve seconds (plan mode and auto).
+"""What the planner's step time needs to know of this CPU, measured in 12-20 seconds (plan mode and auto).
 
 A CPU rank's step is not its FLOPs at the matmul peak: on gpt_small the plan said 0.37 s where 2 ranks
 took 1.2-2.0 s, and on gpt_tiny 0.026 s against 0.19 s (issue #30). The rest is memory-bound ops, the
