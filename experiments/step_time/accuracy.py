@@ -1,6 +1,6 @@
 """The planner's step time against the measured one: every composition that runs on this CPU, 2 ranks.
 
-    python experiments/step_time/accuracy.py                 # the matrix (~15 min on 2 CPU cores)
+    python experiments/step_time/accuracy.py                 # the matrix (~5 min a repeat on 2 AVX2 cores)
     python experiments/step_time/accuracy.py --only ddp,zero3 --steps 3
 
 Each row is planned in this process (``make_plan``, ``hardware=auto`` resolved here and completed by
