@@ -228,7 +228,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     att = c_att.attention / max(t_att - c_att.ops * ovh, 1e-9) / peak_flops
     # the memory-bound ops' time is what the products and attention, at the rates just timed, leave of the
     # block: rates clamped to the peak would misread it (on an AVX2 EPYC the block's products beat the 512-cube
-    # peak by 5-25%, and clamping them moved that much of the products' time out of the memory term: 7-22 GB/s
+    # peak by 5-25%, and clamping them moved that much of the products' time out of the memory term: 7-23 GB/s
     # between processes)
     rest = t_all - c_all.ops * ovh - (c_all.flops - c_all.attention) / (max(mm, 0.01) * peak_flops) \
         - c_all.attention / (max(att, 0.01) * peak_flops)
