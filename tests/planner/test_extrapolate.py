@@ -208,6 +208,24 @@ def test_deepspeed_rules_read_the_extrapolated_moments(strategy, monkeypatch):
         assert got["peaks"]["device"].get(cat, 0) == pytest.approx(want, rel=TOL, abs=1024), cat
 
 
+def test_deepspeed_zero3_plan_of_two_ranks_warns_of_no_single_rank():
+    """engine=deepspeed's stage-3 rules take their compute bytes from memopt's zero3 step on one rank; that fake
+    step is the planner's, so its "zero3 on one rank partitions nothing" (true of a one-rank run) is not printed
+    to a user planning 2 ranks: a DeepSpeed search on gpt_small printed it once per planned zero3 candidate."""
+    import warnings
+
+    from memopt.planner.engines.deepspeed import rules as deepspeed_rules
+
+    cfg = typed([*COMMON, "engine=deepspeed", "+strategy=zero3", "model.n_layer=2"])
+    deepspeed_rules._ONE_RANK.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = deepspeed_rules.deepspeed_sim(cfg, 0, 2, None, "gloo", 2)
+    deepspeed_rules._ONE_RANK.clear()
+    assert got["peaks"]["device"]["activations"] > 0  # the one-rank step ran
+    assert not [w for w in seen if "partitions nothing" in str(w.message)], [str(w.message) for w in seen]
+
+
 def test_extrapolated_step_carries_its_early_gradient_moments(monkeypatch):
     """A step records the compute bytes at each gradient's arrival, a fixed number per block, the last
     block's first (DeepSpeed's stage-3 rules read the early ones). A deep model's extrapolated step carries

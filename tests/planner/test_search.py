@@ -251,6 +251,30 @@ def test_search_reports_each_candidate_and_the_best_so_far():
     assert fitting and seen[-1][3]["step_s"] == min(r["step_s"] for r in fitting) == rows[0]["step_s"]
 
 
+def test_listing_reads_the_device_peak_per_rank_against_a_device_budget():
+    """With a device budget the listing prints each fitting candidate's device peak per rank (what the budget
+    limits, what a run's summary reports per rank) apart from the host's per node; one "peak" of the larger
+    had printed the node's host bytes beside a device budget they were never held to (1.78 GiB at 0.6)."""
+    import re
+
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.search import ranked_table, search
+
+    budget = 48 * 2**20
+    hw = HardwareConfig(name="cpu-budget", device_memory_gb=budget / 2**30, host_memory_gb=64.0,
+                        peak_tflops={"fp32": 1.0}, host_device_gbps=1.0, device_device_gbps=1.0, devices_per_node=1)
+    over = ["model=gpt_tiny", "model.seq_len=32", "+strategy=auto", "strategy.auto.ckpt=[none]",
+            "strategy.auto.micro_batch_size=[2]", "strategy.auto.precision=[fp32]"]
+    rows = search(typed(over), hw)
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting and all(r["fit_bytes"]["host"] > budget for r in fitting)  # the node's host: the runtime and more
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    printed = [float(v) * units[u] for v, u in re.findall(r"peak ([0-9.]+) (KiB|MiB|GiB) device per rank",
+                                                          ranked_table(rows, len(fitting)))]
+    assert len(printed) == len(fitting) and all(0 < b <= budget for b in printed), printed
+    assert [b for b in printed] == pytest.approx([r["fit_bytes"]["device"] for r in fitting], rel=0.01)
+
+
 @pytest.mark.slow
 def test_search_in_worker_processes_ranks_as_one_process():
     """The candidates planned side by side in worker processes give the rows of the one-process search, in
