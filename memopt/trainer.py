@@ -25,7 +25,8 @@ from memopt.errors import ConfigError, Diverged, status_of
 from memopt.guards import DivergenceGuard, StopSignals
 from memopt import outcome
 from memopt.logging import RunLogger
-from memopt.memory.hardware import device_runtime_bytes, peak_tflops_for, resolve_hardware, tensor_budget_bytes
+from memopt.memory.hardware import (device_runtime_bytes, peak_tflops_for, resolve_hardware, run_peak_tflops,
+                                     tensor_budget_bytes)
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
@@ -219,7 +220,9 @@ class Trainer:
         med = statistics.median(warm)
         tok_s = tokens_per_step / med
         tflops = tok_s * fpt / 1e12
+        peak = run_peak_tflops(hw, cfg.hardware, engine.compute_dtype_name, self.device)  # a CPU's, read again
         self.summary.update(
+            peak_tflops_per_device=peak,
             final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
             optim_step_s=statistics.median(optim_times[t.throughput_warmup_steps:] or optim_times),
             mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps - start,
