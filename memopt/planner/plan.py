@@ -287,6 +287,18 @@ def fmt(n: float | None) -> str:
     return str(n)
 
 
+def fit_peaks(fit: dict) -> str:
+    """A plan's peaks (its ``fit``) as its limits read them: with a device memory of its own the device's per
+    rank and the host's per node apart, else the node's one total (one "peak" of the larger had printed the
+    node's host bytes, 1.78 GiB, beside a device budget of 0.6 GiB)."""
+    if "device" in fit:
+        return f"peak {fmt(fit['device']['bytes'])} device per rank" + \
+            (f", {fmt(fit['host']['bytes'])} host per node" if "host" in fit else "")
+    if "host" in fit:
+        return f"peak {fmt(fit['host']['bytes'])} per node (the devices are the host)"
+    return "peak unknown"
+
+
 def plan_table(plan: dict) -> str:
     """The printed plan: one line per simulated rank and memory, the fit, the step time."""
     cats = [c for c in CATEGORIES if any(p.get(d, {}).get(c) for p in plan["peak_bytes"].values() for d in p)]

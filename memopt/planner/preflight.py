@@ -22,7 +22,7 @@ import warnings
 from memopt.data import DataError
 from memopt.errors import ConfigError
 from memopt.planner.candidate import Candidate, carried, clear, kept, selection
-from memopt.planner.plan import GiB, fmt, fmt_params, limits_of, make_plan, runtime_bytes
+from memopt.planner.plan import GiB, fit_peaks, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
@@ -152,7 +152,7 @@ def suggestion(cfg, hw) -> dict:
             if plan is not None and plan["fits"]:
                 peak = max(f["bytes"] for f in plan["fit"].values())
                 return {"overrides": chosen.overrides(), "peak_bytes": peak, "tried": tried,
-                        "text": f"this fits: {chosen.label()} (predicted peak {fmt(peak)})"}
+                        "text": f"this fits: {chosen.label()} (predicted {fit_peaks(plan['fit'])})"}
             tried.append(f"{chosen.without('trainer.micro_batch_size').label()} micro-batch {mb}")
             over = getattr(err, "category", None) if plan is None else (plan["overflow"] or {}).get("category")
             if over in MODEL_STATES:

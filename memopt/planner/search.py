@@ -30,7 +30,7 @@ import os
 
 from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.memory.hardware import peak_tflops_for
-from memopt.planner.plan import fmt, limits_of, step_time
+from memopt.planner.plan import fit_peaks, fmt, limits_of, step_time
 from memopt.planner.placement import plan_placed
 from memopt.planner.prune import bound_row, bounded, chains, plan_chain, work_class
 from memopt.planner.simulate import PlanOverflow
@@ -203,6 +203,7 @@ def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
         row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
                    peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
                    fit_bytes={where: f["bytes"] for where, f in plan.get("fit", {}).items()},
+                   peaks_text=fit_peaks(plan.get("fit", {})),
                    dominant=plan.get("step_time", {}).get("dominant"), compute_s=plan.get("step_time", {}).get("compute_s"),
                    work=(plan["flops_per_step"], plan["traffic"].get("attention_flops", 0), plan["ranks_per_node"]))
     elif isinstance(err, PlanOverflow):
@@ -323,23 +324,12 @@ def ranked_table(rows: list[dict], top: int) -> str:
     for i, r in enumerate(rows[:top]):
         if r["fits"]:
             speed = f"{r['step_s']:.3g} s/step ({r['dominant']})" if r["step_s"] is not None else "step time unknown"
-            lines.append(f"  {i + 1:>2}. {speed}, {_peaks(r)}: {r['label']}")
+            lines.append(f"  {i + 1:>2}. {speed}, {r.get('peaks_text') or 'peak ' + fmt(r['peak'])}: {r['label']}")
         elif r.get("skipped"):
             lines.append(f"   -  skipped ({'a larger micro-batch of it fits' if r['skipped'] == 'micro-batch' else 'its compute alone is slower'}): {r['label']}")
         else:
             lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
     return "\n".join(lines)
-
-
-def _peaks(row: dict) -> str:
-    """A fitting row's planned peaks as its limits read: a device budget is per rank, the host is the node's
-    (one "peak" of the larger had printed 1.78 GiB, the host's, beside a device budget of 0.6 GiB)."""
-    got = row.get("fit_bytes") or {}
-    if "device" in got:
-        return f"peak {fmt(got['device'])} device per rank" + (f", {fmt(got['host'])} host per node" if "host" in got else "")
-    if "host" in got:  # the device is the host: both ranks' bytes in one memory
-        return f"peak {fmt(got['host'])} per node (the devices are the host)"
-    return f"peak {fmt(row['peak'])}"
 
 
 def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = "model.n_layer",

@@ -273,6 +273,12 @@ def test_listing_reads_the_device_peak_per_rank_against_a_device_budget():
                                                           ranked_table(rows, len(fitting)))]
     assert len(printed) == len(fitting) and all(0 < b <= budget for b in printed), printed
     assert [b for b in printed] == pytest.approx([r["fit_bytes"]["device"] for r in fitting], rel=0.01)
+    # the preflight's suggestion reads its peaks the same way
+    from memopt.planner.preflight import suggestion
+
+    text = suggestion(typed(["model=gpt_tiny", "model.seq_len=32", "trainer.micro_batch_size=2"]), hw)["text"]
+    (value, unit), = re.findall(r"predicted peak ([0-9.]+) (KiB|MiB|GiB) device per rank, [0-9.]+ [KMG]iB host per node", text)
+    assert 0 < float(value) * units[unit] <= budget, text
 
 
 @pytest.mark.slow
