@@ -50,6 +50,7 @@ def peak_rss_bytes() -> int:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, group: str | None = None):
         self.cfg, self.run_dir = cfg, run_dir
+        self._compute_dtype: str | None = None
         self._carried_bad = 0  # the divergence count a resumed run continues (from the checkpoint's meta.json)
         self.device = resolve_device(cfg.trainer.device)
         self.dims = setup(self.device, cfg.parallel)
@@ -87,6 +88,7 @@ class Trainer:
             self._start_watchdog()
             with tracker, StopSignals() as self.signals:
                 self._train(tracker)
+            self._reread_peak()
             self.summary["status"] = "ok"
         except BaseException as exc:  # recorded, then re-raised for the caller to decide
             self.summary["status"] = status_of(exc)
@@ -120,6 +122,15 @@ class Trainer:
             return int(fault.split(":")[1])
         return tensor_budget_bytes(self.hw)  # the libraries' workspaces left out, as in the plan
 
+    def _reread_peak(self) -> None:
+        """MFU divided by a CPU's peak read again after the steps, the higher reading kept (``run_peak_tflops``);
+        outside the tracker, whose budget and counts the probe's products are not part of."""
+        s = self.summary
+        if s.get("tflops") is None or self._compute_dtype is None:
+            return
+        peak = run_peak_tflops(self.hw, self.cfg.hardware, self._compute_dtype, self.device)
+        s.update(peak_tflops_per_device=peak, mfu=(s["tflops"] / (peak * self.world)) if peak else None)
+
     def _budget_name(self) -> str:
         runtime = device_runtime_bytes(self.hw)
         return "hardware.device_memory_gb" + (f" less {runtime} B of cuBLAS workspaces (hardware.device_runtime_mb)"
@@ -146,6 +157,7 @@ class Trainer:
         tokens_per_step = t.micro_batch_size * t.grad_accum * dp.size * cfg.model.seq_len
         fpt = compose.flops_per_token(cfg)  # model-phase strategies included (moe: active experts only)
         peak = peak_tflops_for(hw, engine.compute_dtype_name)
+        self._compute_dtype = engine.compute_dtype_name  # the peak MFU divides by is read again at the end
         self.summary.update(flops_per_token=fpt, tokens_per_step=tokens_per_step, hardware=hw.name,
                             peak_tflops_per_device=peak)
         eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if t.eval_every and len(data.val) > cfg.model.seq_len else []
@@ -220,9 +232,7 @@ class Trainer:
         med = statistics.median(warm)
         tok_s = tokens_per_step / med
         tflops = tok_s * fpt / 1e12
-        peak = run_peak_tflops(hw, cfg.hardware, engine.compute_dtype_name, self.device)  # a CPU's, read again
         self.summary.update(
-            peak_tflops_per_device=peak,
             final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
             optim_step_s=statistics.median(optim_times[t.throughput_warmup_steps:] or optim_times),
             mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps - start,
