@@ -126,8 +126,8 @@ class Trainer:
         """MFU divided by a CPU's peak read again after the steps, the higher reading kept (``run_peak_tflops``);
         outside the tracker, whose budget and counts the probe's products are not part of."""
         s = self.summary
-        if s.get("tflops") is None or self._compute_dtype is None:
-            return
+        if self.rank != 0 or s.get("tflops") is None or self._compute_dtype is None:
+            return  # rank 0's summary is the run's; other ranks' probes would only share its cores
         peak = run_peak_tflops(self.hw, self.cfg.hardware, self._compute_dtype, self.device)
         s.update(peak_tflops_per_device=peak, mfu=(s["tflops"] / (peak * self.world)) if peak else None)
 

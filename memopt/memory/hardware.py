@@ -147,12 +147,13 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds
     a 64-cube (0.085 against fp32's 0.215 TFLOP/s on an AVX-512-BF16 CPU, where bf16 is the faster), which
     ranked every bf16 candidate of +strategy=auto last. At least one
     product is timed after the warm-up, however loaded the machine (a zero peak would read as
-    "unknown"). ``again``: measure anew and keep the higher of the readings (a probe can only under-read a
-    peak: something else on its core)."""
+    "unknown"). The cache holds one thread's rate, multiplied by the threads of the call (jobs of one process
+    may set other thread counts). ``again``: measure anew and keep the higher of the one-thread readings
+    (something else on the core lowers a reading; nothing raises it above what this core reached before)."""
     key = str(dtype)
-    if key in _MEASURED and not again:
-        return _MEASURED[key]
     threads = torch.get_num_threads()
+    if key in _MEASURED and not again:
+        return _MEASURED[key] * threads
     torch.set_num_threads(1)
     try:
         size = 64
@@ -174,8 +175,8 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seconds
                 break
     finally:
         torch.set_num_threads(threads)
-    _MEASURED[key] = max(_MEASURED.get(key, 0.0), best * threads / 1e12)
-    return _MEASURED[key]
+    _MEASURED[key] = max(_MEASURED.get(key, 0.0), best / 1e12)
+    return _MEASURED[key] * threads
 
 
 # the matmul probe per compute dtype: (dtype, seconds); 16-bit short, as AVX2-only CPUs emulate it slowly

@@ -127,7 +127,8 @@ def suggest(cfg, hw) -> str:
 def suggestion(cfg, hw) -> dict:
     """``suggest`` as a record (plan mode writes it into plan.json): ``overrides`` that replace the
     command's strategy selection and micro-batch (None when nothing fits), the candidate's predicted
-    ``peak_bytes``, ``tried`` (candidates that did not fit) and the sentence ``text``."""
+    ``peak_bytes`` (the larger of its limits' bytes) and ``fit_bytes`` (device per rank, host per node),
+    ``tried`` (candidates that did not fit) and the sentence ``text``."""
     from memopt import compose
 
     params = compose.num_params(cfg)
@@ -152,6 +153,7 @@ def suggestion(cfg, hw) -> dict:
             if plan is not None and plan["fits"]:
                 peak = max(f["bytes"] for f in plan["fit"].values())
                 return {"overrides": chosen.overrides(), "peak_bytes": peak, "tried": tried,
+                        "fit_bytes": {where: f["bytes"] for where, f in plan["fit"].items()},
                         "text": f"this fits: {chosen.label()} (predicted {fit_peaks(plan['fit'])})"}
             tried.append(f"{chosen.without('trainer.micro_batch_size').label()} micro-batch {mb}")
             over = getattr(err, "category", None) if plan is None else (plan["overflow"] or {}).get("category")

@@ -226,7 +226,8 @@ PARALLEL_FROM = 16  # candidates from which the search plans in worker processes
 def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = True) -> list[dict]:
     """Every candidate of the command's typed ``cfg`` planned, ranked: fitting ones by predicted step time,
     then the others. Each row: ``candidate`` (typed), ``overrides`` and ``label`` (it printed), ``fits``,
-    ``step_s``, ``peak``, ``dominant`` or ``why``.
+    ``step_s``, ``peak`` (the larger of its limits' bytes), ``fit_bytes`` ({"device"|"host": bytes}: per rank and
+    per node) and ``peaks_text`` (``plan.fit_peaks``), ``dominant`` or ``why``.
     ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one

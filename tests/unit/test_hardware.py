@@ -84,10 +84,30 @@ def test_mfu_divides_by_the_peak_read_again_after_the_steps(monkeypatch, tmp_pat
     assert 0 < s["mfu"] < 1, s["mfu"]
 
 
-def test_a_profiles_peak_is_not_read_again():
-    """A profile that names the dtype's peak (another machine's, or the user's) is what MFU divides by."""
-    given = hardware.HardwareConfig(peak_tflops={"fp32": 123.0})
-    assert hardware.run_peak_tflops(given, given, "fp32", torch.device("cpu")) == 123.0
+def test_a_profiles_peak_is_not_read_again(monkeypatch):
+    """A profile that names the dtype's peak (another machine's, or the user's) is what MFU divides by, however
+    far under this CPU's it is; the dtype it leaves out is measured."""
+    def probe(*a, **k):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(hardware, "measure_cpu_tflops", probe)
+    given = hardware.HardwareConfig(peak_tflops={"fp32": 1e-9})
+    assert hardware.run_peak_tflops(given, given, "fp32", torch.device("cpu")) == 1e-9
+    with pytest.raises(AssertionError, match="probed"):
+        hardware.run_peak_tflops(given, given, "bf16", torch.device("cpu"))
+
+
+def test_the_cached_peak_follows_the_threads_of_the_call(monkeypatch):
+    """One process may run jobs at other thread counts: the cache keeps one thread's rate."""
+    monkeypatch.setattr(hardware, "_MEASURED", {"torch.float32": 0.05})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert hardware.measure_cpu_tflops(torch.float32) == pytest.approx(0.1)
+        torch.set_num_threads(1)
+        assert hardware.measure_cpu_tflops(torch.float32) == pytest.approx(0.05)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _timed(a, b, time) -> float:
