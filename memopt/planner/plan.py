@@ -287,15 +287,20 @@ def fmt(n: float | None) -> str:
     return str(n)
 
 
-def fit_peaks(fit: dict) -> str:
-    """A plan's peaks (its ``fit``) as its limits read them: with a device memory of its own the device's per
-    rank and the host's per node apart, else the node's one total (one "peak" of the larger had printed the
-    node's host bytes, 1.78 GiB, beside a device budget of 0.6 GiB)."""
-    if "device" in fit:
-        return f"peak {fmt(fit['device']['bytes'])} device per rank" + \
-            (f", {fmt(fit['host']['bytes'])} host per node" if "host" in fit else "")
-    if "host" in fit:
-        return f"peak {fmt(fit['host']['bytes'])} per node (the devices are the host)"
+def fit_bytes(plan: dict) -> dict[str, int]:
+    """A plan's bytes against each of its limits: {"device": per rank, "host": per node} (the node's one total
+    under "host" where the devices are the host)."""
+    return {where: f["bytes"] for where, f in plan.get("fit", {}).items()}
+
+
+def fit_peaks(fits: dict[str, int]) -> str:
+    """``fit_bytes`` as the limits read them: with a device memory of its own the device's per rank and the
+    host's per node apart, else the node's one total (one "peak" of the larger had printed the node's host
+    bytes, 1.78 GiB, beside a device budget of 0.6 GiB)."""
+    if "device" in fits:
+        return f"peak {fmt(fits['device'])} device per rank" + (f", {fmt(fits['host'])} host per node" if "host" in fits else "")
+    if "host" in fits:
+        return f"peak {fmt(fits['host'])} per node (the devices are the host)"
     return "peak unknown"
 
 

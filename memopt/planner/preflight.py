@@ -22,7 +22,7 @@ import warnings
 from memopt.data import DataError
 from memopt.errors import ConfigError
 from memopt.planner.candidate import Candidate, carried, clear, kept, selection
-from memopt.planner.plan import GiB, fit_peaks, fmt, fmt_params, limits_of, make_plan, runtime_bytes
+from memopt.planner.plan import GiB, fit_bytes, fit_peaks, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
@@ -151,10 +151,9 @@ def suggestion(cfg, hw) -> dict:
             plan, fixes, err = plan_with_fixes(comp.with_options(("trainer.micro_batch_size", mb)), base, hw, limits, fixes)
             chosen = comp.with_options(("trainer.micro_batch_size", mb), *fixes)
             if plan is not None and plan["fits"]:
-                peak = max(f["bytes"] for f in plan["fit"].values())
-                return {"overrides": chosen.overrides(), "peak_bytes": peak, "tried": tried,
-                        "fit_bytes": {where: f["bytes"] for where, f in plan["fit"].items()},
-                        "text": f"this fits: {chosen.label()} (predicted {fit_peaks(plan['fit'])})"}
+                fits = fit_bytes(plan)
+                return {"overrides": chosen.overrides(), "peak_bytes": max(fits.values()), "fit_bytes": fits,
+                        "tried": tried, "text": f"this fits: {chosen.label()} (predicted {fit_peaks(fits)})"}
             tried.append(f"{chosen.without('trainer.micro_batch_size').label()} micro-batch {mb}")
             over = getattr(err, "category", None) if plan is None else (plan["overflow"] or {}).get("category")
             if over in MODEL_STATES:

@@ -30,7 +30,7 @@ import os
 
 from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.memory.hardware import peak_tflops_for
-from memopt.planner.plan import fit_peaks, fmt, limits_of, step_time
+from memopt.planner.plan import fit_bytes, fit_peaks, fmt, limits_of, step_time
 from memopt.planner.placement import plan_placed
 from memopt.planner.prune import bound_row, bounded, chains, plan_chain, work_class
 from memopt.planner.simulate import PlanOverflow
@@ -200,10 +200,9 @@ def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
     cand = cand.with_options(*fixes)
     row = {"overrides": cand.overrides(), "candidate": cand, "fits": False}
     if plan is not None:
+        fits = fit_bytes(plan)
         row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
-                   peak=max((f["bytes"] for f in plan.get("fit", {}).values()), default=None),
-                   fit_bytes={where: f["bytes"] for where, f in plan.get("fit", {}).items()},
-                   peaks_text=fit_peaks(plan.get("fit", {})),
+                   peak=max(fits.values(), default=None), fit_bytes=fits,
                    dominant=plan.get("step_time", {}).get("dominant"), compute_s=plan.get("step_time", {}).get("compute_s"),
                    work=(plan["flops_per_step"], plan["traffic"].get("attention_flops", 0), plan["ranks_per_node"]))
     elif isinstance(err, PlanOverflow):
@@ -227,7 +226,7 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     """Every candidate of the command's typed ``cfg`` planned, ranked: fitting ones by predicted step time,
     then the others. Each row: ``candidate`` (typed), ``overrides`` and ``label`` (it printed), ``fits``,
     ``step_s``, ``peak`` (the larger of its limits' bytes), ``fit_bytes`` ({"device"|"host": bytes}: per rank and
-    per node) and ``peaks_text`` (``plan.fit_peaks``), ``dominant`` or ``why``.
+    per node: ``plan.fit_bytes``), ``dominant`` or ``why``.
     ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
@@ -325,7 +324,7 @@ def ranked_table(rows: list[dict], top: int) -> str:
     for i, r in enumerate(rows[:top]):
         if r["fits"]:
             speed = f"{r['step_s']:.3g} s/step ({r['dominant']})" if r["step_s"] is not None else "step time unknown"
-            lines.append(f"  {i + 1:>2}. {speed}, {r.get('peaks_text') or 'peak ' + fmt(r['peak'])}: {r['label']}")
+            lines.append(f"  {i + 1:>2}. {speed}, {fit_peaks(r['fit_bytes'])}: {r['label']}")
         elif r.get("skipped"):
             lines.append(f"   -  skipped ({'a larger micro-batch of it fits' if r['skipped'] == 'micro-batch' else 'its compute alone is slower'}): {r['label']}")
         else:
