@@ -48,7 +48,8 @@ class TrainerConfig:
     mode: str = "train"  # train | plan (predict every rank's peak bytes, the fit and the step time; no training but
     # +strategy=auto's trials, strategy.auto.trials > 0, which are the search's measurements)
     preflight: bool = True  # plan before launching ranks and refuse (status refused) what would not fit
-    plan_exact: bool = False  # plan every block (else deep models are planned from two shallow ones, planner/extrapolate.py)
+    plan_exact: bool = False  # plan every block and micro-batch (else deep models are planned from two shallow ones,
+    # planner/extrapolate.py, and a step's middle micro-batches from its second, simulate.sampled_micro_batches)
     nnodes: int = 1  # nodes of the world (plan mode; a multi-node run is started by an external launcher)
     max_steps: int = 300
     micro_batch_size: int = 16  # sequences per rank per micro-step

@@ -148,7 +148,8 @@ class PlanTracker(MemoryTracker):
         self.backward_with_grads: dict[str, int] | None = None  # meanwhile: the peak of those bytes beside every
         # gradient autograd has produced so far, each as its own tensor (DeepSpeed's stage 1 keeps each param.grad
         # until its reductions after the backward; memopt accumulates into a flat buffer allocated whole)
-        self._arrived = 0  # bytes of those gradients
+        self._arrived = 0  # bytes of those gradients, each parameter's once a step (accumulating adds into it)
+        self._arrived_from: set[int] = set()  # the parameters counted in ``_arrived``
 
     def register_module(self, module: torch.nn.Module) -> None:
         super().register_module(module)
@@ -158,9 +159,25 @@ class PlanTracker(MemoryTracker):
                 p._plan_arrival_hooked = True
 
     def _grad_arrived(self, p: torch.Tensor) -> None:
-        if self.backward_with_grads is not None:
+        if self.backward_with_grads is not None and id(p) not in self._arrived_from:
+            self._arrived_from.add(id(p))
             self._arrived += p.numel() * p.grad.element_size()
             self._update_peak(self.compute_key)
+
+    def counters(self) -> tuple[dict, dict]:
+        """A copy of what the counted step has counted so far (traffic, collectives by kind)."""
+        return dict(self.traffic), {k: dict(v) for k, v in self.comm_ops.items()}
+
+    def repeat_since(self, before: tuple[dict, dict], times: int) -> None:
+        """Count what was counted since ``before`` (``counters``) ``times`` more: micro-batches not run
+        that would have counted the same (``sampled_micro_batches``)."""
+        traffic, comm = before
+        for k, v in list(self.traffic.items()):
+            self.traffic[k] += (v - traffic.get(k, 0)) * times
+        for kind, rec in list(self.comm_ops.items()):
+            was = comm.get(kind, {})
+            for k, v in list(rec.items()):
+                rec[k] += (v - was.get(k, 0)) * times
 
     @contextlib.contextmanager
     def retained(self, name: str = "activations", transient: str = "_forward"):
@@ -402,6 +419,21 @@ def host_adam_updates(tracker: PlanTracker):
         CPUAdamW.step, CPUAdamW.step_views = step, views
 
 
+REPEAT_FROM = 4  # micro-batches a step from which the middle ones are run once (3 would skip none)
+
+
+def sampled_micro_batches(n: int, repeat: bool) -> tuple[list[int], int]:
+    """(the micro-batches of a step of ``n`` that the fake step runs, how many micro-batches the second stands
+    for). ``repeat`` (``Wing.micro_batches_repeat``): between the first (which makes the gradients) and the last
+    (which reduces them), every micro-batch holds the same bytes at the same moments and counts the same ops and
+    collectives as the second, so the second is run once and its counts taken n - 2 times: a plan at 4 x 8
+    costs 3 micro-batches a step, not 8 (``trainer.plan_exact=true`` runs every one; tested against that,
+    ``tests/planner/test_micro_batches.py``)."""
+    if not repeat or n < REPEAT_FROM:
+        return list(range(n)), 1
+    return [0, 1, n - 1], n - 2
+
+
 def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = None, steps: int = 2,
                   backend: str = "gloo") -> dict:
     """Peaks {"device"|"host": {category: bytes, "total": bytes}}, the steady step's traffic and its
@@ -440,20 +472,25 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                 engine = engines.build_engine(cfg, device, dims, tracker)
                 engine.model.train()
                 data_bytes = 0
+                micros, stands_for = sampled_micro_batches(t.grad_accum, w.micro_batches_repeat and not t.plan_exact)
                 for step in range(steps):
                     last = step == steps - 1
                     tracker.counting = last
                     tracker.backward_nonmodel = {} if last else None
                     tracker.backward_with_grads, tracker._arrived = ({} if last else None), 0
+                    tracker._arrived_from = set()
                     tracker.grad_ready_nonmodel = [] if last else None
                     tracker.recompute_nonmodel, tracker._recomputing = ([] if last else None), False
-                    for micro in range(t.grad_accum):
+                    for micro in micros:
+                        before = tracker.counters() if last and micro == 1 and stands_for > 1 else None
                         x, y = data.micro_batch(step, micro, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
                         with tracker.category("other"):
                             x, y = x.to(device), y.to(device)
                         if last and micro == 0:  # the run's data and buffers (DeepSpeed's rules add them to its moments)
                             data_bytes = tracker.live[tracker.compute_key].get("other", 0)
                         engine.forward_backward(x, y, micro, t.grad_accum)
+                        if before is not None:
+                            tracker.repeat_since(before, stands_for - 1)
                     nonmodel, tracker.backward_nonmodel = tracker.backward_nonmodel or {}, None
                     with_grads, tracker.backward_with_grads = tracker.backward_with_grads or {}, None
                     grad_ready, tracker.grad_ready_nonmodel = tracker.grad_ready_nonmodel or [], None

@@ -172,13 +172,13 @@ def test_matrix_deepspeed_accumulation_d256(world, overrides, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero1_accumulation_is_planned_at_or_above_its_peak(tmp_path):
+def test_zero1_accumulation_is_planned_at_its_peak(tmp_path):
     """Stage 1 reduces only at the last micro-batch, so the second starts with every gradient of the first
-    kept: memopt's zero1 in the fake step keeps them too (``backward_with_grads``), an upper bound. d_model 256, 2 ranks:
-    82,442,113 B measured, 85,886,829 planned (+4.2%; the measured peak is 9.5 MB above one micro-batch's
-    72.9 MB, not the whole 13 MB of gradients: not modelled closer); never under."""
+    kept: memopt's zero1 in the fake step keeps them too (``backward_with_grads``, each parameter's gradient once
+    a step). d_model 256, 2 ranks: 82,442,113 B measured, 82,442,093 planned; 85,886,829 (+4.2%) while the fake
+    step counted a gradient again at each micro-batch that added into it."""
     ov = ["engine=deepspeed", *WIDE256, "+strategy=zero1", "trainer.grad_accum=2"]
     plan, real = planned(ov, 2), measured(ov, 2, tmp_path)
     for rank, devs in real.items():
         got, want = plan[rank]["device"]["total"], devs["device"]["total"]
-        assert want <= got <= 1.06 * want, (rank, got, want)
+        assert abs(got - want) <= 0.01 * want, (rank, got, want)

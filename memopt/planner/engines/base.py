@@ -32,6 +32,10 @@ class Wing:
     rank_layouts: Callable | None = None
     # cfg -> the engine's own device budget in GB (None: none), a limit the hardware bound does not see
     device_budget: Callable | None = None
+    # every micro-batch between the first and the last of a step holds and counts what the second does
+    # (simulate.sampled_micro_batches): the memopt engine's and FSDP2's loops. Not a pipeline (its schedule
+    # runs on the last call, over all of them) nor the chunk engine (its warm-up traces every moment)
+    micro_batches_repeat: bool = False
 
 
 class NotReplayed(Exception):
