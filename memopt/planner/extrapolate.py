@@ -216,10 +216,15 @@ def _disagreement(sa: dict, sb: dict, sc: dict, depths: tuple[int, int, int], n:
 
 def _check_limits(peaks: dict, limits: dict | None) -> None:
     """The preflight's limits, judged on the extrapolated peaks (the exact path stops at the first op over)."""
-    from memopt.planner.simulate import PlanOverflow
+    from memopt.planner.simulate import ACTIVATIONS, PlanOverflow
 
     for mem, limit in (limits or {}).items():
         if limit is None:
+            continue
+        if mem == ACTIVATIONS:
+            got = peaks.get("device", {}).get("activations", 0)
+            if got > limit:
+                raise PlanOverflow("device", {"activations": got}, limit)
             continue
         cats = peaks.get(mem, {}) if mem != "all" else {
             c: sum(p.get(c, 0) for p in peaks.values()) for c in {c for p in peaks.values() for c in p}}

@@ -124,6 +124,9 @@ class PlanOverflow(RuntimeError):
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 
+# a limit on the compute device's activations alone: an engine planned by its own rules on memopt's fake step
+# (DeepSpeed) holds at least those beside whatever else, so the fake step can stop once they alone are over
+ACTIVATIONS = "device_activations"
 NOT_COMPUTE = ("params", "grads", "optim", "chunks", "comm", "other")  # model states and the engine's own buffers
 
 
@@ -220,6 +223,9 @@ class PlanTracker(MemoryTracker):
         limit = self.limits.get(device)
         if limit is not None and sum(self.live[device].values()) > limit:
             raise PlanOverflow(device, dict(self.live[device]), limit)
+        limit = self.limits.get("activations")  # the compute device's activations alone (``ACTIVATIONS``)
+        if limit is not None and device == self.compute_key and self.live[device].get("activations", 0) > limit:
+            raise PlanOverflow(device, {"activations": self.live[device]["activations"]}, limit)
         limit = self.limits.get("all")  # one memory for every key (a CPU-only machine: device = host RAM)
         if limit is not None:
             live = defaultdict(int)
@@ -454,7 +460,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     patch = w.step_patch(cfg, backend) if w.step_patch else None  # copies the fake step makes explicit (FSDP2 offload)
     device = torch.device("cpu")  # bytes do not depend on the device; placement is logical (host_scope)
     keymap = {"cpu": "device", HOST: "host"}
-    inverse = {**{v: k for k, v in keymap.items()}, "all": "all"}
+    inverse = {**{v: k for k, v in keymap.items()}, "all": "all", ACTIVATIONS: "activations"}
     tracker = PlanTracker(device, {inverse[k]: v for k, v in (limits or {}).items() if v is not None})
     started = _join_fake_world(rank, world, always=w.process_group_always)  # FSDP2: a group even for one rank
     try:

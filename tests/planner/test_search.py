@@ -427,3 +427,53 @@ def test_a_search_refused_by_its_engine_writes_its_record(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert verdict.summary["status"] == s["status"] == "refused"
     assert "moe is not among what engine=fsdp2 runs" in s["error"], s
+
+
+def test_deepspeed_plan_stops_once_its_activations_alone_are_over_the_device():
+    """DeepSpeed's plan (its rules on memopt's fake step) stops at the fake step's first op whose activations
+    alone are over the device: a DeepSpeed run holds them on the device (the same model code: planned activations
+    equal the measured, test_accuracy_deepspeed.py), so it could not fit. Under that, the plan runs to its end."""
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.plan import make_plan
+    from memopt.planner.simulate import PlanOverflow
+
+    cfg = typed(["engine=deepspeed", "+strategy=zero2", "model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=8",
+                 "trainer.nproc_per_node=2", "trainer.eval_every=0", "trainer.save_checkpoint=false", "logger=none"])
+    hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+    free = make_plan(cfg, hw)
+    acts, total = free["peak_bytes"]["0"]["device"]["activations"], free["peak_bytes"]["0"]["device"]["total"]
+    assert 0 < acts < total
+    with pytest.raises(PlanOverflow) as over:
+        make_plan(cfg, hw, {"device": acts - 1})
+    assert over.value.category == "activations" and over.value.total > acts - 1
+    under = make_plan(cfg, hw, {"device": acts})  # activations fit, the states beside them do not: the rules judge
+    assert under["peak_bytes"] == free["peak_bytes"]
+
+
+@pytest.mark.slow
+def test_deepspeed_search_stopped_at_activations_keeps_every_row(monkeypatch):
+    """engine=deepspeed +strategy=auto with the early stop above against the same search without it: the same
+    fitting rows, winner and steps; every candidate stopped early did not fit."""
+    from dataclasses import replace
+
+    from memopt.planner import extrapolate
+    from memopt.planner.search import search
+    from memopt.planner.simulate import ACTIVATIONS
+
+    cfg = typed(["engine=deepspeed", "model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=8",
+                 "trainer.nproc_per_node=2", "trainer.eval_every=0", "trainer.save_checkpoint=false", "logger=none",
+                 "+strategy=auto", "strategy.auto.precision=[fp32]", "strategy.auto.micro_batch_size=[8,2]",
+                 "strategy.auto.ckpt=[none]"])
+    hw = replace(small_hw(512), device_is_host=False, device_memory_gb=12 / 1024)
+    stopped = search(cfg, hw, workers=1, prune=False)
+    real = extrapolate.simulate
+    monkeypatch.setattr(extrapolate, "simulate", lambda c, r, w, limits=None, **kw: real(
+        c, r, w, {k: v for k, v in (limits or {}).items() if k != ACTIVATIONS} or None, **kw))
+    full = {r["label"]: r for r in search(cfg, hw, workers=1, prune=False)}
+    early = [r for r in stopped if "activations" in r.get("why", "")]
+    assert early and all(not full[r["label"]]["fits"] for r in early) and any(r["fits"] for r in stopped)
+    keys = ("fits", "step_s", "peak")
+    assert [(r["label"], *map(r.get, keys)) for r in stopped if r["fits"]] == \
+        [(r["label"], *map(r.get, keys)) for r in sorted(full.values(), key=lambda r: r.get("step_s") or 0) if r["fits"]]

@@ -321,6 +321,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     from memopt.memory.tracker import CATEGORIES
     from memopt.planner.engines.deepspeed.linear import zero3_linear
     from memopt.planner.extrapolate import simulate
+    from memopt.planner.simulate import ACTIVATIONS
     from memopt.strategies.zero import selected_stage
 
     stage = selected_stage(cfg)[1]
@@ -338,8 +339,12 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     # the fake step: memopt's own, zero1 for a stage-2 run (``fake_step_cfg``: memopt's zero2 holds its own
     # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
     mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
+    # a fake step whose activations alone are over the device stops there: DeepSpeed's device total holds them
+    # beside its states (tests/planner/test_accuracy_deepspeed.py checks that on every composition it plans)
+    cap = (limits or {}).get("device", (limits or {}).get("all"))
+    early = {ACTIVATIONS: cap} if cap is not None else None
     with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
-        sim = simulate(mcfg, rank, world, None, backend=backend, **depths)
+        sim = simulate(mcfg, rank, world, early, backend=backend, **depths)
         # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
         # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
         # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
