@@ -429,27 +429,36 @@ def test_a_search_refused_by_its_engine_writes_its_record(tmp_path):
     assert "moe is not among what engine=fsdp2 runs" in s["error"], s
 
 
-def test_deepspeed_plan_stops_once_its_activations_alone_are_over_the_device():
-    """DeepSpeed's plan (its rules on memopt's fake step) stops at the fake step's first op whose activations
-    alone are over the device: a DeepSpeed run holds them on the device (the same model code: planned activations
-    equal the measured, test_accuracy_deepspeed.py), so it could not fit. Under that, the plan runs to its end."""
+def test_deepspeed_plan_stops_once_its_activations_are_over_what_its_states_leave():
+    """DeepSpeed's plan (its rules on memopt's fake step) stops at the fake step's first op whose activations are
+    over what the device leaves beside DeepSpeed's states (stages 0-2; stage 3: the whole device): a DeepSpeed run
+    holds them there (the same model code: planned activations equal the measured, test_accuracy_deepspeed.py),
+    so it could not fit. At the rules' own total the plan runs to its end, with the same bytes."""
     import torch
 
     from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.engines.deepspeed.rules import deepspeed_model_states
     from memopt.planner.plan import make_plan
     from memopt.planner.simulate import PlanOverflow
 
-    cfg = typed(["engine=deepspeed", "+strategy=zero2", "model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=8",
-                 "trainer.nproc_per_node=2", "trainer.eval_every=0", "trainer.save_checkpoint=false", "logger=none"])
-    hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
-    free = make_plan(cfg, hw)
-    acts, total = free["peak_bytes"]["0"]["device"]["activations"], free["peak_bytes"]["0"]["device"]["total"]
-    assert 0 < acts < total
-    with pytest.raises(PlanOverflow) as over:
-        make_plan(cfg, hw, {"device": acts - 1})
-    assert over.value.category == "activations" and over.value.total > acts - 1
-    under = make_plan(cfg, hw, {"device": acts})  # activations fit, the states beside them do not: the rules judge
-    assert under["peak_bytes"] == free["peak_bytes"]
+    for stage in ("zero2", "zero3"):
+        cfg = typed(["engine=deepspeed", f"+strategy={stage}", "model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=8",
+                     "trainer.nproc_per_node=2", "trainer.eval_every=0", "trainer.save_checkpoint=false", "logger=none"])
+        hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+        free = make_plan(cfg, hw)
+        acts = max(p["device"]["activations"] for p in free["peak_bytes"].values())
+        need = max(p["device"]["total"] for p in free["peak_bytes"].values())
+        held = deepspeed_model_states(cfg, 2)["device_total"] if stage == "zero2" else 0
+        assert 0 < acts and held + acts < need
+        with pytest.raises(PlanOverflow) as over:  # in the step: the activations over what the states leave
+            make_plan(cfg, hw, {"device": held + acts // 2})
+        assert acts // 2 < over.value.live["activations"] <= acts and over.value.total > held + acts // 2, stage
+        if held:
+            with pytest.raises(PlanOverflow) as over:  # before the step: the states alone
+                make_plan(cfg, hw, {"device": held - 1})
+            assert "activations" not in over.value.live and over.value.total >= held, stage
+        for cap in (held + acts, need):  # the rules judge: the same bytes as without a limit
+            assert make_plan(cfg, hw, {"device": cap})["peak_bytes"] == free["peak_bytes"], (stage, cap)
 
 
 @pytest.mark.slow

@@ -321,7 +321,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     from memopt.memory.tracker import CATEGORIES
     from memopt.planner.engines.deepspeed.linear import zero3_linear
     from memopt.planner.extrapolate import simulate
-    from memopt.planner.simulate import ACTIVATIONS
+    from memopt.planner.simulate import ACTIVATIONS, PlanOverflow
     from memopt.strategies.zero import selected_stage
 
     stage = selected_stage(cfg)[1]
@@ -339,16 +339,26 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     # the fake step: memopt's own, zero1 for a stage-2 run (``fake_step_cfg``: memopt's zero2 holds its own
     # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
     mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
-    # a fake step whose activations alone are over the device stops there: DeepSpeed's device total holds them
-    # beside its states (tests/planner/test_accuracy_deepspeed.py checks that on every composition it plans)
+    # the fake step stops at its first op whose activations are over what the device leaves them: a DeepSpeed run
+    # holds them on its device (the same model code: planned activations equal the measured ones), stages 0-2
+    # beside every device state (the device total below: the states + the backward's compute bytes)
     cap = (limits or {}).get("device", (limits or {}).get("all"))
-    early = {ACTIVATIONS: cap} if cap is not None else None
-    with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
-        sim = simulate(mcfg, rank, world, early, backend=backend, **depths)
-        # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
-        # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
-        # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
-        one = sim if stage < 3 or world == 1 else _one_rank(mcfg, backend, depths)
+    held = states["device_total"] if stage < 3 else 0
+    states_now = {c: v for c, v in states["device"].items() if v} if held else {}
+    if cap is not None and held > cap:  # the states alone
+        raise PlanOverflow("device", states_now, cap)
+    try:
+        with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
+            sim = simulate(mcfg, rank, world, {ACTIVATIONS: cap - held} if cap is not None else None, backend=backend,
+                           **depths)
+            # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
+            # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
+            # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
+            one = sim if stage < 3 or world == 1 else _one_rank(mcfg, backend, depths)
+    except PlanOverflow as e:  # the run's need at that op: its states (stages 0-2) and those activations
+        if e.category != "activations" or cap is None:
+            raise
+        raise PlanOverflow("device", {**states_now, "activations": e.live["activations"]}, cap) from None
     data = sim.get("data", 0)  # the run's data and the model's buffers, held throughout
     peaks = {}
     for mem in ("device", "host"):
