@@ -445,7 +445,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     """Peaks {"device"|"host": {category: bytes, "total": bytes}}, the steady step's traffic and its
     FLOPs (PyTorch's FLOP formulas applied op by op), for rank ``rank`` of ``world``.
 
-    ``limits`` ({"device": bytes, "host": bytes, "all": bytes for their sum}): raise ``PlanOverflow`` at the first op that
+    ``limits`` ({"device": bytes, "host": bytes, "all": bytes for their sum, ``ACTIVATIONS``: bytes of the device's
+    activations alone}): raise ``PlanOverflow`` at the first op that
     goes over (the preflight needs no more than that). ``backend``: the collectives' backend of the
     planned run (gloo for CPU devices, nccl for GPUs), for its scratch buffers."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode

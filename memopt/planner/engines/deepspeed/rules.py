@@ -340,25 +340,27 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
     mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
     # the fake step stops at its first op whose activations are over what the device leaves them: a DeepSpeed run
-    # holds them on its device (the same model code: planned activations equal the measured ones), stages 0-2
-    # beside every device state (the device total below: the states + the backward's compute bytes)
-    cap = (limits or {}).get("device", (limits or {}).get("all"))
+    # holds them on its device (the same model code: planned activations equal the measured ones), and the rules'
+    # device total below holds them too: stages 0-2 beside every device state (the states + the backward's compute
+    # bytes), stage 3 without recomputation at the backward's start (with it, the total takes the moments from the
+    # first gradient on, not the forward's end: not stopped)
+    mem, cap = ("device", limits["device"]) if (limits or {}).get("device") is not None else ("all", (limits or {}).get("all"))
     held = states["device_total"] if stage < 3 else 0
-    states_now = {c: v for c, v in states["device"].items() if v} if held else {}
     if cap is not None and held > cap:  # the states alone
-        raise PlanOverflow("device", states_now, cap)
+        raise PlanOverflow(mem, {"model states": held}, cap)
+    stop = cap is not None and not (stage == 3 and getattr(cfg.strategy, "ckpt", None) is not None)
     try:
         with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
-            sim = simulate(mcfg, rank, world, {ACTIVATIONS: cap - held} if cap is not None else None, backend=backend,
-                           **depths)
+            sim = simulate(mcfg, rank, world, {ACTIVATIONS: cap - held} if stop else None, backend=backend, **depths)
             # stage 3's compute bytes come from a one-rank step: memopt's own reduce-scatter scratch, which its
             # W-rank backward holds at its compute peak (gpt_tiny zero3 + cpu_offload, 2 ranks: 542,208 B), is
             # replaced by DeepSpeed's rules, and a one-rank step has none (the activations do not depend on W)
             one = sim if stage < 3 or world == 1 else _one_rank(mcfg, backend, depths)
     except PlanOverflow as e:  # the run's need at that op: its states (stages 0-2) and those activations
-        if e.category != "activations" or cap is None:
+        if e.category != "activations" or not stop:
             raise
-        raise PlanOverflow("device", {**states_now, "activations": e.live["activations"]}, cap) from None
+        raise PlanOverflow(mem, {"model states": held, "activations": e.live["activations"]} if held else
+                           {"activations": e.live["activations"]}, cap) from None
     data = sim.get("data", 0)  # the run's data and the model's buffers, held throughout
     peaks = {}
     for mem in ("device", "host"):
