@@ -11,8 +11,8 @@ from tests.conftest import typed
 
 COMMON = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "trainer.grad_accum=5",
           "trainer.eval_every=0", "trainer.save_checkpoint=false", "logger=none", "trainer.nproc_per_node=2"]
-FAST = [["+strategy=ddp"], ["+strategy=[tp]", "parallel.tp=2", "strategy.tp.sequence_parallel=true"]]
-SLOW = [["+strategy=[zero2,cpu_offload]"], ["engine=fsdp2", "+strategy=zero3"], ["+strategy=zero1"], ["+strategy=zero3"], ["+strategy=[zero3,cpu_offload]"], ["+strategy=[ckpt,zero2]"],
+FAST = [["+strategy=ddp"]]
+SLOW = [["+strategy=[tp]", "parallel.tp=2", "strategy.tp.sequence_parallel=true"], ["+strategy=[zero2,cpu_offload]"], ["engine=fsdp2", "+strategy=zero3"], ["+strategy=zero1"], ["+strategy=zero3"], ["+strategy=[zero3,cpu_offload]"], ["+strategy=[ckpt,zero2]"],
         ["+strategy=[fp16,zero2]"], ["+strategy=[bf16,ckpt,act_offload]"], ["+strategy=[chunked_loss,zero2]"],
         ["model=moe_tiny", "+strategy=[moe,zero2]", "parallel.ep=2"], ["engine=fsdp2", "+strategy=[bf16,zero2]"]]
 KEYS = ("peaks", "traffic", "flops", "comm_per_step", "backward_nonmodel", "backward_with_grads", "data")
