@@ -494,3 +494,28 @@ def test_deepspeed_search_stopped_at_activations_keeps_every_row(monkeypatch):
     assert early and all(not by_label[r["label"]]["fits"] for r in early) and any(r["fits"] for r in stopped)
     keys = ("label", "fits", "step_s", "peak")
     assert [tuple(map(r.get, keys)) for r in stopped if r["fits"]] == [tuple(map(r.get, keys)) for r in full if r["fits"]]
+
+
+@pytest.mark.slow
+def test_deepspeed_plan_of_a_deep_model_stops_on_its_extrapolated_activations():
+    """A deep model is planned from shallow ones (planner/extrapolate.py): the activations limit is judged on the
+    extrapolated peaks there, so the stop above holds at depth too; at what the states leave them, the same bytes."""
+    import torch
+
+    from memopt.memory.hardware import resolve_hardware
+    from memopt.planner.engines.deepspeed.rules import deepspeed_model_states
+    from memopt.planner.plan import make_plan
+    from memopt.planner.simulate import PlanOverflow
+
+    cfg = typed(["engine=deepspeed", "+strategy=zero2", "model=gpt_tiny", "model.n_layer=24", "model.seq_len=64",
+                 "trainer.micro_batch_size=8", "trainer.nproc_per_node=2", "trainer.eval_every=0",
+                 "trainer.save_checkpoint=false", "logger=none"])
+    hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
+    free = make_plan(cfg, hw)
+    assert free["method"]["0"].startswith("extrapolated"), free["method"]
+    acts = max(p["device"]["activations"] for p in free["peak_bytes"].values())
+    held = deepspeed_model_states(cfg, 2)["device_total"]
+    with pytest.raises(PlanOverflow) as over:
+        make_plan(cfg, hw, {"device": held + acts // 2})
+    assert acts // 2 < over.value.live["activations"] <= acts
+    assert make_plan(cfg, hw, {"device": held + acts})["peak_bytes"] == free["peak_bytes"]

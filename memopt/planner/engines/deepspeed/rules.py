@@ -344,10 +344,10 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     # device total below holds them too: stages 0-2 beside every device state (the states + the backward's compute
     # bytes), stage 3 without recomputation at the backward's start (with it, the total takes the moments from the
     # first gradient on, not the forward's end: not stopped)
-    mem, cap = ("device", limits["device"]) if (limits or {}).get("device") is not None else ("all", (limits or {}).get("all"))
+    where, cap = ("device", limits["device"]) if (limits or {}).get("device") is not None else ("all", (limits or {}).get("all"))
     held = states["device_total"] if stage < 3 else 0
     if cap is not None and held > cap:  # the states alone
-        raise PlanOverflow(mem, {"model states": held}, cap)
+        raise PlanOverflow(where, {"model states": held}, cap)
     stop = cap is not None and not (stage == 3 and getattr(cfg.strategy, "ckpt", None) is not None)
     try:
         with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
@@ -359,7 +359,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     except PlanOverflow as e:  # the run's need at that op: its states (stages 0-2) and those activations
         if e.category != "activations" or not stop:
             raise
-        raise PlanOverflow(mem, {"model states": held, "activations": e.live["activations"]} if held else
+        raise PlanOverflow(where, {"model states": held, "activations": e.live["activations"]} if held else
                            {"activations": e.live["activations"]}, cap) from None
     data = sim.get("data", 0)  # the run's data and the model's buffers, held throughout
     peaks = {}
