@@ -27,7 +27,7 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
         chosen = choose_composition(typed, cfg, run_dir)
         if isinstance(chosen, dict):  # the refused record, written
             raise ConfigError(chosen.get("error") or "+strategy=auto: no candidate fits (the ranking is in auto.json)")
-        typed, cfg = chosen
+        typed, cfg, _ = chosen
     resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, as the CLI resolves it
     return Trainer(typed, run_dir, OmegaConf.to_container(cfg, resolve=True)).run()
 

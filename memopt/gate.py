@@ -47,18 +47,19 @@ def gate(cfg: DictConfig, run_dir: str, launched: bool) -> Verdict:
         refused = outcome.refusal(run_dir, cfg, str(e))
         print(f"memopt: configuration refused: {e}", file=sys.stderr)
         return Verdict(summary=refused)
+    planned = None  # the search's plan of its choice, where the run's own plan would be the same
     if "auto" in typed.strategy.selected():
         chosen = choose_composition(typed, cfg, run_dir)
         if isinstance(chosen, dict):
             return Verdict(summary=chosen)
-        typed, cfg = chosen
+        typed, cfg, planned = chosen
     from memopt.planner.balance import resolve_split
 
     resolve_split(cfg, typed)  # split=balanced: the planner's blocks per stage, before any plan or rank
     if typed.trainer.mode == "plan":
-        return Verdict(summary=plan_run(typed, cfg, run_dir))
+        return Verdict(summary=plan_run(typed, cfg, run_dir, planned))
     if typed.trainer.preflight and not launched:
-        refused = run_preflight(typed, cfg, run_dir)
+        refused = run_preflight(typed, cfg, run_dir, planned)
         if refused is not None:
             return Verdict(summary=refused)
     return Verdict(typed, cfg)
@@ -81,11 +82,12 @@ def hardware(typed, step_rates: bool = False):
     return hw
 
 
-def plan_run(typed, cfg: DictConfig, run_dir: str) -> dict:
+def plan_run(typed, cfg: DictConfig, run_dir: str, planned: dict | None = None) -> dict:
     """``trainer.mode=plan``: plan.json, plan.png and summary.json in the run directory, the table printed.
     When the composition does not fit or the engine refuses it at build (the chunk engine checks its
     host budget there), the preflight's suggestion is added: the first composition of its list whose
-    plan fits (``planner.preflight.suggestion``), or why none can."""
+    plan fits (``planner.preflight.suggestion``), or why none can. ``planned``: the search's plan of this
+    composition (``+strategy=auto``), taken as it is."""
     from memopt.planner.figure import plan_figure
     from memopt.planner.placement import plan_placed
     from memopt.planner.plan import fmt, fmt_params, plan_table
@@ -96,7 +98,7 @@ def plan_run(typed, cfg: DictConfig, run_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     hw = hardware(typed, step_rates=True)
     try:
-        plan = plan_placed(typed, hw)
+        plan = planned or plan_placed(typed, hw)
     except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)
         refused = outcome.refusal(run_dir, cfg, str(e), mode="plan")
         print(f"memopt: plan refused: {e}", file=sys.stderr)
@@ -164,7 +166,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     def progress(done: int, total: int, row: dict, best: dict | None) -> None:
         lead = f"best so far {best['step_s']:.3g} s/step: {best['label']}" if best else "none fits so far"
         what = "fits" if row["fits"] else {"micro-batch": "skipped: a larger micro-batch fits",
-                                           "compute": "skipped: its compute alone is slower"}.get(row.get("skipped"), "does not fit")
+                                           "bound": "skipped: its step is slower"}.get(row.get("skipped"), "does not fit")
         print(f"memopt auto: planned {done}/{total} ({what}); {lead}", file=sys.stderr, flush=True)
 
     try:
@@ -213,12 +215,21 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     print(f"memopt auto: running {rows[0]['label']}")
     chosen = rows[0]["candidate"].config(base_of(typed))
     validate(chosen)
-    return chosen, OmegaConf.structured(chosen)
+    return chosen, OmegaConf.structured(chosen), _as_run_plans(chosen, rows[0].get("plan"))
+
+
+def _as_run_plans(typed, plan: dict | None) -> dict | None:
+    """The search's plan of its choice where the run's own plan would be the same one: not a Hybrid Adam run whose
+    groups the run's plan places first (``plan_placed``), nor a pipeline (its split may be resolved after)."""
+    hybrid = getattr(typed.strategy, "hybrid_adam", None)
+    if (hybrid is not None and hybrid.device_groups is None) or getattr(typed.strategy, "pipeline", None) is not None:
+        return None
+    return plan
 
 
 def _write_ranking(run_dir: str, rows: list[dict]) -> None:
-    """auto.json: the ranked rows, without their candidate objects."""
-    write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k != "candidate"} for r in rows])
+    """auto.json: the ranked rows, without their candidate objects and plans."""
+    write_json(os.path.join(run_dir, "auto.json"), [{k: v for k, v in r.items() if k not in ("candidate", "plan")} for r in rows])
 
 
 def _previous_choice(run_dir: str) -> str | None:
@@ -233,10 +244,13 @@ def _previous_choice(run_dir: str) -> str | None:
         return None
 
 
-def run_preflight(typed, cfg: DictConfig, run_dir: str) -> dict | None:
-    """Plan before launching; the refused record (written) when the run would not fit, else None."""
+def run_preflight(typed, cfg: DictConfig, run_dir: str, planned: dict | None = None) -> dict | None:
+    """Plan before launching; the refused record (written) when the run would not fit, else None. ``planned``:
+    the search's fitting plan of this composition (``+strategy=auto``), which the preflight then need not make."""
     from memopt.planner.preflight import PreflightRefusal, preflight
 
+    if planned is not None and planned["fits"]:
+        return None
     try:
         plan = preflight(typed, hardware(typed))
     except PreflightRefusal as e:

@@ -127,7 +127,9 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
     else:
         fits = {"device": _fit(dev_total + device_runtime_bytes(hw), hw.device_memory_gb * GiB),
                 "host": _fit(host_node, hw.host_memory_gb * GiB)}
-    time_est = step_time(cfg, hw, worst, local)
+    # the step ends with its slowest rank (a pipeline's slowest stage); on a tie the rank of the highest peak
+    times = [(step_time(cfg, hw, s, local), s) for s in [worst, *(s for s in sims if s is not worst)]]
+    time_est, timed = max(times, key=lambda ts: ts[0]["total_s"] or 0.0)
     plan = {
         "model": cfg.model.name, "params": compose.num_params(cfg), "engine": cfg.engine.name,
         "strategy": cfg.strategy.selected(), "world_size": world, "nodes": max(1, world // local),
@@ -140,8 +142,8 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
         "rules": worst.get("rules", "the run's code on fake tensors"),
         "method": {str(s["rank"]): s.get("method", "exact") for s in sims},
         **_placement(sims),
-        "traffic": worst["traffic"], "comm_per_step": worst.get("comm_per_step"), "flops_per_step": worst["flops"],
-        "step_time": time_est,
+        "traffic": timed["traffic"], "comm_per_step": timed.get("comm_per_step"), "flops_per_step": timed["flops"],
+        "step_time": {**time_est, "rank": timed.get("rank")},
         "plan_seconds": time.perf_counter() - t0,
         "planner_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }

@@ -9,13 +9,15 @@ lists first anyway). Two kinds are planned at every size, because there a smalle
 a pipeline (more micro-batches shrink the bubble) and the chunk engine (smaller activations leave the device
 room for more optimizer groups, whose Adam then runs on the device).
 
-And a candidate whose compute alone is slower than the fastest fitting step found so far is not planned:
-candidates that do the same math (``work_class``: checkpointing, parallel sizes and their options; not the
-precision, the ZeRO stage, offload or chunk placement, which change rates and bytes, not FLOPs) count the
-same FLOPs, and their compute term (those FLOPs at the candidate's dtype's rates) is a part of their step,
-so once one of them is planned the others are bounded. The search plans the likely fastest first (the
-dtype of the highest peak, no recomputation), so that fp32 and fp16 candidates under a fast bf16 winner
-are bounded by the bf16 plans' FLOPs without a plan of their own.
+And a candidate that cannot be faster than the fastest fitting step found so far is not planned, by either of
+two lower bounds of its step. Its model's own forward and backward (``model_work.py``: one micro-batch of the
+composed model alone, times the accumulation, whose step time every engine that runs that model adds to). And
+its compute term: candidates that do the same math (``work_class``: checkpointing, parallel sizes and their
+options; not the precision, the ZeRO stage, offload or chunk placement, which change rates and bytes, not FLOPs)
+count the same FLOPs, so once one of them is planned the others are bounded at their own dtype's rates (a
+pipeline's, whose model side is a stage's). The search plans the likely fastest first (the dtype of the highest
+peak, no recomputation), so that fp32 and fp16 candidates under a fast bf16 winner are bounded by the bf16
+plans' FLOPs without a plan of their own.
 """
 from __future__ import annotations
 
@@ -39,27 +41,29 @@ def work_class(cfg) -> tuple:
             (cfg.trainer.micro_batch_size, cfg.trainer.grad_accum) if pipeline is not None else None)
 
 
-def bounded(chain: Sequence[int], bound: Callable[[int], float | None], best_s: float | None) -> int:
-    """How many of ``chain``'s first candidates to plan: the chain stops at the first whose compute alone
-    (``bound(i)``: seconds, None where its class has no plan yet), less ``MARGIN``, is slower than ``best_s``;
-    the smaller micro-batches after it are never faster (above)."""
+def bounded(chain: Sequence[int], bound: Callable[[int, float], float | None], best_s: float | None) -> int:
+    """How many of ``chain``'s first candidates to plan: the chain stops at the first whose step's lower bound
+    (``bound(i, best_s)``: seconds, None where none is known yet; it may stop looking once over ``best_s``) is
+    slower than ``best_s``; the smaller micro-batches after it are never faster (above)."""
     if best_s is None:
         return len(chain)
     for k, i in enumerate(chain):
-        b = bound(i)
-        if b is not None and b * MARGIN > best_s:
+        b = bound(i, best_s)
+        if b is not None and b > best_s:
             return k
     return len(chain)
 
 
 def skipped_row(item, kind: str, why: str) -> dict:
-    """The row of a candidate not planned: ``kind`` "micro-batch" or "compute" (the two rules above)."""
+    """The row of a candidate not planned: ``kind`` "micro-batch" or "bound" (the two rules above)."""
     return {"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": kind, "why": why}
 
 
 def bound_row(item, bound_s: float, best_s: float) -> dict:
-    return skipped_row(item, "compute", f"not planned: its compute alone ({bound_s:.3g} s, planned on a candidate of "
-                                        f"the same math) is slower than a fitting candidate's whole step ({best_s:.3g} s)")
+    row = skipped_row(item, "bound", f"not planned: its step takes at least {bound_s:.3g} s (its model's own work, or its "
+                                     f"compute as planned on a candidate of the same math), more than a fitting candidate's "
+                                     f"whole step ({best_s:.3g} s)")
+    return {**row, "bound_s": bound_s}
 
 
 def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bool]) -> list[list[int]]:

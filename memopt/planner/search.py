@@ -32,8 +32,10 @@ from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.memory.hardware import peak_tflops_for
 from memopt.planner.plan import fit_bytes, fit_peaks, fmt, limits_of, step_time
 from memopt.planner.placement import plan_placed
-from memopt.planner.prune import bound_row, bounded, chains, plan_chain, work_class
+from memopt.planner.model_work import model_work, step_of, work_key
+from memopt.planner.prune import MARGIN, bound_row, bounded, chains, plan_chain, work_class
 from memopt.planner.simulate import PlanOverflow
+from memopt.parallel.dims import expected_world
 from memopt.strategies.precision import Precision
 
 PRECISION = {"fp32": (), "bf16": ("bf16",), "fp16": ("fp16",)}
@@ -201,6 +203,8 @@ def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
     row = {"overrides": cand.overrides(), "candidate": cand, "fits": False}
     if plan is not None:
         fits = fit_bytes(plan)
+        if plan["fits"] and "error" not in plan:
+            row["plan"] = plan  # the chosen one's: plan mode and the preflight need not plan it again
         row.update(fits=plan["fits"] and "error" not in plan, step_s=plan.get("step_time", {}).get("total_s"),
                    peak=max(fits.values(), default=None), fit_bytes=fits,
                    dominant=plan.get("step_time", {}).get("dominant"), compute_s=plan.get("step_time", {}).get("compute_s"),
@@ -226,13 +230,13 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     """Every candidate of the command's typed ``cfg`` planned, ranked: fitting ones by predicted step time,
     then the others. Each row: ``candidate`` (typed), ``overrides`` and ``label`` (it printed), ``fits``,
     ``step_s``, ``peak`` (the larger of its limits' bytes), ``fit_bytes`` ({"device"|"host": bytes}: per rank and
-    per node: ``plan.fit_bytes``), ``dominant`` or ``why``.
+    per node: ``plan.fit_bytes``), ``dominant`` or ``why``; a fitting one its ``plan``.
     ``progress(done, total, row, best)``: called after each candidate (the CLI prints a line: a search of
     many candidates takes minutes, and said nothing until it ended). ``workers``: processes planning
     candidates side by side (default: the CPU count, at most 4; plans are independent and each is one
     process's CPU time), used from ``PARALLEL_FROM`` candidates on; unpruned, the rows are the same in any order.
     ``prune``: a composition's smaller micro-batches are not planned once a larger one fits, nor a candidate whose
-    compute alone is slower than the best fitting step so far (``prune.py``: they cannot win; their rows say so;
+    step's lower bound is slower than the best fitting step so far (``prune.py``: they cannot win; their rows say so;
     which ones a bound skips can depend on the order worker plans finish in, the winner cannot)."""
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     base = base_of(cfg)
@@ -258,13 +262,37 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     # likely fastest first, so that bounds stop the slow candidates early: the dtype of the highest peak, no recomputation
     links.sort(key=lambda c: (-(peak_tflops_for(hw, dtypes[c[0]]) or 0.0), classes[c[0]][0] != "None", min(c)))
     known: dict = {}  # work class -> (FLOPs, attention FLOPs, ranks per node) of a planned candidate of it
+    works: dict = {}  # model_work.work_key -> one micro-batch's model work (None: the pass failed; the plan will say)
+    modelled = [_model_bounded(c) for c in cfgs]
 
-    def bound(i: int) -> float | None:
-        """Candidate ``i``'s compute term: its class's planned FLOPs at its own dtype's rates."""
+    def compute_bound(i: int) -> float | None:
         if classes[i] not in known:
             return None
         flops, attention, local = known[classes[i]]
-        return step_time(cfgs[i], hw, {"flops": flops, "traffic": {"attention_flops": attention}}, local)["compute_s"]
+        compute = step_time(cfgs[i], hw, {"flops": flops, "traffic": {"attention_flops": attention}}, local)["compute_s"]
+        return None if compute is None else compute * MARGIN
+
+    def bound(i: int, above: float | None = None) -> float | None:
+        """A lower bound of candidate ``i``'s planned step (``prune.py``): its class's known FLOPs at its own dtype's
+        rates (less ``MARGIN``), and unless that alone is over ``above``, its model's own work, whose FLOPs then
+        bound its class too; None while neither is known."""
+        b = compute_bound(i)
+        if (b is not None and above is not None and b > above) or not modelled[i]:
+            return b
+        key = work_key(cfgs[i])
+        if key not in works:
+            try:
+                works[key] = model_work(cfgs[i])
+            except Exception:  # noqa: BLE001 - only a bound: the candidate's own plan reports what fails
+                works[key] = None
+        if works[key] is None:
+            return b
+        local = min(expected_world(cfgs[i]), cfgs[i].trainer.nproc_per_node)
+        step = step_of(cfgs[i], works[key])  # a lower bound of every count: of its class's FLOPs too
+        if classes[i] not in known or step["flops"] < known[classes[i]][0]:
+            known[classes[i]] = (step["flops"], step["traffic"].get("attention_flops", 0), local)
+        model = step_time(cfgs[i], hw, step, local)["total_s"]
+        return max((v for v in (b, model) if v is not None), default=None)
 
     def take(chain: list[int], got: list[dict]) -> None:
         for i, row in zip(chain, got):
@@ -279,7 +307,7 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
             chain = links.pop(0)
             k = bounded(chain, bound, best["step_s"] if best and prune else None)
             for i in chain[k:]:
-                add(bound_row(todo[i], bound(chain[k]), best["step_s"]), i)
+                add(bound_row(todo[i], bound(chain[k], best["step_s"]), best["step_s"]), i)
             if k:
                 return chain[:k]
         return None
@@ -309,6 +337,14 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     return fit + [r for r in rows if not r["fits"]]
 
 
+def _model_bounded(cfg) -> bool:
+    """The candidate's model alone bounds its step (``model_work.py``): its engine's wing says so."""
+    from memopt.planner.engines import wing
+
+    w = wing(cfg)
+    return w.model_bound is not None and bool(w.model_bound(cfg))
+
+
 def _every_size(c: Candidate) -> bool:
     """A pipeline or a chunk-engine candidate: a smaller micro-batch can be faster there (``prune.py``)."""
     return c.value("parallel.pp", 1) != 1 or "pipeline" in c.strategies or any(n in CHUNK_FAMILY for n in c.strategies)
@@ -316,9 +352,9 @@ def _every_size(c: Candidate) -> bool:
 
 def ranked_table(rows: list[dict], top: int) -> str:
     smaller = sum(r.get("skipped") == "micro-batch" for r in rows)
-    slower = sum(r.get("skipped") == "compute" for r in rows)
+    slower = sum(r.get("skipped") == "bound" for r in rows)
     why = [f"{smaller} as a larger micro-batch of their composition fits"] * bool(smaller) \
-        + [f"{slower} as their compute alone is slower than the fastest fitting step"] * bool(slower)
+        + [f"{slower} as a lower bound of their step is slower than the fastest fitting step"] * bool(slower)
     lines = [f"memopt auto: {sum(r['fits'] for r in rows)} of {len(rows)} candidates fit"
              + (f" (not planned: {', '.join(why)})" if why else "") + "; fastest predicted first"]
     for i, r in enumerate(rows[:top]):
@@ -326,7 +362,7 @@ def ranked_table(rows: list[dict], top: int) -> str:
             speed = f"{r['step_s']:.3g} s/step ({r['dominant']})" if r["step_s"] is not None else "step time unknown"
             lines.append(f"  {i + 1:>2}. {speed}, {fit_peaks(r['fit_bytes'])}: {r['label']}")
         elif r.get("skipped"):
-            lines.append(f"   -  skipped ({'a larger micro-batch of it fits' if r['skipped'] == 'micro-batch' else 'its compute alone is slower'}): {r['label']}")
+            lines.append(f"   -  skipped ({'a larger micro-batch of it fits' if r['skipped'] == 'micro-batch' else 'its step is slower'}): {r['label']}")
         else:
             lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
     return "\n".join(lines)

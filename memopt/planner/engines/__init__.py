@@ -11,7 +11,8 @@ engine's name. What each wing holds (``base.Wing`` lists the questions, with the
     deepspeed_pipe  DeepSpeed's pipeline engine: not planned, said so (deepspeed/pipe.py)
     fsdp2      CPUOffloadPolicy's copies made explicit on fake tensors, a process group for one rank, a step's
                middle micro-batches repeat (fsdp2.py)
-    pipeline, ps   nothing beyond the run's code on fake tensors (the defaults)
+    pipeline   its stages' model work bounds its step (pipeline.py); otherwise the run's code on fake tensors
+    ps         nothing beyond the run's code on fake tensors (the defaults)
 
 Imported on use, as the engines are: DeepSpeed's rules load only for the plans that need them.
 """
@@ -26,7 +27,7 @@ WINGS = {
     "chunk": "memopt.planner.engines.chunk",
     "deepspeed": "memopt.planner.engines.deepspeed",
     "fsdp2": "memopt.planner.engines.fsdp2",
-    "pipeline": None,
+    "pipeline": "memopt.planner.engines.pipeline",
     "ps": None,
     "deepspeed_pipe": "memopt.planner.engines.deepspeed.pipe",
 }

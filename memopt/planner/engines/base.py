@@ -36,6 +36,9 @@ class Wing:
     # (simulate.sampled_micro_batches): the memopt engine's and FSDP2's loops. Not a pipeline (its schedule
     # runs on the last call, over all of them) nor the chunk engine (its warm-up traces every moment)
     micro_batches_repeat: bool = False
+    # cfg -> True where every micro-batch runs the composed model's forward and backward as memopt's engine does
+    # and the engine only adds its own work, so that work alone bounds the planned step (planner/model_work.py)
+    model_bound: Callable | None = None
 
 
 class NotReplayed(Exception):

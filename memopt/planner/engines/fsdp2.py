@@ -86,4 +86,4 @@ def fsdp2_offload(tracker):
         _fsdp_param_group.foreach_reduce = reduce
 
 
-WING = Wing(step_patch=step_patch, process_group_always=True, micro_batches_repeat=True)
+WING = Wing(step_patch=step_patch, process_group_always=True, micro_batches_repeat=True, model_bound=lambda cfg: True)

@@ -69,4 +69,4 @@ def window_check(cfg, rank: int, world: int, depths: tuple[int, ...], cache: dic
     return bucket_inconsistency([cache[d] for d in depths], depths)
 
 
-WING = Wing(window_check=window_check, micro_batches_repeat=True)
+WING = Wing(window_check=window_check, micro_batches_repeat=True, model_bound=lambda cfg: True)

@@ -14,4 +14,4 @@ from memopt.planner.engines.chunk import depth
 
 WING = Wing(prepare=depth.prepare, replay=depth.replayed, window_check=depth.window_check,
             sample_check=depth.sample_check, rank_layouts=depth.layouts,
-            device_budget=lambda cfg: cfg.strategy.chunk.device_budget_gb)
+            device_budget=lambda cfg: cfg.strategy.chunk.device_budget_gb, model_bound=lambda cfg: True)

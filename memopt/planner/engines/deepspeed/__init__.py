@@ -12,4 +12,14 @@ from __future__ import annotations
 from memopt.planner.engines.base import Wing
 from memopt.planner.engines.deepspeed.rules import deepspeed_sim
 
-WING = Wing(rules=deepspeed_sim)
+
+
+def _model_bound(cfg) -> bool:
+    """Its rules' fake step is memopt's engine running the same model, except at ZeRO-3 (DeepSpeed's own linear
+    Function) and with MoE (DeepSpeed-MoE's layer code): there the model's side is not memopt's."""
+    from memopt.strategies.zero import selected_stage
+
+    return selected_stage(cfg)[1] < 3 and cfg.strategy.moe is None
+
+
+WING = Wing(rules=deepspeed_sim, model_bound=_model_bound)

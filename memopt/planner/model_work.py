@@ -1,0 +1,86 @@
+"""A lower bound of a candidate's planned step: its model's own forward and backward of one micro-batch.
+
+Why: ``+strategy=auto`` plans whole steps (two of them, on two ranks) of every candidate that could still win,
+and the compute bound of ``prune.py`` stops only those a dtype or a recomputation's FLOPs behind. On a CPU
+whose fp32 wins, ~30 candidates plan within 15% of each other and each whole plan costs seconds. What they
+share is the model's side of a step: every engine whose micro-batch is ``compose.model_on_meta``'s model run
+forward and backward under memopt's ``Precision`` (the memopt engine, the chunk engine, FSDP2, DeepSpeed's
+rules at stages 0-2: the same few lines in each ``forward_backward``) runs those ops on every micro-batch and
+adds its own (gradient copies and reductions, gathers, the optimizer step). So one micro-batch of the model
+alone, counted as a plan counts (FLOPs, attention FLOPs, memory-bound bytes, ops, DTensor ops, the collectives
+tensor and expert parallelism issue inside the model), times the accumulation, is at most each of those counts
+of the candidate's plan, and the step time of that work, a sum of terms each growing with its counts
+(``plan.step_time``, same profile), is at most the candidate's planned step: no margin is needed.
+
+A pipeline's stages share each micro-batch's model work (each op runs on one stage; the tied output layer's
+copy and the sends are extra), so their mean is at least that work over pp, and a plan's step is its slowest
+rank's (``plan.make_plan``), at least the mean of the stages' (the step time is linear in the counts, the bubble
+the same for every stage): the bound there is the model's work over pp.
+
+One micro-batch on one rank, no optimizer step: about a twelfth of a two-rank plan, shared by every candidate
+of the same model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Not for an
+engine whose model side is its own (``Wing.model_bound``: DeepSpeed's ZeRO-3 linear and its MoE layers).
+Tested against whole plans of every engine and class (tests/planner/test_model_work.py).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+
+def work_key(cfg) -> tuple:
+    """What the model's side of a micro-batch depends on: the model and its model-phase strategies (checkpointing,
+    tensor parallelism, MoE, ...), the parallel sizes, the precision's dtypes and the micro-batch size."""
+    from memopt.strategies.base import selected
+    from memopt.strategies.precision import Precision
+
+    p = Precision.of(cfg)  # a pipeline's stages run the model of pp=1 (its split is the engine's, not the model's)
+    return (repr(cfg.model), repr(replace(cfg.parallel, pp=1)), tuple((s.name, repr(o)) for s, o in selected(cfg, "model")),
+            p.param_dtype, p.compute_dtype, cfg.trainer.micro_batch_size)
+
+
+def model_work(cfg) -> dict:
+    """{"flops", "traffic", "comm_per_step"} of one micro-batch's forward and backward of ``cfg``'s composed model
+    on rank 0 (a fake world of the run's size), counted as ``simulate_rank`` counts a step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memopt.compose import materialize_params, model_on_meta
+    from memopt.data import TokenBatches, load_tokens
+    from memopt.engines.base import with_aux_loss
+    from memopt.parallel.dims import expected_world
+    from memopt.planner.routing import planned_routing
+    from memopt.planner.simulate import PlanTracker, fake_world
+    from memopt.strategies.precision import Precision
+
+    device, t = torch.device("cpu"), cfg.trainer
+    tracker = PlanTracker(device)
+    precision = Precision.of(cfg)
+    with fake_world(cfg, 0, expected_world(cfg)) as dims, tracker:
+        data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
+        with FakeTensorMode(allow_non_fake_inputs=True), planned_routing():
+            model = model_on_meta(cfg, device, dims, tracker)
+            materialize_params(model, device, precision.param_dtype, storage=True)
+            model.train()
+            x, y = data.micro_batch(0, 0, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
+            x, y = x.to(device), y.to(device)
+            tracker.counting = True
+            with tracker.retained("activations"), precision.autocast(device):
+                loss = model(x, y)[1]
+            with tracker.category("temp"):
+                ((with_aux_loss(model, loss) / t.grad_accum) * precision.loss_scale).backward()
+            tracker.counting = False
+    traffic = dict(tracker.traffic)
+    return {"flops": traffic.pop("flops", 0), "traffic": traffic, "comm_per_step": tracker.comm_per_step()}
+
+
+def step_of(cfg, work: dict) -> dict:
+    """``work`` (one micro-batch) times the candidate's accumulation, shaped as a simulated rank for ``plan.step_time``
+    (whose total is then a lower bound of the candidate's planned step); under a pipeline, a stage's share of it (the
+    pipeline's ranks share each micro-batch's blocks: their mean)."""
+    from memopt.parallel.dims import expected_world, resolve_sizes
+
+    k = cfg.trainer.grad_accum / resolve_sizes(cfg.parallel, expected_world(cfg))["pp"]
+    times = lambda d: {key: v * k for key, v in d.items()}  # noqa: E731
+    return {"flops": work["flops"] * k, "traffic": times(work["traffic"]),
+            "comm_per_step": {"ops": {kind: times(rec) for kind, rec in work["comm_per_step"]["ops"].items()}}}
