@@ -4,8 +4,8 @@ Why: ``+strategy=auto`` plans whole steps (two of them, on two ranks) of every c
 and the compute bound of ``prune.py`` stops only those a dtype or a recomputation's FLOPs behind. On a CPU
 whose fp32 wins, ~30 candidates plan within 15% of each other and each whole plan costs seconds. What they
 share is the model's side of a step: every engine whose micro-batch is ``compose.model_on_meta``'s model run
-forward and backward under memopt's ``Precision`` (the memopt engine, the chunk engine, FSDP2, DeepSpeed's
-rules at stages 0-2: the same few lines in each ``forward_backward``) runs those ops on every micro-batch and
+forward and backward under memopt's ``Precision`` (the memopt engine, the chunk engine, FSDP2, the pipeline's
+stages, DeepSpeed's rules: the same few lines in each ``forward_backward``) runs those ops on every micro-batch and
 adds its own (gradient copies and reductions, gathers, the optimizer step). So one micro-batch of the model
 alone, counted as a plan counts (FLOPs, attention FLOPs, memory-bound bytes, ops, DTensor ops, the collectives
 tensor and expert parallelism issue inside the model), times the accumulation, is at most each of those counts
@@ -18,12 +18,15 @@ rank's (``plan.make_plan``), at least the mean of the stages' (the step time is 
 the same for every stage): the bound there is the model's work over pp.
 
 One micro-batch on one rank, no optimizer step: about a twelfth of a two-rank plan, shared by every candidate
-of the same model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Not for an
-engine whose model side is its own (``Wing.model_bound``: DeepSpeed's ZeRO-3 linear and its MoE layers).
-Tested against whole plans of every engine and class (tests/planner/test_model_work.py).
+of the same model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Where an
+engine's plan runs the model through layer code of its own (DeepSpeed's ZeRO-3 linear, DeepSpeed-MoE: its wing's
+``model_code``), the pass runs inside that code too; an engine whose wing does not say the model bounds it (the
+parameter server) is not bounded. Tested against whole plans of every engine and class
+(tests/planner/test_model_work.py).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -31,13 +34,16 @@ import torch
 
 def work_key(cfg) -> tuple:
     """What the model's side of a micro-batch depends on: the model and its model-phase strategies (checkpointing,
-    tensor parallelism, MoE, ...), the parallel sizes, the precision's dtypes and the micro-batch size."""
+    tensor parallelism, MoE, ...), the parallel sizes, the precision's dtypes, the micro-batch size and the engine's
+    own layer code where its plan runs it (``Wing.model_code``)."""
+    from memopt.planner.engines import wing
     from memopt.strategies.base import selected
     from memopt.strategies.precision import Precision
 
     p = Precision.of(cfg)  # a pipeline's stages run the model of pp=1 (its split is the engine's, not the model's)
+    code = wing(cfg).model_code
     return (repr(cfg.model), repr(replace(cfg.parallel, pp=1)), tuple((s.name, repr(o)) for s, o in selected(cfg, "model")),
-            p.param_dtype, p.compute_dtype, cfg.trainer.micro_batch_size)
+            p.param_dtype, p.compute_dtype, cfg.trainer.micro_batch_size, (code(cfg) or (None,))[0] if code else None)
 
 
 def model_work(cfg) -> dict:
@@ -49,6 +55,7 @@ def model_work(cfg) -> dict:
     from memopt.data import TokenBatches, load_tokens
     from memopt.engines.base import with_aux_loss
     from memopt.parallel.dims import expected_world
+    from memopt.planner.engines import wing
     from memopt.planner.routing import planned_routing
     from memopt.planner.simulate import PlanTracker, fake_world
     from memopt.strategies.precision import Precision
@@ -56,7 +63,9 @@ def model_work(cfg) -> dict:
     device, t = torch.device("cpu"), cfg.trainer
     tracker = PlanTracker(device)
     precision = Precision.of(cfg)
-    with fake_world(cfg, 0, expected_world(cfg)) as dims, tracker:
+    code = wing(cfg).model_code
+    own = (code(cfg) if code else None) or (None, contextlib.nullcontext())
+    with fake_world(cfg, 0, expected_world(cfg)) as dims, tracker, own[1]:
         data = TokenBatches(load_tokens(cfg.data, cfg.seed), cfg.model.seq_len, cfg.data.val_fraction, cfg.seed)
         with FakeTensorMode(allow_non_fake_inputs=True), planned_routing():
             model = model_on_meta(cfg, device, dims, tracker)

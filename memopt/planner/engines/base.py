@@ -36,9 +36,12 @@ class Wing:
     # (simulate.sampled_micro_batches): the memopt engine's and FSDP2's loops. Not a pipeline (its schedule
     # runs on the last call, over all of them) nor the chunk engine (its warm-up traces every moment)
     micro_batches_repeat: bool = False
-    # cfg -> True where every micro-batch runs the composed model's forward and backward as memopt's engine does
-    # and the engine only adds its own work, so that work alone bounds the planned step (planner/model_work.py)
+    # cfg -> True where every micro-batch runs the composed model's forward and backward and the engine only adds
+    # its own work, so that work alone bounds the planned step (planner/model_work.py)
     model_bound: Callable | None = None
+    # cfg -> (a name, a context) where the plan runs the model through the engine's own layer code (DeepSpeed's
+    # ZeRO-3 linear, DeepSpeed-MoE): the model's work is counted inside it, and cached under the name; None: memopt's
+    model_code: Callable | None = None
 
 
 class NotReplayed(Exception):

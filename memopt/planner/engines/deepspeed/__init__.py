@@ -9,17 +9,34 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 from memopt.planner.engines.base import Wing
 from memopt.planner.engines.deepspeed.rules import deepspeed_sim
 
 
 
-def _model_bound(cfg) -> bool:
-    """Its rules' fake step is memopt's engine running the same model, except at ZeRO-3 (DeepSpeed's own linear
-    Function) and with MoE (DeepSpeed-MoE's layer code): there the model's side is not memopt's."""
-    from memopt.strategies.zero import selected_stage
+def _model_code(cfg):
+    """(name, context) of DeepSpeed's own layer code that its rules' fake step runs the model through: its ZeRO-3
+    linear Function (``linear.py``) and DeepSpeed-MoE's layers (``moe_rules.py``); None where neither applies."""
+    from memopt.planner.engines.deepspeed.linear import replaces_linear, zero3_linear
 
-    return selected_stage(cfg)[1] < 3 and cfg.strategy.moe is None
+    moe, linear = cfg.strategy.moe is not None, replaces_linear(cfg)
+    if not (moe or linear):
+        return None
+
+    @contextlib.contextmanager
+    def inside():
+        with contextlib.ExitStack() as stack:
+            if moe:
+                from memopt.parallel.dims import expected_world, resolve_sizes
+                from memopt.planner.engines.deepspeed.moe_rules import deepspeed_moe_layers
+
+                stack.enter_context(deepspeed_moe_layers(resolve_sizes(cfg.parallel, expected_world(cfg))["ep"]))
+            stack.enter_context(zero3_linear(cfg))
+            yield
+
+    return f"deepspeed{' moe' * moe}{' zero3 linear' * linear}", inside()
 
 
-WING = Wing(rules=deepspeed_sim, model_bound=_model_bound)
+WING = Wing(rules=deepspeed_sim, model_bound=lambda cfg: True, model_code=_model_code)
