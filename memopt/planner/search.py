@@ -237,10 +237,12 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     process's CPU time), used from ``PARALLEL_FROM`` candidates on; unpruned, the rows are the same in any order.
     ``prune``: a composition's smaller micro-batches are not planned once a larger one fits, nor a candidate whose
     step's lower bound is slower than the best fitting step so far (``prune.py``: they cannot win; their rows say so;
-    which ones a bound skips can depend on the order worker plans finish in, the winner cannot)."""
+    which ones a bound skips can depend on the order worker plans finish in, the winner cannot); with
+    ``strategy.auto.trials=k``, slower than the k-th best, so that the k fastest predicted are all planned."""
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     base = base_of(cfg)
-    rows, best = [], None
+    rows, best, steps = [], None, []
+    ranked = max(1, cfg.strategy.auto.trials)  # the fastest that must be planned: the winner, or every trial's
     todo = candidates(cfg, hw)
     workers = workers or min(os.cpu_count() or 1, 4)
 
@@ -249,8 +251,10 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         row["_order"] = i  # the candidate's place in the list: ties rank as in a one-process search
         row["label"] = " ".join(row["overrides"])
         rows.append(row)
-        if row["fits"] and row.get("step_s") is not None and (best is None or row["step_s"] < best["step_s"]):
-            best = row
+        if row["fits"] and row.get("step_s") is not None:
+            steps.append(row["step_s"])
+            if best is None or row["step_s"] < best["step_s"]:
+                best = row
         if progress is not None:
             progress(len(rows), len(todo), row, best)
 
@@ -305,9 +309,11 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         """The next chain to plan, its bounded tail given its rows first (None: no chain left)."""
         while links:
             chain = links.pop(0)
-            k = bounded(chain, bound, best["step_s"] if best and prune else None)
+            # a candidate slower than the ranked-th fastest fitting step so far is none of the fastest ranked
+            over = sorted(steps)[ranked - 1] if prune and len(steps) >= ranked else None
+            k = bounded(chain, bound, over)
             for i in chain[k:]:
-                add(bound_row(todo[i], bound(chain[k], best["step_s"]), best["step_s"]), i)
+                add(bound_row(todo[i], bound(chain[k], over), over), i)
             if k:
                 return chain[:k]
         return None

@@ -340,6 +340,30 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner(dtypes):
         assert len(larger) == 1 and full[r["label"]]["step_s"] > larger[0]["step_s"], r["label"]
 
 
+@pytest.mark.parametrize("trials", [2, 0])
+def test_a_search_with_trials_plans_the_fastest_it_trials(trials):
+    """With ``strategy.auto.trials=k`` a candidate is bounded against the k-th fastest fitting step, so the k fastest
+    predicted are all planned and trialled: here (one composition per checkpointing policy) the second fastest,
+    selective recomputation, has a model bound over the fastest step and is skipped without trials, not with 2."""
+    from dataclasses import replace
+
+    from memopt.planner.search import search
+
+    cfg = typed(["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "trainer.micro_batch_size=4", "logger=none",
+                 "data=synthetic", "trainer.save_checkpoint=false", "trainer.eval_every=0", "+strategy=auto",
+                 "strategy.auto.ckpt=[none,full,selective]", "strategy.auto.stage=[ddp]", "strategy.auto.offload=[false]",
+                 "strategy.auto.micro_batch_size=[4]", "strategy.auto.chunk_budget_gb=[]", "strategy.auto.precision=[fp32]",
+                 f"strategy.auto.trials={trials}"])
+    hw = replace(small_hw(64), memory_gbps=10.0, op_overhead_us=10.0, peak_tflops={"fp32": 0.0005}, device_memory_gb=64 / 1024)
+    fastest = sorted((r for r in search(cfg, hw, workers=1, prune=False) if r["fits"]), key=lambda r: r["step_s"])
+    pruned = search(cfg, hw, workers=1)
+    assert len(fastest) == 3 and "selective" in fastest[1]["label"], [r["label"] for r in fastest]
+    if trials:
+        assert [r["label"] for r in pruned[:2]] == [r["label"] for r in fastest[:2]]
+    else:  # the control: without trials the second fastest is bounded, so the test above can fail
+        assert [r for r in pruned if r["label"] == fastest[1]["label"]][0].get("skipped") == "bound"
+
+
 @pytest.mark.slow
 def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path):
     """A device budget no candidate meets is refused before anything is allocated, naming the least a
