@@ -18,7 +18,9 @@ rank's (``plan.make_plan``), at least the mean of the stages' (the step time is 
 the same for every stage): the bound there is the model's work over pp.
 
 One micro-batch on one rank, no optimizer step: about a twelfth of a two-rank plan, shared by every candidate
-of the same model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Where an
+of the same model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Not for a
+deep model planned from shallow samples (``extrapolate.sample_depths``): a pass at its full depth would cost
+about what its plan does; its compute bound alone stays. Where an
 engine's plan runs the model through layer code of its own (DeepSpeed's ZeRO-3 linear, DeepSpeed-MoE: its wing's
 ``model_code``), the pass runs inside that code too; an engine whose wing does not say the model bounds it (the
 parameter server) is not bounded. Tested against whole plans of every engine and class
@@ -93,3 +95,15 @@ def step_of(cfg, work: dict) -> dict:
     times = lambda d: {key: v * k for key, v in d.items()}  # noqa: E731
     return {"flops": work["flops"] * k, "traffic": times(work["traffic"]),
             "comm_per_step": {"ops": {kind: times(rec) for kind, rec in work["comm_per_step"]["ops"].items()}}}
+
+
+def lower_bound_s(cfg, hw, step: dict, ranks_per_node: int) -> float | None:
+    """``plan.step_time``'s total of ``step`` (``step_of``): at most the candidate's planned step. Without a default
+    link rate (``device_device_gbps``) a collective kind the profile does not rate leaves a plan's whole
+    communication term out (``plan.comm_seconds``), so the bound leaves it out too."""
+    from memopt.planner.plan import step_time
+
+    if not hw.device_device_gbps:
+        drop = ("comm_bytes", "collectives")
+        step = {**step, "traffic": {k: v for k, v in step["traffic"].items() if k not in drop}, "comm_per_step": None}
+    return step_time(cfg, hw, step, ranks_per_node)["total_s"]

@@ -9,8 +9,8 @@ lists first anyway). Two kinds are planned at every size, because there a smalle
 a pipeline (more micro-batches shrink the bubble) and the chunk engine (smaller activations leave the device
 room for more optimizer groups, whose Adam then runs on the device).
 
-And a candidate that cannot be faster than the fastest fitting step found so far is not planned, by either of
-two lower bounds of its step. Its model's own forward and backward (``model_work.py``: one micro-batch of the
+And a candidate that cannot be faster than the fastest fitting step found so far (with ``strategy.auto.trials=k``,
+the k-th fastest: every one it trials is planned) is not planned, by either of two lower bounds of its step. Its model's own forward and backward (``model_work.py``: one micro-batch of the
 composed model alone, times the accumulation, whose step time every engine that runs that model adds to). And
 its compute term: candidates that do the same math (``work_class``: checkpointing, parallel sizes and their
 options; not the precision, the ZeRO stage, offload or chunk placement, which change rates and bytes, not FLOPs)

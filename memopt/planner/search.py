@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.memory.hardware import peak_tflops_for
 from memopt.planner.plan import fit_bytes, fit_peaks, fmt, limits_of, step_time
 from memopt.planner.placement import plan_placed
-from memopt.planner.model_work import model_work, step_of, work_key
+from memopt.planner.model_work import lower_bound_s, model_work, step_of, work_key
 from memopt.planner.prune import MARGIN, bound_row, bounded, chains, plan_chain, work_class
 from memopt.planner.simulate import PlanOverflow
 from memopt.parallel.dims import expected_world
@@ -265,7 +266,7 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     dtypes = [Precision.of(c).name for c in cfgs]
     # likely fastest first, so that bounds stop the slow candidates early: the dtype of the highest peak, no recomputation
     links.sort(key=lambda c: (-(peak_tflops_for(hw, dtypes[c[0]]) or 0.0), classes[c[0]][0] != "None", min(c)))
-    known: dict = {}  # work class -> (FLOPs, attention FLOPs, ranks per node) of a planned candidate of it
+    known: dict = {}  # work class -> the least (FLOPs, attention FLOPs, ranks per node) of its plans and model passes
     works: dict = {}  # model_work.work_key -> one micro-batch's model work (None: the pass failed; the plan will say)
     modelled = [_model_bounded(c) for c in cfgs]
 
@@ -287,15 +288,17 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         if key not in works:
             try:
                 works[key] = model_work(cfgs[i])
-            except Exception:  # noqa: BLE001 - only a bound: the candidate's own plan reports what fails
+            except Exception as e:  # noqa: BLE001 - only a bound: the candidate keeps its class's, its plan says what fails
                 works[key] = None
+                warnings.warn(f"+strategy=auto: the model's own pass failed for {' '.join(todo[i].overrides())} "
+                              f"({type(e).__name__}: {e}); its candidates are bounded by their class's compute alone")
         if works[key] is None:
             return b
         local = min(expected_world(cfgs[i]), cfgs[i].trainer.nproc_per_node)
         step = step_of(cfgs[i], works[key])  # a lower bound of every count: of its class's FLOPs too
         if classes[i] not in known or step["flops"] < known[classes[i]][0]:
             known[classes[i]] = (step["flops"], step["traffic"].get("attention_flops", 0), local)
-        model = step_time(cfgs[i], hw, step, local)["total_s"]
+        model = lower_bound_s(cfgs[i], hw, step, local)
         return max((v for v in (b, model) if v is not None), default=None)
 
     def take(chain: list[int], got: list[dict]) -> None:
@@ -344,11 +347,14 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
 
 
 def _model_bounded(cfg) -> bool:
-    """The candidate's model alone bounds its step (``model_work.py``): its engine's wing says so."""
+    """The candidate's model alone bounds its step (``model_work.py``): its engine's wing says so, and its plan runs
+    the model at full depth (a deep model's plan runs shallow ones, ``extrapolate.sample_depths``: a pass at full
+    depth would cost about what the plan does)."""
     from memopt.planner.engines import wing
+    from memopt.planner.extrapolate import sample_depths
 
     w = wing(cfg)
-    return w.model_bound is not None and bool(w.model_bound(cfg))
+    return w.model_bound is not None and bool(w.model_bound(cfg)) and not sample_depths(cfg)
 
 
 def _every_size(c: Candidate) -> bool:
