@@ -156,8 +156,9 @@ def _refused_plan(typed, hw, error: str) -> dict:
 
 def choose_composition(typed, cfg: DictConfig, run_dir: str):
     """``+strategy=auto``: (typed, DictConfig, the search's plan of it where the run's would be the same, else None)
-    of the fastest predicted composition that fits, or the refused record (written) when no candidate fits. The candidates are typed copies of the command's
-    config (``planner/candidate.py``); the table prints each as the overrides that compose it."""
+    of the fastest predicted composition that fits, or the refused record (written) when no candidate fits. The
+    candidates are typed copies of the command's config (``planner/candidate.py``); the table prints each as the
+    overrides that compose it."""
     from omegaconf import OmegaConf
 
     from memopt.parallel import under_launcher

@@ -15,7 +15,6 @@ from memopt.planner.engines.base import Wing
 from memopt.planner.engines.deepspeed.rules import deepspeed_sim
 
 
-
 def _model_code(cfg):
     """(name, context) of DeepSpeed's own layer code that its rules' fake step runs the model through: its ZeRO-3
     linear Function (``linear.py``) and DeepSpeed-MoE's layers (``moe_rules.py``); None where neither applies."""
