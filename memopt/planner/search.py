@@ -286,12 +286,12 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
             return b
         key = work_key(cfgs[i])
         if key not in works:
+            if pool is not None:  # made by a worker beside the plans: the chain waits for it (``next_chain``)
+                raise _Pending(key, i)
             try:
                 works[key] = model_work(cfgs[i])
             except Exception as e:  # noqa: BLE001 - only a bound: the candidate keeps its class's, its plan says what fails
-                works[key] = None
-                warnings.warn(f"+strategy=auto: the model's own pass failed for {' '.join(todo[i].overrides())} "
-                              f"({type(e).__name__}: {e}); its candidates are bounded by their class's compute alone")
+                failed(key, i, e)
         if works[key] is None:
             return b
         local = min(expected_world(cfgs[i]), cfgs[i].trainer.nproc_per_node)
@@ -301,6 +301,11 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         model = lower_bound_s(cfgs[i], hw, step, local)
         return max((v for v in (b, model) if v is not None), default=None)
 
+    def failed(key, i: int, e: Exception) -> None:
+        works[key] = None
+        warnings.warn(f"+strategy=auto: the model's own pass failed for {' '.join(todo[i].overrides())} "
+                      f"({type(e).__name__}: {e}); its candidates are bounded by their class's compute alone")
+
     def take(chain: list[int], got: list[dict]) -> None:
         for i, row in zip(chain, got):
             work = row.pop("work", None)
@@ -308,13 +313,25 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
                 known[classes[i]] = work
             add(row, i)
 
+    pool, running, passes, waiting = None, {}, {}, {}  # in worker processes: plans and model passes in flight,
+    # and the chains waiting for a pass
+
     def next_chain() -> list[int] | None:
-        """The next chain to plan, its bounded tail given its rows first (None: no chain left)."""
+        """The next chain to plan, its bounded tail given its rows first (None: no chain left). A chain whose bound
+        needs a model pass not made yet waits for it; the pass is sent to a worker."""
         while links:
             chain = links.pop(0)
             # a candidate slower than the ranked-th fastest fitting step so far is none of the fastest ranked
             over = sorted(steps)[ranked - 1] if prune and len(steps) >= ranked else None
-            k = bounded(chain, bound, over)
+            try:
+                k = bounded(chain, bound, over)
+            except _Pending as p:
+                waiting.setdefault(p.key, []).append(chain)
+                if p.key not in passes.values():
+                    passes[pool.submit(model_work, cfgs[p.i])] = p.key
+                    if len(running) + len(passes) >= workers:  # every worker busy: nothing more to send now
+                        return None
+                continue
             for i in chain[k:]:
                 add(bound_row(todo[i], bound(chain[k], over), over), i)
             if k:
@@ -329,21 +346,36 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
 
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                  initargs=(runtime_bytes(),)) as pool:
-            running: dict = {}  # as many chains as workers: each bound is read when its chain is sent
-            while True:
-                while len(running) < workers and (chain := next_chain()) is not None:
+            while True:  # as many chains and passes as workers: each bound is read when its chain is sent
+                while len(running) + len(passes) < workers and (chain := next_chain()) is not None:
                     running[pool.submit(plan_chain, [todo[i] for i in chain], plan_row, base, hw, limits)] = chain
-                if not running:
+                if not running and not passes:
                     break
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                done, _ = wait([*running, *passes], return_when=FIRST_COMPLETED)
                 for fut in done:
-                    take(running.pop(fut), fut.result())
+                    if fut in passes:  # the chains that waited for it go first again, in their order
+                        key = passes.pop(fut)
+                        try:
+                            works[key] = fut.result()
+                        except Exception as e:  # noqa: BLE001 - as in bound(): the class's compute bound stays
+                            failed(key, waiting[key][0][0], e)
+                        links[:0] = waiting.pop(key)
+                    else:
+                        take(running.pop(fut), fut.result())
     else:
         while (chain := next_chain()) is not None:
             take(chain, plan_chain([todo[i] for i in chain], plan_row, base, hw, limits))
     rows.sort(key=lambda r: r.pop("_order"))
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]
+
+
+class _Pending(Exception):
+    """A bound needs the model pass ``key`` (of candidate ``i``), which a worker makes."""
+
+    def __init__(self, key, i: int):
+        super().__init__(key)
+        self.key, self.i = key, i
 
 
 def _model_bounded(cfg) -> bool:
