@@ -340,6 +340,29 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner(dtypes):
         assert len(larger) == 1 and full[r["label"]]["step_s"] > larger[0]["step_s"], r["label"]
 
 
+def test_model_passes_in_worker_processes_bound_as_in_one_process():
+    """With worker processes the model passes are made by the workers, the chains that need one waiting for it: the
+    one-process search's winner, in a space where the bound decides, and each bound no more than the step the
+    one-process search planned for it, where it did (which candidates are bounded can depend on the order plans
+    finish in)."""
+    from dataclasses import replace
+
+    from memopt.planner.search import PARALLEL_FROM, search
+
+    cfg = typed(["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "trainer.micro_batch_size=4", "logger=none",
+                 "data=synthetic", "trainer.save_checkpoint=false", "trainer.eval_every=0", "+strategy=auto",
+                 "strategy.auto.ckpt=[none,full,selective]", "strategy.auto.micro_batch_size=[4,2,1]",
+                 "strategy.auto.chunk_budget_gb=[]", "strategy.auto.precision=[fp32]"])
+    hw = replace(small_hw(64), memory_gbps=10.0, op_overhead_us=10.0, peak_tflops={"fp32": 0.0005}, device_memory_gb=64 / 1024)
+    one, two = search(cfg, hw, workers=1), search(cfg, hw, workers=2)
+    full = {r["label"]: r for r in one}
+    assert len(one) >= PARALLEL_FROM
+    assert two[0]["label"] == one[0]["label"] and two[0]["step_s"] == one[0]["step_s"]
+    bounded = [r for r in two if r.get("skipped") == "bound"]
+    assert len(bounded) >= 3, "the passes bounded candidates"
+    assert all(full[r["label"]].get("step_s") is None or full[r["label"]]["step_s"] >= r["bound_s"] for r in bounded)
+
+
 @pytest.mark.parametrize("trials", [2, 0])
 def test_a_search_with_trials_plans_the_fastest_it_trials(trials):
     """With ``strategy.auto.trials=k`` a candidate is bounded against the k-th fastest fitting step, so the k fastest
