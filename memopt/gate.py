@@ -222,10 +222,9 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
 def _as_run_plans(typed, plan: dict | None) -> dict | None:
     """The search's plan of its choice where the run's own plan would be the same one: not a Hybrid Adam run whose
     groups the run's plan places first (``plan_placed``), nor a pipeline (its split may be resolved after)."""
-    hybrid = getattr(typed.strategy, "hybrid_adam", None)
-    if (hybrid is not None and hybrid.device_groups is None) or getattr(typed.strategy, "pipeline", None) is not None:
-        return None
-    return plan
+    from memopt.planner.placement import places_groups
+
+    return None if places_groups(typed) or getattr(typed.strategy, "pipeline", None) is not None else plan
 
 
 def _write_ranking(run_dir: str, rows: list[dict]) -> None:

@@ -205,6 +205,20 @@ def with_aux_loss(model, loss: torch.Tensor) -> torch.Tensor:
     return loss if aux is None else loss + aux.to(loss.dtype)
 
 
+def model_forward(model, precision, tracker, device, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss: the model's forward under the precision's autocast, what it keeps tracked as activations.
+    The model's half of every engine's ``forward_backward`` (with ``model_backward``), and the planner's pass of the
+    model alone (``planner/model_work.py``), whose bound holds because it runs these same lines."""
+    with tracker.retained("activations"), precision.autocast(device):
+        return model(x, y)[1]  # the logits die here: nothing holds them through the backward
+
+
+def model_backward(model, loss: torch.Tensor, precision, tracker, n_micro: int) -> None:
+    """A micro-batch's backward: its objective (``with_aux_loss``) over the step's micro-batches, loss-scaled."""
+    with tracker.category("temp"):
+        ((with_aux_loss(model, loss) / n_micro) * precision.loss_scale).backward()
+
+
 def refuse_unsupported(cfg, name: str, label: str, supports) -> None:
     """ConfigError naming the first selected strategy that engine ``name`` does not implement."""
     if supports is None:

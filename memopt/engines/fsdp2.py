@@ -67,7 +67,7 @@ import contextlib
 import torch
 
 from memopt.compose import model_on_meta
-from memopt.engines.base import PrecisionEngine, rank_key, refuse_unsupported
+from memopt.engines.base import PrecisionEngine, model_backward, model_forward, rank_key, refuse_unsupported
 from memopt.errors import ConfigError
 from memopt.memory.tracker import HOST
 from memopt.optim.step import StepResult, StepSequence
@@ -245,10 +245,8 @@ class FSDP2Engine(PrecisionEngine):
                     wrap(fp, name)
 
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
-        with self.tracker.retained("activations"), self.precision.autocast(self.device):
-            loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
-        with self.tracker.category("temp"):
-            ((loss / n_micro) * self.precision.loss_scale).backward()
+        loss = model_forward(self.model, self.precision, self.tracker, self.device, x, y)
+        model_backward(self.model, loss, self.precision, self.tracker, n_micro)
         if self.tracker.enabled:
             for p in self.params:
                 if p.grad is not None:

@@ -4,9 +4,10 @@ Why: ``+strategy=auto`` plans whole steps (two of them, on two ranks) of every c
 and the compute bound of ``prune.py`` stops only those a dtype or a recomputation's FLOPs behind. On a CPU
 whose fp32 wins, ~30 candidates plan within 15% of each other and each whole plan costs seconds. What they
 share is the model's side of a step: every engine whose micro-batch is ``compose.model_on_meta``'s model run
-forward and backward under memopt's ``Precision`` (the memopt engine, the chunk engine, FSDP2, the pipeline's
-stages, DeepSpeed's rules: the same few lines in each ``forward_backward``) runs those ops on every micro-batch and
-adds its own (gradient copies and reductions, gathers, the optimizer step). So one micro-batch of the model
+forward and backward under memopt's ``Precision`` (the memopt engine, the chunk engine, FSDP2 and DeepSpeed's rules
+through ``engines.base.model_forward`` / ``model_backward``, which this pass runs too; the pipeline's stages each
+their share) runs those ops on every micro-batch and adds its own (gradient copies and reductions, gathers,
+the optimizer step). So one micro-batch of the model
 alone, counted as a plan counts (FLOPs, attention FLOPs, memory-bound bytes, ops, DTensor ops, the collectives
 tensor and expert parallelism issue inside the model), times the accumulation, is at most each of those counts
 of the candidate's plan, and the step time of that work, a sum of terms each growing with its counts
@@ -55,7 +56,7 @@ def model_work(cfg) -> dict:
 
     from memopt.compose import materialize_params, model_on_meta
     from memopt.data import TokenBatches, load_tokens
-    from memopt.engines.base import with_aux_loss
+    from memopt.engines.base import model_backward, model_forward
     from memopt.parallel.dims import expected_world
     from memopt.planner.engines import wing
     from memopt.planner.routing import planned_routing
@@ -76,10 +77,7 @@ def model_work(cfg) -> dict:
             x, y = data.micro_batch(0, 0, dims.dp.rank, dims.dp.size, t.micro_batch_size, t.grad_accum)
             x, y = x.to(device), y.to(device)
             tracker.counting = True
-            with tracker.retained("activations"), precision.autocast(device):
-                loss = model(x, y)[1]
-            with tracker.category("temp"):
-                ((with_aux_loss(model, loss) / t.grad_accum) * precision.loss_scale).backward()
+            model_backward(model, model_forward(model, precision, tracker, device, x, y), precision, tracker, t.grad_accum)
             tracker.counting = False
     traffic = dict(tracker.traffic)
     return {"flops": traffic.pop("flops", 0), "traffic": traffic, "comm_per_step": tracker.comm_per_step()}

@@ -17,12 +17,17 @@ from __future__ import annotations
 import copy
 
 
+def places_groups(cfg) -> bool:
+    """A Hybrid Adam run whose placement is not set: its plan decides it (``plan_placed``)."""
+    hybrid = getattr(cfg.strategy, "hybrid_adam", None)
+    return hybrid is not None and hybrid.device_groups is None
+
+
 def planned_device_groups(cfg, plan: dict | None) -> tuple[int, int] | None:
     """(the optimizer groups the plan's warm-up put on the device, the most its measured moments allow
     there), on every planned rank (the least of each); None when the run is no Hybrid Adam run, its
     placement is set already, or the plan has none."""
-    hybrid = getattr(cfg.strategy, "hybrid_adam", None)
-    if hybrid is None or hybrid.device_groups is not None or not plan:
+    if not places_groups(cfg) or not plan:
         return None
     counts = list((plan.get("optim_groups_on_device") or {}).values())
     most = list((plan.get("optim_groups_device_max") or {}).values())
@@ -54,8 +59,7 @@ def plan_placed(cfg, hw, limits: dict | None = None) -> dict:
     from memopt.planner.plan import make_plan
     from memopt.planner.simulate import PlanOverflow
 
-    hybrid = getattr(cfg.strategy, "hybrid_adam", None)
-    if hybrid is None or hybrid.device_groups is not None:
+    if not places_groups(cfg):
         return make_plan(cfg, hw, limits)
     first = make_plan(probe_config(cfg), hw)
     decided = planned_device_groups(cfg, first)

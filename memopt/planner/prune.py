@@ -10,8 +10,9 @@ a pipeline (more micro-batches shrink the bubble) and the chunk engine (smaller 
 room for more optimizer groups, whose Adam then runs on the device).
 
 And a candidate that cannot be faster than the fastest fitting step found so far (with ``strategy.auto.trials=k``,
-the k-th fastest: every one it trials is planned) is not planned, by either of two lower bounds of its step. Its model's own forward and backward (``model_work.py``: one micro-batch of the
-composed model alone, times the accumulation, whose step time every engine that runs that model adds to). And
+the k-th fastest: every one it trials is planned) is not planned, by either of two lower bounds of its step. Its
+model's own forward and backward (``model_work.py``: one micro-batch of the composed model alone, times the
+accumulation, whose step time every engine that runs that model adds to). And
 its compute term: candidates that do the same math (``work_class``: checkpointing, parallel sizes and their
 options; not the precision, the ZeRO stage, offload or chunk placement, which change rates and bytes, not FLOPs)
 count the same FLOPs, so once one of them is planned the others are bounded at their own dtype's rates (a

@@ -242,7 +242,7 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     ``strategy.auto.trials=k``, slower than the k-th best, so that the k fastest predicted are all planned."""
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     base = base_of(cfg)
-    rows, best, steps = [], None, []
+    rows, best = [], None
     ranked = max(1, cfg.strategy.auto.trials)  # the fastest that must be planned: the winner, or every trial's
     todo = candidates(cfg, hw)
     workers = workers or min(os.cpu_count() or 1, 4)
@@ -252,10 +252,8 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         row["_order"] = i  # the candidate's place in the list: ties rank as in a one-process search
         row["label"] = " ".join(row["overrides"])
         rows.append(row)
-        if row["fits"] and row.get("step_s") is not None:
-            steps.append(row["step_s"])
-            if best is None or row["step_s"] < best["step_s"]:
-                best = row
+        if row["fits"] and row.get("step_s") is not None and (best is None or row["step_s"] < best["step_s"]):
+            best = row
         if progress is not None:
             progress(len(rows), len(todo), row, best)
 
@@ -322,7 +320,8 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         while links:
             chain = links.pop(0)
             # a candidate slower than the ranked-th fastest fitting step so far is none of the fastest ranked
-            over = sorted(steps)[ranked - 1] if prune and len(steps) >= ranked else None
+            steps = sorted(r["step_s"] for r in rows if r["fits"] and r.get("step_s") is not None)
+            over = steps[ranked - 1] if prune and len(steps) >= ranked else None
             try:
                 k = bounded(chain, bound, over)
             except _Pending as p:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, gather_over_ep, rank_key, with_aux_loss
+from memopt.engines.base import PrecisionEngine, gather_over_ep, model_backward, model_forward, rank_key
 from memopt.errors import ConfigError
 from memopt.memory.hardware import host_memory_bytes
 from memopt.models.moe import Expert
@@ -291,11 +291,9 @@ class ChunkEngine(PrecisionEngine):
         mgr.begin_forward()
         mgr.phase = "fwd"
         try:
-            with self.tracker.retained("activations"), self.precision.autocast(self.device):
-                loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
+            loss = model_forward(self.model, self.precision, self.tracker, self.device, x, y)
             mgr.phase = "bwd"
-            with self.tracker.category("temp"):
-                ((with_aux_loss(self.model, loss) / n_micro) * self.precision.loss_scale).backward()
+            model_backward(self.model, loss, self.precision, self.tracker, n_micro)
         finally:
             mgr.phase = "idle"
         mgr.finish_backward()

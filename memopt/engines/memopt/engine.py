@@ -14,7 +14,8 @@ import warnings
 import torch
 
 from memopt.compose import materialize_params, model_on_meta
-from memopt.engines.base import PrecisionEngine, gather_over_ep, rank_key, refuse_unsupported, with_aux_loss
+from memopt.engines.base import (PrecisionEngine, gather_over_ep, model_backward, model_forward, rank_key,
+                                 refuse_unsupported)
 from memopt.engines.memopt.flat import FlatGroup, plan_groups
 from memopt.engines.memopt.partitioner import Partitioner
 from memopt.errors import ConfigError
@@ -74,13 +75,10 @@ class MemoptEngine(PrecisionEngine):
     def forward_backward(self, x, y, micro: int, n_micro: int) -> torch.Tensor:
         last = micro == n_micro - 1
         self.part.sync_this_backward = last or self.part.stage >= 2
-        with self.tracker.retained("activations"), self.precision.autocast(self.device):
-            loss = self.model(x, y)[1]  # the logits die here: nothing holds them through the backward
-        objective = with_aux_loss(self.model, loss)
+        loss = model_forward(self.model, self.precision, self.tracker, self.device, x, y)
         self.part.in_backward = True
         try:
-            with self.tracker.category("temp"):
-                ((objective / n_micro) * self.precision.loss_scale).backward()
+            model_backward(self.model, loss, self.precision, self.tracker, n_micro)
         finally:
             self.part.in_backward = False
         if last:
