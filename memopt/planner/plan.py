@@ -88,8 +88,18 @@ def _placement(sims: list) -> dict:
     return {"optim_groups_on_device": got, **({"optim_groups_device_max": most} if any(v is not None for v in most.values()) else {})}
 
 
-def make_plan(cfg, hw, limits: dict | None = None) -> dict:
-    """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile)."""
+class SlowerThan(Exception):
+    """A rank's own step is slower than ``make_plan``'s ``slower_than``: the plan's step (its slowest rank's) is
+    too, so its other ranks are not simulated (the search cannot choose it)."""
+
+    def __init__(self, step_s: float, rank: int):
+        super().__init__(f"rank {rank}'s step takes {step_s:.3g} s")
+        self.step_s, self.rank = step_s, rank
+
+
+def make_plan(cfg, hw, limits: dict | None = None, slower_than: float | None = None) -> dict:
+    """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile).
+    ``slower_than`` (seconds): raise ``SlowerThan`` once a simulated rank's step is slower, before the next."""
     from memopt import compose
     from memopt.parallel.dims import expected_world
     from memopt.planner.engines import wing
@@ -110,6 +120,10 @@ def make_plan(cfg, hw, limits: dict | None = None) -> dict:
                 {"replay": sims[0]["replay"], "verify": False} if sims and sims[0].get("replay") else {}
             sims.append(rules(cfg, r, world, limits, backend, local, **hint) if rules
                         else simulate(cfg, r, world, limits, backend=backend, **hint))
+            if slower_than is not None and len(sims) < len(simulated_ranks(world, cfg)):
+                own = step_time(cfg, hw, sims[-1], local)["total_s"]
+                if own is not None and own > slower_than:
+                    raise SlowerThan(own, r)
     except PlanOverflow as e:
         if limits is not None or e.reason is None:
             raise

@@ -22,7 +22,7 @@ import warnings
 from memopt.data import DataError
 from memopt.errors import ConfigError
 from memopt.planner.candidate import Candidate, carried, clear, kept, selection
-from memopt.planner.plan import GiB, fit_bytes, fit_peaks, fmt, fmt_params, limits_of, make_plan, runtime_bytes
+from memopt.planner.plan import GiB, SlowerThan, fit_bytes, fit_peaks, fmt, fmt_params, limits_of, make_plan, runtime_bytes
 from memopt.planner.placement import plan_placed
 from memopt.planner.simulate import PlanOverflow, PlanUnsupported
 
@@ -165,11 +165,13 @@ def suggestion(cfg, hw) -> dict:
 MAX_FIXES = 4
 
 
-def plan_with_fixes(cand: Candidate, base, hw, limits, fixes: tuple = ()) -> tuple[dict | None, tuple, Exception | None]:
+def plan_with_fixes(cand: Candidate, base, hw, limits, fixes: tuple = (),
+                    slower_than: float | None = None) -> tuple[dict | None, tuple, Exception | None]:
     """(plan, the fixes applied, the last error): ``cand`` plus ``fixes`` ((field, value) pairs) planned on
     ``base``; when the engine refuses a moment and names fixes (the chunk engine's warm-up budget:
     ``ChunkOutOfMemoryError.fixes``), the first one not applied yet is added (replacing an earlier value of
-    the same field) and the plan repeated, at most ``MAX_FIXES`` times."""
+    the same field) and the plan repeated, at most ``MAX_FIXES`` times. ``slower_than``: ``make_plan``'s (its
+    ``SlowerThan`` is the error)."""
     from memopt.config import validate
 
     fixes = tuple(fixes)
@@ -177,8 +179,8 @@ def plan_with_fixes(cand: Candidate, base, hw, limits, fixes: tuple = ()) -> tup
         try:
             typed = cand.with_options(*fixes).config(base)
             validate(typed)
-            return make_plan(typed, hw, limits), fixes, None
-        except ConfigError as e:
+            return make_plan(typed, hw, limits, slower_than), fixes, None
+        except (ConfigError, SlowerThan) as e:
             return None, fixes, e
         except PlanOverflow as e:
             new = next((tuple(f) for f in e.fixes if not set(f) <= set(fixes)), None)

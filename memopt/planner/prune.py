@@ -18,7 +18,9 @@ options; not the precision, the ZeRO stage, offload or chunk placement, which ch
 count the same FLOPs, so once one of them is planned the others are bounded at their own dtype's rates (a
 pipeline's, whose model side is a stage's). The search plans the likely fastest first (the dtype of the highest
 peak, no recomputation), so that fp32 and fp16 candidates under a fast bf16 winner are bounded by the bf16
-plans' FLOPs without a plan of their own.
+plans' FLOPs without a plan of their own. A candidate being planned stops too: once one of its simulated ranks
+steps slower than the step to beat (``plan.SlowerThan``: the plan's step is its slowest rank's), and a composition
+whose largest micro-batch goes over while its engine is built is over at its smaller ones (``plan_chain``).
 """
 from __future__ import annotations
 
@@ -60,10 +62,12 @@ def skipped_row(item, kind: str, why: str) -> dict:
     return {"overrides": item.overrides(), "candidate": item, "fits": False, "skipped": kind, "why": why}
 
 
-def bound_row(item, bound_s: float, best_s: float) -> dict:
-    row = skipped_row(item, "bound", f"not planned: its step takes at least {bound_s:.3g} s (its model's own work, or its "
-                                     f"compute as planned on a candidate of the same math), more than a fitting candidate's "
-                                     f"whole step ({best_s:.3g} s)")
+BOUNDS = "its model's own work, or its compute as planned on a candidate of the same math"
+
+
+def bound_row(item, bound_s: float, best_s: float, what: str = BOUNDS) -> dict:
+    row = skipped_row(item, "bound", f"not planned: its step takes at least {bound_s:.3g} s ({what}), more than a "
+                                     f"fitting candidate's whole step ({best_s:.3g} s)")
     return {**row, "bound_s": bound_s}
 
 
@@ -84,12 +88,21 @@ def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bo
 
 def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
     """``plan(item, *args)`` for each candidate of ``chain`` in order until one fits; the rest get a row saying
-    why they were skipped (``fits`` False, ``skipped`` True, their ``candidate`` and ``overrides``). Module
-    level, picklable data in and out: a worker process plans a whole chain."""
+    why they were skipped (``fits`` False, ``skipped`` True, their ``candidate`` and ``overrides``). Or until one
+    goes over while its engine is built (``at_build``: its model states, before any micro-batch): the rest go over
+    there too, and say so (``fits`` False). The build reads no micro-batch size; where the accumulation adds
+    states (DeepSpeed's stage 2 keeps a gradient partition between micro-batches) a smaller micro-batch holds
+    more, never fewer. Module level, picklable data in and out: a worker process plans a whole chain."""
     rows: list[dict] = []
     for item in chain:
         if any(r["fits"] for r in rows):
             rows.append(skipped_row(item, "micro-batch", SKIPPED))
+        elif rows and rows[-1].get("skipped") == "bound":  # a smaller micro-batch is never faster
+            rows.append({**skipped_row(item, "bound", rows[-1]["why"]), "bound_s": rows[-1]["bound_s"]})
+        elif rows and rows[-1].get("at_build"):
+            first = next((o for o in rows[0]["overrides"] if o.startswith("trainer.micro_batch_size=")), "a larger micro-batch")
+            rows.append({"overrides": item.overrides(), "candidate": item, "fits": False, "at_build": True,
+                         "why": f"{rows[0]['why']} (as at {first}: its states, built before any micro-batch)"})
         else:
             rows.append(plan(item, *args))
     return rows

@@ -31,7 +31,7 @@ import warnings
 
 from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.memory.hardware import peak_tflops_for
-from memopt.planner.plan import fit_bytes, fit_peaks, fmt, limits_of, step_time
+from memopt.planner.plan import SlowerThan, fit_bytes, fit_peaks, fmt, limits_of, step_time
 from memopt.planner.placement import plan_placed
 from memopt.planner.model_work import lower_bound_s, model_work, step_of, work_key
 from memopt.planner.prune import MARGIN, bound_row, bounded, chains, plan_chain, work_class
@@ -192,15 +192,19 @@ def _engine_supports(name: str) -> set[str] | None:
     return None if supports is None else set(supports)
 
 
-def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
+def plan_row(cand: Candidate, base, hw, limits: dict, slower_than: float | None = None) -> dict:
     """One candidate planned on ``base``, as its row of the ranked table (module level, picklable data in and
     out, so a worker process can plan it). A chunk candidate the engine refuses at a moment it names fixes for
     (warm-up budget) is planned again with them (the preflight's suggestion does the same): the row then
-    carries them. ``candidate``: the typed candidate (with its fixes), ``overrides``: it printed."""
+    carries them. ``candidate``: the typed candidate (with its fixes), ``overrides``: it printed.
+    ``slower_than``: the step to beat; a candidate whose first simulated rank is slower is not planned further
+    (a bound row)."""
     from memopt.planner.preflight import plan_with_fixes
 
-    plan, fixes, err = plan_with_fixes(cand, base, hw, limits)
+    plan, fixes, err = plan_with_fixes(cand, base, hw, limits, slower_than=slower_than)
     cand = cand.with_options(*fixes)
+    if isinstance(err, SlowerThan):  # the plan's step is its slowest rank's
+        return bound_row(cand, err.step_s, slower_than, f"rank {err.rank}'s own step, as planned")
     row = {"overrides": cand.overrides(), "candidate": cand, "fits": False}
     if plan is not None:
         fits = fit_bytes(plan)
@@ -212,6 +216,7 @@ def plan_row(cand: Candidate, base, hw, limits: dict) -> dict:
                    work=(plan["flops_per_step"], plan["traffic"].get("attention_flops", 0), plan["ranks_per_node"]))
     elif isinstance(err, PlanOverflow):
         row["why"] = err.reason or f"{err.device} over at {err.category}"
+        row["at_build"] = err.at_build
     elif err is not None:
         row["why"] = f"refused: {str(err)[:80]}"
     return row
@@ -314,9 +319,9 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     pool, running, passes, waiting = None, {}, {}, {}  # in worker processes: plans and model passes in flight,
     # and the chains waiting for a pass
 
-    def next_chain() -> list[int] | None:
-        """The next chain to plan, its bounded tail given its rows first (None: no chain left). A chain whose bound
-        needs a model pass not made yet waits for it; the pass is sent to a worker."""
+    def next_chain() -> tuple[list[int], float | None] | None:
+        """The next chain to plan and the step it must beat, its bounded tail given its rows first (None: no chain
+        left). A chain whose bound needs a model pass not made yet waits for it; the pass is sent to a worker."""
         while links:
             chain = links.pop(0)
             # a candidate slower than the ranked-th fastest fitting step so far is none of the fastest ranked
@@ -334,7 +339,7 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
             for i in chain[k:]:
                 add(bound_row(todo[i], bound(chain[k], over), over), i)
             if k:
-                return chain[:k]
+                return chain[:k], over
         return None
 
     if workers > 1 and len(todo) >= PARALLEL_FROM:
@@ -346,8 +351,9 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                  initargs=(runtime_bytes(),)) as pool:
             while True:  # as many chains and passes as workers: each bound is read when its chain is sent
-                while len(running) + len(passes) < workers and (chain := next_chain()) is not None:
-                    running[pool.submit(plan_chain, [todo[i] for i in chain], plan_row, base, hw, limits)] = chain
+                while len(running) + len(passes) < workers and (got := next_chain()) is not None:
+                    chain, over = got
+                    running[pool.submit(plan_chain, [todo[i] for i in chain], plan_row, base, hw, limits, over)] = chain
                 if not running and not passes:
                     break
                 done, _ = wait([*running, *passes], return_when=FIRST_COMPLETED)
@@ -362,8 +368,9 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
                     else:
                         take(running.pop(fut), fut.result())
     else:
-        while (chain := next_chain()) is not None:
-            take(chain, plan_chain([todo[i] for i in chain], plan_row, base, hw, limits))
+        while (got := next_chain()) is not None:
+            chain, over = got
+            take(chain, plan_chain([todo[i] for i in chain], plan_row, base, hw, limits, over))
     rows.sort(key=lambda r: r.pop("_order"))
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"] is None, r["step_s"] or 0))
     return fit + [r for r in rows if not r["fits"]]

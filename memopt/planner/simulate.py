@@ -121,6 +121,7 @@ class PlanOverflow(RuntimeError):
         self.total = sum(live.values())
         self.category = max(self.live, key=self.live.get) if self.live else "other"
         self.reason = reason  # the engine's own out-of-memory message (the chunk engine checks its budgets at build)
+        self.at_build = False  # raised while the engine was built: by its states, before any micro-batch
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 
@@ -476,7 +477,11 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
             with FakeTensorMode(allow_non_fake_inputs=True), planned_routing(), \
                     (gloo_scratch() if backend == "gloo" else contextlib.nullcontext()), \
                     (patch(tracker) if patch else contextlib.nullcontext()), host_adam_updates(tracker):
-                engine = engines.build_engine(cfg, device, dims, tracker)
+                try:
+                    engine = engines.build_engine(cfg, device, dims, tracker)
+                except PlanOverflow as e:
+                    e.at_build = True  # its states alone, before any micro-batch (``prune.plan_chain``)
+                    raise
                 engine.model.train()
                 data_bytes = 0
                 micros, stands_for = sampled_micro_batches(t.grad_accum, w.micro_batches_repeat and not t.plan_exact)

@@ -340,6 +340,69 @@ def test_pruned_search_keeps_the_exhaustive_searchs_winner(dtypes):
         assert len(larger) == 1 and full[r["label"]]["step_s"] > larger[0]["step_s"], r["label"]
 
 
+def two_rank_space(device_mib: float, stages: str = "[ddp,zero2,zero3]"):
+    """gpt_tiny on 2 ranks over a few compositions and micro-batches, and a device of ``device_mib`` MiB."""
+    from dataclasses import replace
+
+    cfg = typed(["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "trainer.micro_batch_size=4", "logger=none",
+                 "data=synthetic", "trainer.save_checkpoint=false", "trainer.eval_every=0", "trainer.nproc_per_node=2",
+                 "+strategy=auto", "strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[4,2]",
+                 f"strategy.auto.stage={stages}", "strategy.auto.offload=[false]", "strategy.auto.chunk_budget_gb=[]",
+                 "strategy.auto.precision=[fp32]",
+                 "strategy.auto.tp=false", "strategy.auto.pp=false"])
+    hw = replace(small_hw(2048), memory_gbps=10.0, op_overhead_us=10.0, collective_latency_us=100.0, host_adam_gparams_s=0.5,
+                 peak_tflops={"fp32": 0.002}, device_is_host=False, device_memory_gb=device_mib / 1024)
+    return cfg, hw
+
+
+def test_a_candidate_whose_first_rank_is_slower_than_a_fitting_step_is_not_planned_further(monkeypatch):
+    """A plan's step is its slowest rank's, so a candidate whose rank 0 alone steps slower than a fitting candidate's
+    whole step cannot win: its other ranks are not simulated. Against the exhaustive search: the same winner, every
+    such row's bound at most its whole plan's step and over the winner's, and only rank 0 simulated for it (every
+    fitting one: both ranks)."""
+    from memopt.planner import extrapolate
+    from memopt.planner.search import base_of, search
+
+    cfg, hw = two_rank_space(12)
+    key = lambda c: (repr(c.strategy), c.trainer.micro_batch_size)  # noqa: E731 - a typed config's composition
+    full = {r["label"]: r for r in search(cfg, hw, workers=1, prune=False)}
+    simulated, real = {}, extrapolate.simulate
+
+    def counted(c, rank, *a, **k):
+        simulated.setdefault(key(c), []).append(rank)
+        return real(c, rank, *a, **k)
+
+    monkeypatch.setattr(extrapolate, "simulate", counted)
+    pruned = search(cfg, hw, workers=1)
+    winner = min((r for r in full.values() if r["fits"]), key=lambda r: r["step_s"])
+    assert pruned[0]["label"] == winner["label"] and pruned[0]["step_s"] == winner["step_s"]
+    first = [r for r in pruned if "rank 0's own step" in r.get("why", "")]
+    assert first, "the space has a fitting candidate planned after a faster one"
+    for r in first:
+        f = full[r["label"]]
+        assert winner["step_s"] < r["bound_s"] <= f["step_s"], r["label"]
+        # rank 0 alone; a smaller micro-batch of its composition after it is not planned at all (never faster)
+        assert simulated.get(key(r["candidate"].config(base_of(cfg)))) in ([0], None), r["label"]
+    assert any(simulated.get(key(r["candidate"].config(base_of(cfg)))) == [0] for r in first)
+    assert all(simulated[key(r["candidate"].config(base_of(cfg)))] == [0, 1] for r in pruned if r["fits"])
+
+
+def test_a_composition_over_while_built_is_over_at_its_smaller_micro_batches():
+    """A composition whose largest micro-batch goes over while its engine is built (its states, before any
+    micro-batch) is not planned at its smaller ones: each says so, and the exhaustive search, which plans each,
+    finds each over too, at the same memory and category."""
+    from memopt.planner.search import search
+
+    cfg, hw = two_rank_space(3)
+    full = {r["label"]: r for r in search(cfg, hw, workers=1, prune=False)}
+    pruned = search(cfg, hw, workers=1)
+    inferred = [r for r in pruned if "built before any micro-batch" in r.get("why", "")]
+    assert len(inferred) >= 3 and all("trainer.micro_batch_size=2" in r["label"] for r in inferred)
+    for r in inferred:
+        f = full[r["label"]]
+        assert not f["fits"] and f["at_build"] and r["why"].startswith(f["why"]), (r["why"], f["why"])
+
+
 def test_model_passes_in_worker_processes_bound_as_in_one_process():
     """With worker processes the model passes are made by the workers, the chains that need one waiting for it: the
     one-process search's winner, in a space where the bound decides, and each bound no more than the step the
