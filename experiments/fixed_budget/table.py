@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -68,6 +69,13 @@ def choice(base: list[str], engine: str, run_dir: str) -> tuple[list[str] | None
     return [f"engine={engine}", *rows[0]["overrides"]], rows[0]
 
 
+def budget_gb(frac: float, peak: int) -> float:
+    """``frac`` of ``peak`` bytes in GiB, rounded up to the 6 decimals the command passes: at 100% plain DDP's own
+    peak is within its budget (rounded down, the budget was a few hundred bytes under the peak DDP is planned at to
+    the byte, and memopt's search found its DDP over: 2026-11-28, README)."""
+    return math.ceil(frac * peak / 2**30 * 1e6) / 1e6
+
+
 def ddp_peak(model: str, tmp: str, extra: list[str]) -> int:
     from memopt.api import run_jobs_on_ranks
 
@@ -82,7 +90,7 @@ def measured(args, tmp: str) -> None:
         print(f"\n## {model}: plain fp32 DDP peaks at {mib(peak)} MiB per rank\n", flush=True)
         rows, jobs, keys = {}, [], []
         for frac in [float(b) for b in args.budgets.split(",")]:
-            budget = frac * peak / 2**30
+            budget = budget_gb(frac, peak)
             base = [f"model={model}", *COMMON, *args.extra.split(), "trainer.nproc_per_node=2", f"hardware.device_memory_gb={budget:.6f}",
                     f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}",
                     *([f"strategy.auto.trials={args.trials}"] if args.trials else [])]  # each engine's search alike
@@ -104,7 +112,7 @@ def measured(args, tmp: str) -> None:
             best.setdefault(key, []).append(cli(ov, run_dir) or {"status": "no summary"})
         out, order = [], {}
         for (frac, name), (ov, row) in rows.items():
-            budget = frac * peak
+            budget = budget_gb(frac, peak) * 2**30
             runs = best.get((frac, name), [])
             if ov is None:
                 out.append([f"{frac:.3g} ({mib(budget)})", name, f"none fits: {row.get('why', '')[:80]}", "-", "-", "-", "-", "-"])

@@ -89,7 +89,8 @@ def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bo
 def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
     """``plan(item, *args)`` for each candidate of ``chain`` in order until one fits; the rest get a row saying
     why they were skipped (``fits`` False, ``skipped`` True, their ``candidate`` and ``overrides``). Or until one
-    goes over while its engine is built (``at_build``: its model states, before any micro-batch): the rest go over
+    is bounded (its first rank slower than the step to beat: the smaller micro-batches take its bound), or goes
+    over while its engine is built (``at_build``: its model states, before any micro-batch): the rest go over
     there too, and say so (``fits`` False). The build reads no micro-batch size; where the accumulation adds
     states (DeepSpeed's stage 2 keeps a gradient partition between micro-batches) a smaller micro-batch holds
     more, never fewer. Module level, picklable data in and out: a worker process plans a whole chain."""
