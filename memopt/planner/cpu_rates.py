@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import statistics
+import sys
 import threading
 import time
 
@@ -261,8 +262,12 @@ def settled_best(fns, least: int = 3, most: int = 6, within: float = 0.05) -> li
 
 
 def _cached(key: tuple, fn):
-    """``fn()``, once per process for ``key`` (the probe's name and every argument it depends on)."""
+    """``fn()``, once per process for ``key`` (the probe's name and every argument it depends on). The first probe
+    of a process says so first: the probes take 15-30 s, in which a plan or a search printed nothing."""
     if key not in _CACHE:
+        if not _CACHE:
+            print("memopt planner: measuring this CPU's step-time rates (products, memory-bound ops, the cost of an "
+                  "op, gloo's collectives: 15-30 s, once a process)", file=sys.stderr, flush=True)
         _CACHE[key] = fn()
     return _CACHE[key]
 

@@ -346,3 +346,14 @@ def test_memory_rate_is_the_block_less_products_at_their_unclamped_rate(monkeypa
     assert rest > 0.05 * times[2]
     # 5%: the probe counts the first call, whose parameters' gradients are created, not accumulated into
     assert gbps == pytest.approx(block.moved / rest / 1e9 * torch.get_num_threads(), rel=0.05)
+
+
+def test_the_first_probe_of_a_process_says_so_and_each_probe_runs_once(monkeypatch, capsys):
+    """The probes take 15-30 s before a plan or a search prints anything: the first one says so (once a process),
+    and a probe asked again with the same arguments is not run again."""
+    from memopt.planner import cpu_rates
+
+    monkeypatch.setattr(cpu_rates, "_CACHE", {})
+    assert [cpu_rates._cached(("a",), lambda: 1), cpu_rates._cached(("b",), lambda: 2),
+            cpu_rates._cached(("a",), lambda: 3)] == [1, 2, 1]
+    assert capsys.readouterr().err.count("measuring this CPU's step-time rates") == 1
