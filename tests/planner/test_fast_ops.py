@@ -26,6 +26,9 @@ CASES = {  # op -> (make the output from base tensors a, b of the same mode)
     "mul_": lambda a, b: b.mul_(b),
     "div_": lambda a, b: b.div_(b),
     "empty": lambda a, b: torch.empty((3, 5), dtype=torch.float16),
+    "randn": lambda a, b: torch.randn((3, 5)),
+    "randn_generator": lambda a, b: torch.randn((7, 2), generator=torch.Generator().manual_seed(1)) * 0.02,
+    "randn_bf16": lambda a, b: torch.randn(4, dtype=torch.bfloat16),
 }
 
 
