@@ -93,8 +93,11 @@ class SlowerThan(Exception):
     too, so its other ranks are not simulated (the search cannot choose it)."""
 
     def __init__(self, step_s: float, rank: int):
-        super().__init__(f"rank {rank}'s step takes {step_s:.3g} s")
+        super().__init__(step_s, rank)  # its args, so that it pickles (a worker's answer)
         self.step_s, self.rank = step_s, rank
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}'s step takes {self.step_s:.3g} s"
 
 
 def make_plan(cfg, hw, limits: dict | None = None, slower_than: float | None = None) -> dict:

@@ -86,6 +86,10 @@ def chains(keys: Sequence, micro_batches: Sequence[int], every_size: Sequence[bo
     return sorted(out, key=lambda c: min(c))
 
 
+def _micro_batch(row: dict) -> str:
+    return next((o for o in row["overrides"] if o.startswith("trainer.micro_batch_size=")), "a larger micro-batch")
+
+
 def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
     """``plan(item, *args)`` for each candidate of ``chain`` in order until one fits; the rest get a row saying
     why they were skipped (``fits`` False, ``skipped`` True, their ``candidate`` and ``overrides``). Or until one
@@ -93,17 +97,20 @@ def plan_chain(chain: Sequence, plan: Callable[..., dict], *args) -> list[dict]:
     over while its engine is built (``at_build``: its model states, before any micro-batch): the rest go over
     there too, and say so (``fits`` False). The build reads no micro-batch size; where the accumulation adds
     states (DeepSpeed's stage 2 keeps a gradient partition between micro-batches) a smaller micro-batch holds
-    more, never fewer. Module level, picklable data in and out: a worker process plans a whole chain."""
+    more, never fewer. (An overflow found on a deep model's extrapolated samples is not marked so: those are planned
+    whole.) Module level, picklable data in and out: a worker process plans a whole chain."""
     rows: list[dict] = []
     for item in chain:
         if any(r["fits"] for r in rows):
             rows.append(skipped_row(item, "micro-batch", SKIPPED))
         elif rows and rows[-1].get("skipped") == "bound":  # a smaller micro-batch is never faster
-            rows.append({**skipped_row(item, "bound", rows[-1]["why"]), "bound_s": rows[-1]["bound_s"]})
+            src = next(r for r in rows if r.get("skipped") == "bound")
+            rows.append({**skipped_row(item, "bound", f"{src['why']} (at {_micro_batch(src)} of its composition: a "
+                                                      "smaller one is never faster)"), "bound_s": src["bound_s"]})
         elif rows and rows[-1].get("at_build"):
-            first = next((o for o in rows[0]["overrides"] if o.startswith("trainer.micro_batch_size=")), "a larger micro-batch")
+            src = next(r for r in rows if r.get("at_build"))  # the one planned
             rows.append({"overrides": item.overrides(), "candidate": item, "fits": False, "at_build": True,
-                         "why": f"{rows[0]['why']} (as at {first}: its states, built before any micro-batch)"})
+                         "why": f"{src['why']} (as at {_micro_batch(src)}: its states, built before any micro-batch)"})
         else:
             rows.append(plan(item, *args))
     return rows

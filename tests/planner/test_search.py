@@ -401,6 +401,12 @@ def test_a_composition_over_while_built_is_over_at_its_smaller_micro_batches():
     for r in inferred:
         f = full[r["label"]]
         assert not f["fits"] and f["at_build"] and r["why"].startswith(f["why"]), (r["why"], f["why"])
+    # the control: over in its step (DDP's optimizer states, made at the first step), a larger micro-batch says
+    # nothing of a smaller one, which is planned, and fits
+    cfg, hw = two_rank_space(10)
+    ddp = {r["candidate"].value("trainer.micro_batch_size"): r for r in search(cfg, hw, workers=1)
+           if r["candidate"].strategies == ("ddp",)}
+    assert (ddp[4]["fits"], ddp[4]["at_build"], ddp[2]["fits"]) == (False, False, True), ddp
 
 
 def test_model_passes_in_worker_processes_bound_as_in_one_process():
