@@ -116,14 +116,14 @@ def make_plan(cfg, hw, limits: dict | None = None, slower_than: float | None = N
     try:
         backend = "gloo" if hw.device_is_host else "nccl"
         rules = wing(cfg).rules  # an engine that does not run on fake tensors (DeepSpeed): its own rules
-        sims = []
-        for r in simulated_ranks(world, cfg):
+        sims, order = [], simulated_ranks(world, cfg)
+        for r in order:
             # the depths the first rank checked serve the others (the blocks are the same on every rank)
             hint = {"windows": [sims[0]["window"]], "verify": False} if sims and sims[0].get("window") else \
                 {"replay": sims[0]["replay"], "verify": False} if sims and sims[0].get("replay") else {}
             sims.append(rules(cfg, r, world, limits, backend, local, **hint) if rules
                         else simulate(cfg, r, world, limits, backend=backend, **hint))
-            if slower_than is not None and len(sims) < len(simulated_ranks(world, cfg)):
+            if slower_than is not None and r != order[-1]:
                 own = step_time(cfg, hw, sims[-1], local)["total_s"]
                 if own is not None and own > slower_than:
                     raise SlowerThan(own, r)

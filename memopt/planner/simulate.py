@@ -115,13 +115,14 @@ class PlanUnsupported(ConfigError):
 class PlanOverflow(RuntimeError):
     """The simulated rank went over a limit (preflight stops at the first op that does)."""
 
-    def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None, fixes=()):
+    def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None, fixes=(),
+                 at_build: bool = False):
         self.device, self.live, self.limit = device, {c: b for c, b in live.items() if c[0] != "_"}, limit
         self.fixes = list(fixes)  # the engine's own ways out (ChunkOutOfMemoryError.fixes), as (field, value) pairs
         self.total = sum(live.values())
         self.category = max(self.live, key=self.live.get) if self.live else "other"
         self.reason = reason  # the engine's own out-of-memory message (the chunk engine checks its budgets at build)
-        self.at_build = False  # raised while the engine was built: by its states, before any micro-batch
+        self.at_build = at_build  # raised while the engine was built: by its states, before any micro-batch
         super().__init__(reason or f"{device} over {limit} bytes ({self.category} largest)")
 
 

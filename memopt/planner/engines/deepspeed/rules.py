@@ -347,9 +347,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
     where, cap = ("device", limits["device"]) if (limits or {}).get("device") is not None else ("all", (limits or {}).get("all"))
     held = states["device_total"] if stage < 3 else 0
     if cap is not None and held > cap:  # the states alone, before any micro-batch (``prune.plan_chain``)
-        e = PlanOverflow(where, {"model states": held}, cap)
-        e.at_build = True
-        raise e
+        raise PlanOverflow(where, {"model states": held}, cap, at_build=True)
     stop = cap is not None and not (stage == 3 and getattr(cfg.strategy, "ckpt", None) is not None)
     try:
         with moe, zero3_linear(cfg):  # stage 3: DeepSpeed's own linear (linear.py)
