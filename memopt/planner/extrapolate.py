@@ -94,12 +94,12 @@ def lerp(a: float, b: float, n1: int, n2: int, n: int) -> float:
     return a + (b - a) * (n - n1) / (n2 - n1)
 
 
-def _nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
+def lerp_nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     out = {}
     for k in [*a, *(k for k in b if k not in a)]:  # the simulation's order (device before host)
         x, y = a.get(k, 0), b.get(k, 0)
         if isinstance(x, dict) or isinstance(y, dict):
-            out[k] = _nested(x or {}, y or {}, n1, n2, n)
+            out[k] = lerp_nested(x or {}, y or {}, n1, n2, n)
         else:
             out[k] = max(0, round(lerp(x, y, n1, n2, n)))
     return out
@@ -113,7 +113,7 @@ def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     both depths have, the last ones first) are extrapolated; those of the root group after them are
     left out, as is a list whose length does not grow by whole blocks (the rules then take the step's
     compute peak instead)."""
-    out = {k: _nested(a.get(k) or {}, b.get(k) or {}, n1, n2, n) for k in ("backward_nonmodel", "backward_with_grads")}
+    out = {k: lerp_nested(a.get(k) or {}, b.get(k) or {}, n1, n2, n) for k in ("backward_nonmodel", "backward_with_grads")}
     out["data"] = max(0, round(lerp(a.get("data", 0), b.get("data", 0), n1, n2, n)))
     for key in ("grad_ready_nonmodel", "recompute_nonmodel"):
         x, y = a.get(key) or [], b.get(key) or []
@@ -178,10 +178,10 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
             if why is not None:
                 continue
         sa, sb = sims[b], sims[c]
-        peaks = _nested(sa["peaks"], sb["peaks"], b, c, n)
-        out = {"rank": rank, "peaks": peaks, "traffic": _nested(sa["traffic"], sb["traffic"], b, c, n),
+        peaks = lerp_nested(sa["peaks"], sb["peaks"], b, c, n)
+        out = {"rank": rank, "peaks": peaks, "traffic": lerp_nested(sa["traffic"], sb["traffic"], b, c, n),
                "flops": round(lerp(sa["flops"], sb["flops"], b, c, n)),
-               "comm_per_step": _nested(sa.get("comm_per_step") or {}, sb.get("comm_per_step") or {}, b, c, n),
+               "comm_per_step": lerp_nested(sa.get("comm_per_step") or {}, sb.get("comm_per_step") or {}, b, c, n),
                "seconds": sum(x["seconds"] for x in sims.values()),
                "engine_metrics": {}, "window": (a, b, c),
                "method": f"extrapolated from n_layer={b},{c}" + (f" (checked at {a})" if verify else ""),

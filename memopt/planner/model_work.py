@@ -18,10 +18,12 @@ copy and the sends are extra), so their mean is at least that work over pp, and 
 rank's (``plan.make_plan``), at least the mean of the stages' (the step time is linear in the counts, the bubble
 the same for every stage): the bound there is the model's work over pp.
 
-One micro-batch on one rank, no optimizer step: about a twelfth of a two-rank plan, shared by every candidate
-of the same model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Not for a
-deep model planned from shallow samples (``extrapolate.sample_depths``): a pass at its full depth would cost
-about what its plan does; its compute bound alone stays. Where an
+One micro-batch on one rank, no optimizer step, and not at the model's depth: every block (every period of
+blocks: checkpoint segments, MoE layers, pipeline stages, ``extrapolate.period``) adds the same counts, so the pass
+runs two shallow depths and draws their line to the model's (``pass_depths``; the counts at full depth, exactly:
+tests/planner/test_model_work.py). A pass of gpt_small's tensor-parallel model cost 1.0-2.0 s at its 12 blocks,
+0.5-0.8 s at 1 and 2; a deep model's (gpt_10b's 50 blocks) is no dearer. Shared by every candidate of the same
+model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Where an
 engine's plan runs the model through layer code of its own (DeepSpeed's ZeRO-3 linear, DeepSpeed-MoE: its wing's
 ``model_code``), the pass runs inside that code too; an engine whose wing does not say the model bounds it (the
 parameter server) is not bounded. Tested against whole plans of every engine and class
@@ -49,9 +51,34 @@ def work_key(cfg) -> tuple:
             p.param_dtype, p.compute_dtype, cfg.trainer.micro_batch_size, (code(cfg) or (None,))[0] if code else None)
 
 
+def pass_depths(cfg) -> tuple[int, int] | None:
+    """The two depths whose passes draw the model's line (``model_work``): a whole ``extrapolate.period`` plus the
+    model's depth's remainder of it (the last checkpoint segment, MoE layer or stage as at full depth; a segment of k
+    needs k blocks) and one period deeper; None where those cost about the full depth, or ``trainer.plan_exact=true``."""
+    from memopt.planner.extrapolate import period
+
+    if getattr(cfg.trainer, "plan_exact", False):
+        return None
+    n, p = cfg.model.n_layer, period(cfg)
+    first = p + n % p
+    return (first, first + p) if 2 * first + p < n else None
+
+
 def model_work(cfg) -> dict:
     """{"flops", "traffic", "comm_per_step"} of one micro-batch's forward and backward of ``cfg``'s composed model
-    on rank 0 (a fake world of the run's size), counted as ``simulate_rank`` counts a step."""
+    on rank 0 (a fake world of the run's size), counted as ``simulate_rank`` counts a step: at two shallow depths,
+    drawn to the model's (``pass_depths``), or at its own."""
+    from memopt.planner.extrapolate import at_depth, lerp_nested
+
+    depths = pass_depths(cfg)
+    if depths is None:
+        return _pass(cfg)
+    a, b = depths
+    return lerp_nested(_pass(at_depth(cfg, a)), _pass(at_depth(cfg, b)), a, b, cfg.model.n_layer)
+
+
+def _pass(cfg) -> dict:
+    """``model_work`` at ``cfg``'s own depth."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memopt.compose import materialize_params, model_on_meta

@@ -385,14 +385,11 @@ class _Pending(Exception):
 
 
 def _model_bounded(cfg) -> bool:
-    """The candidate's model alone bounds its step (``model_work.py``): its engine's wing says so, and its plan runs
-    the model at full depth (a deep model's plan runs shallow ones, ``extrapolate.sample_depths``: a pass at full
-    depth would cost about what the plan does)."""
+    """The candidate's model alone bounds its step (``model_work.py``): its engine's wing says so."""
     from memopt.planner.engines import wing
-    from memopt.planner.extrapolate import sample_depths
 
     w = wing(cfg)
-    return w.model_bound is not None and bool(w.model_bound(cfg)) and not sample_depths(cfg)
+    return w.model_bound is not None and bool(w.model_bound(cfg))
 
 
 def _every_size(c: Candidate) -> bool:

@@ -131,3 +131,23 @@ def test_deepspeeds_own_layers_run_in_the_pass():
     assert work_key(zero2) != work_key(zero3)
     a, b = model_work(zero2), model_work(zero3)
     assert a["flops"] == b["flops"] and a["traffic"]["ops"] != b["traffic"]["ops"]
+
+
+DRAWN = [["model.n_layer=9", "+strategy=[ckpt,zero3]", "strategy.ckpt.policy=every_k", "strategy.ckpt.k=2"],
+         ["model.n_layer=8", "+strategy=[tp]", "parallel.tp=2", "strategy.tp.sequence_parallel=true",
+          "strategy.tp.loss_parallel=true"],
+         ["model.n_layer=8", "+strategy=[pipeline]", "parallel.pp=2"], ["model.n_layer=8", "engine=deepspeed", "+strategy=[bf16,zero3]"],
+         ["model=moe_tiny", "model.n_layer=10", "+strategy=[moe,zero2]", "parallel.ep=2"]]
+
+
+@pytest.mark.parametrize("overrides", DRAWN, ids=[" ".join(o) for o in DRAWN])
+def test_the_pass_drawn_from_two_shallow_depths_counts_what_the_full_depth_does(overrides):
+    """Every block (every period: checkpoint segments of k, MoE layers, pipeline stages) adds the same counts, so two
+    shallow passes drawn to the model's depth give the full-depth pass's counts exactly: FLOPs, every traffic count,
+    every collective kind's calls and bytes."""
+    from memopt.planner.model_work import _pass, model_work, pass_depths
+
+    cfg = typed([*COMMON, *overrides])
+    depths = pass_depths(cfg)
+    assert depths is not None and depths[1] < cfg.model.n_layer, depths  # drawn, not run at full depth
+    assert model_work(cfg) == _pass(cfg)
