@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from memopt.memory.hardware import device_runtime_bytes, tensor_budget_bytes
@@ -92,17 +93,18 @@ class SlowerThan(Exception):
     """A rank's own step is slower than ``make_plan``'s ``slower_than``: the plan's step (its slowest rank's) is
     too, so its other ranks are not simulated (the search cannot choose it)."""
 
-    def __init__(self, step_s: float, rank: int):
-        super().__init__(step_s, rank)  # its args, so that it pickles (a worker's answer)
-        self.step_s, self.rank = step_s, rank
+    def __init__(self, step_s: float, rank: int, than: float):
+        super().__init__(step_s, rank, than)  # its args, so that it pickles (a worker's answer)
+        self.step_s, self.rank, self.than = step_s, rank, than
 
     def __str__(self) -> str:
         return f"rank {self.rank}'s step takes {self.step_s:.3g} s"
 
 
-def make_plan(cfg, hw, limits: dict | None = None, slower_than: float | None = None) -> dict:
+def make_plan(cfg, hw, limits: dict | None = None, slower_than: float | Callable[[], float | None] | None = None) -> dict:
     """Simulate the ranks that bound the world and judge the fit on ``hw`` (a resolved profile).
-    ``slower_than`` (seconds): raise ``SlowerThan`` once a simulated rank's step is slower, before the next."""
+    ``slower_than`` (seconds, or a function read after each rank: the search's step to beat, which another process
+    may lower meanwhile): raise ``SlowerThan`` once a simulated rank's step is slower, before the next."""
     from memopt import compose
     from memopt.parallel.dims import expected_world
     from memopt.planner.engines import wing
@@ -123,10 +125,11 @@ def make_plan(cfg, hw, limits: dict | None = None, slower_than: float | None = N
                 {"replay": sims[0]["replay"], "verify": False} if sims and sims[0].get("replay") else {}
             sims.append(rules(cfg, r, world, limits, backend, local, **hint) if rules
                         else simulate(cfg, r, world, limits, backend=backend, **hint))
-            if slower_than is not None and r != order[-1]:
+            than = slower_than() if callable(slower_than) else slower_than
+            if than is not None and r != order[-1]:
                 own = step_time(cfg, hw, sims[-1], local)["total_s"]
-                if own is not None and own > slower_than:
-                    raise SlowerThan(own, r)
+                if own is not None and own > than:
+                    raise SlowerThan(own, r, than)
     except PlanOverflow as e:
         if limits is not None or e.reason is None:
             raise

@@ -166,7 +166,7 @@ MAX_FIXES = 4
 
 
 def plan_with_fixes(cand: Candidate, base, hw, limits, fixes: tuple = (),
-                    slower_than: float | None = None) -> tuple[dict | None, tuple, Exception | None]:
+                    slower_than=None) -> tuple[dict | None, tuple, Exception | None]:
     """(plan, the fixes applied, the last error): ``cand`` plus ``fixes`` ((field, value) pairs) planned on
     ``base``; when the engine refuses a moment and names fixes (the chunk engine's warm-up budget:
     ``ChunkOutOfMemoryError.fixes``), the first one not applied yet is added (replacing an earlier value of

@@ -26,6 +26,7 @@ holds its stages' peaks and its schedule's bubble, so it competes on the same fi
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 
@@ -197,14 +198,16 @@ def plan_row(cand: Candidate, base, hw, limits: dict, slower_than: float | None 
     out, so a worker process can plan it). A chunk candidate the engine refuses at a moment it names fixes for
     (warm-up budget) is planned again with them (the preflight's suggestion does the same): the row then
     carries them. ``candidate``: the typed candidate (with its fixes), ``overrides``: it printed.
-    ``slower_than``: the step to beat; a candidate whose first simulated rank is slower is not planned further
-    (a bound row)."""
+    ``slower_than``: the step to beat when its chain was sent (in a worker, lowered by a fit found since: ``_LIVE``);
+    a candidate whose first simulated rank is slower is not planned further (a bound row)."""
     from memopt.planner.preflight import plan_with_fixes
 
-    plan, fixes, err = plan_with_fixes(cand, base, hw, limits, slower_than=slower_than)
+    live = _LIVE[0]  # in a worker: a fit another worker found meanwhile lowers the step to beat
+    than = slower_than if live is None else (lambda: _lower(slower_than, live.value))
+    plan, fixes, err = plan_with_fixes(cand, base, hw, limits, slower_than=than)
     cand = cand.with_options(*fixes)
     if isinstance(err, SlowerThan):  # the plan's step is its slowest rank's
-        return bound_row(cand, err.step_s, slower_than, f"rank {err.rank}'s own step, as planned")
+        return bound_row(cand, err.step_s, err.than, f"rank {err.rank}'s own step, as planned")
     row = {"overrides": cand.overrides(), "candidate": cand, "fits": False}
     if plan is not None:
         fits = fit_bytes(plan)
@@ -222,11 +225,22 @@ def plan_row(cand: Candidate, base, hw, limits: dict, slower_than: float | None 
     return row
 
 
-def _worker_init(runtime: int) -> None:
-    """A planning worker counts the runtime this process measured (its own resident set is not a rank's)."""
+def _lower(sent: float | None, live: float) -> float | None:
+    """The step to beat: the lower of the one the chain was sent with and the search's live one (None: neither)."""
+    got = min(math.inf if sent is None else sent, live)
+    return None if got == math.inf else got
+
+
+_LIVE: list = [None]  # in a planning worker: the search's step to beat, shared (``search``), else None
+
+
+def _worker_init(runtime: int, live) -> None:
+    """A planning worker counts the runtime this process measured (its own resident set is not a rank's), and reads
+    the step to beat as the search lowers it (``live``: a shared double, infinite until a candidate fits)."""
     from memopt.planner import plan
 
     plan._RUNTIME[:] = [runtime]
+    _LIVE[0] = live
 
 
 PARALLEL_FROM = 16  # candidates from which the search plans in worker processes (each starts in a few seconds)
@@ -243,7 +257,8 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     process's CPU time), used from ``PARALLEL_FROM`` candidates on; unpruned, the rows are the same in any order.
     ``prune``: a composition's smaller micro-batches are not planned once a larger one fits, nor a candidate whose
     step's lower bound is slower than the best fitting step so far (``prune.py``: they cannot win; their rows say so;
-    which ones a bound skips can depend on the order worker plans finish in, the winner cannot); with
+    which ones a bound skips can depend on the order worker plans finish in, the winner cannot; the workers read
+    the step to beat as it falls, so a plan sent before the first fit stops at a rank slower than it); with
     ``strategy.auto.trials=k``, slower than the k-th best, so that the k fastest predicted are all planned."""
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     base = base_of(cfg)
@@ -252,6 +267,11 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
     todo = candidates(cfg, hw)
     workers = workers or min(os.cpu_count() or 1, 4)
 
+    def to_beat() -> float | None:
+        """The ranked-th fastest fitting step so far: a candidate slower than it is none of the fastest ranked."""
+        steps = sorted(r["step_s"] for r in rows if r["fits"] and r.get("step_s") is not None)
+        return steps[ranked - 1] if len(steps) >= ranked else None
+
     def add(row: dict, i: int) -> None:
         nonlocal best
         row["_order"] = i  # the candidate's place in the list: ties rank as in a one-process search
@@ -259,6 +279,8 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         rows.append(row)
         if row["fits"] and row.get("step_s") is not None and (best is None or row["step_s"] < best["step_s"]):
             best = row
+        if live is not None and prune and (over := to_beat()) is not None:
+            live.value = over  # the plans in flight in the workers stop at a rank slower than it
         if progress is not None:
             progress(len(rows), len(todo), row, best)
 
@@ -318,15 +340,14 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
 
     pool, running, passes, waiting = None, {}, {}, {}  # in worker processes: plans and model passes in flight,
     # and the chains waiting for a pass
+    live = None  # with workers: the step to beat, shared with them (``_worker_init``)
 
     def next_chain() -> tuple[list[int], float | None] | None:
         """The next chain to plan and the step it must beat, its bounded tail given its rows first (None: no chain
         left). A chain whose bound needs a model pass not made yet waits for it; the pass is sent to a worker."""
         while links:
             chain = links.pop(0)
-            # a candidate slower than the ranked-th fastest fitting step so far is none of the fastest ranked
-            steps = sorted(r["step_s"] for r in rows if r["fits"] and r.get("step_s") is not None)
-            over = steps[ranked - 1] if prune and len(steps) >= ranked else None
+            over = to_beat() if prune else None
             try:
                 k = bounded(chain, bound, over)
             except _Pending as p:
@@ -348,8 +369,10 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
 
         from memopt.planner.plan import runtime_bytes
 
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                 initargs=(runtime_bytes(),)) as pool:
+        ctx = mp.get_context("spawn")
+        live = ctx.Value("d", math.inf)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                 initargs=(runtime_bytes(), live)) as pool:
             while True:  # as many chains and passes as workers: each bound is read when its chain is sent
                 while len(running) + len(passes) < workers and (got := next_chain()) is not None:
                     chain, over = got

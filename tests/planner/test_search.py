@@ -387,6 +387,30 @@ def test_a_candidate_whose_first_rank_is_slower_than_a_fitting_step_is_not_plann
     assert all(simulated[key(r["candidate"].config(base_of(cfg)))] == [0, 1] for r in pruned if r["fits"])
 
 
+def test_a_plan_in_a_worker_stops_at_a_step_to_beat_another_worker_found_after_it_was_sent(monkeypatch):
+    """In a worker the step to beat is read after each rank from the value the search shares (``_LIVE``), so a plan
+    sent before any candidate fitted stops once one has: its row is a bound, rank 0's own step, over the shared
+    step and at most the candidate's whole planned step. The control: with nothing fitting yet (infinite), the
+    same candidate is planned whole and fits."""
+    import multiprocessing as mp
+
+    from memopt.planner import search as s
+
+    cfg, hw = two_rank_space(12)
+    cand, base = s.candidates(cfg, hw)[0], s.base_of(cfg)
+    limits = s.limits_of(hw, 2, cfg)
+    live = mp.get_context("spawn").Value("d", float("inf"))
+    monkeypatch.setattr(s, "_LIVE", [live])
+    whole = s.plan_row(cand, base, hw, limits)  # sent before any fit, and none found meanwhile
+    assert whole["fits"] and whole["step_s"] > 0, whole.get("why")
+    live.value = whole["step_s"] / 10  # another worker's fit, found while this plan ran
+    stopped = s.plan_row(cand, base, hw, limits)
+    assert stopped["skipped"] == "bound" and "rank 0's own step" in stopped["why"], stopped
+    assert live.value < stopped["bound_s"] <= whole["step_s"]
+    assert s.plan_row(cand, base, hw, limits, slower_than=whole["step_s"] / 20)["why"].endswith(
+        f"({whole['step_s'] / 20:.3g} s)")  # the lower of the sent and the shared step is the one to beat
+
+
 def test_a_composition_over_while_built_is_over_at_its_smaller_micro_batches():
     """A composition whose largest micro-batch goes over while its engine is built (its states, before any
     micro-batch) is not planned at its smaller ones: each says so, and the exhaustive search, which plans each,
