@@ -16,10 +16,10 @@ leaves unset:
 - ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
   fake 2-rank mesh, less the plain ops' share, per op on DTensors (the tracker sees those once);
 - ``collective_latency_us_by_kind`` / ``collective_gbps_by_kind`` (and the all-reduce's as
-  ``collective_latency_us`` / ``device_device_gbps``): two spawned gloo processes calling each kind at 64 KiB
-  and 16 MiB per rank between bursts of products (``gloo_step_collectives``: what a blocking call of a step
-  pays, the wait for the slower rank included); where processes cannot be spawned, two threads of this process
-  all-reducing (``gloo_allreduce``);
+  ``collective_latency_us`` / ``device_device_gbps``): two gloo processes of their own (``workers.py``) calling
+  each kind at 64 KiB and 16 MiB per rank between bursts of products (``gloo_step_collectives``: what a blocking
+  call of a step pays, the wait for the slower rank included); where processes cannot be started, two threads of
+  this process all-reducing (``gloo_allreduce``);
 - ``host_adam_gparams_s``: GELU (tanh), LayerNorm and an add's bytes per second / 28 (CPUAdamW is memory bound at 28 bytes a parameter:
   experiments/cpu_adam).
 """
@@ -405,7 +405,7 @@ PROBED_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 8,
                           compute_s: float = 0.03, timeout_s: float = 120.0) -> dict[str, tuple[float, float]]:
     """Per collective kind, (latency in microseconds, bus GB/s) of gloo as a 2-process step pays it: two
-    processes (spawned: their own interpreters, as the ranks are), each call preceded by ``compute_s`` of
+    processes (their own interpreters, as the ranks are: ``workers.context``), each call preceded by ``compute_s`` of
     products on the rank's share of the threads, so a blocking call also waits for the slower rank and
     starts with cold caches. t = latency + bus bytes / bandwidth through the medians of ``calls`` calls at
     the two ``sizes`` (fp32 elements per rank; their line, as ``gloo_allreduce`` draws it).
@@ -414,11 +414,12 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
     all-gathers and reduce-scatters of moe_small took 0.55-0.87 s of a step its plan gave 0.17 s; gloo's
     reduce-scatter costs about twice its all-reduce per bus byte, its all-to-all about half
     (experiments/step_time/README.md)."""
-    import multiprocessing
     import os
     import tempfile
 
-    ctx = multiprocessing.get_context("spawn")
+    from memopt.planner.workers import context
+
+    ctx = context()  # forked from the planner's server: its imports made once, for the search's workers too
     threads = max(1, torch.get_num_threads() // 2)
     with tempfile.TemporaryDirectory() as d:
         queue = ctx.SimpleQueue()  # each rank puts one item: rank 0 its timings, either one its error
@@ -449,7 +450,7 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
 
 def _collective_rank(rank: int, path: str, queue, sizes, calls: int, compute_s: float, threads: int,
                      timeout_s: float) -> None:
-    """One rank of ``gloo_step_collectives`` (a spawned process): rank 0 puts {kind: {size: seconds}} on
+    """One rank of ``gloo_step_collectives`` (a process of its own): rank 0 puts {kind: {size: seconds}} on
     ``queue``, or the error's text."""
     import torch.distributed as dist
 

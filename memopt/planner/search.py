@@ -243,7 +243,7 @@ def _worker_init(runtime: int, live) -> None:
     _LIVE[0] = live
 
 
-PARALLEL_FROM = 16  # candidates from which the search plans in worker processes (each starts in a few seconds)
+PARALLEL_FROM = 16  # candidates from which the search plans in worker processes (each starts in ~1 s: workers.py)
 
 
 def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = True) -> list[dict]:
@@ -364,12 +364,12 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
         return None
 
     if workers > 1 and len(todo) >= PARALLEL_FROM:
-        import multiprocessing as mp
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         from memopt.planner.plan import runtime_bytes
+        from memopt.planner.workers import context as workers_context
 
-        ctx = mp.get_context("spawn")
+        ctx = workers_context()
         live = ctx.Value("d", math.inf)
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
                                  initargs=(runtime_bytes(), live)) as pool:

@@ -1,0 +1,27 @@
+"""The start method of the planner's own processes: forked from a server that imported the planner once.
+
+Why: a spawned process imports torch and the planner before its first task: the search's workers ~3.7-4.7 s on 2
+cores before their first plans (measured, 2026-11-28), and the CPU probe of gloo's collectives spawns two more. A
+fork server (``multiprocessing``'s "forkserver") imports them once, in its own process, and forks each process from
+that: the search's first two plans came back 1.3-1.6 s after its pool was made, against 3.8-4.7 s spawned. Each is
+still a fresh interpreter's state (a fork of the server, not of the planning process: no threads, none of the
+probes' allocations), as the ranks of a run are. The server starts on first use (the gloo probe, before the
+search), not earlier: beside this CPU's product and op probes its imports moved their readings. Where there is no
+fork server (Windows), spawn.
+"""
+from __future__ import annotations
+
+import multiprocessing
+
+# what a worker's plan imports (a fork of the server has them): the search, the simulation, memopt's engines
+PRELOAD = ("memopt.planner.search", "memopt.planner.preflight", "memopt.planner.extrapolate", "memopt.compose",
+           "memopt.checkpoint", "memopt.model_file", "memopt.engines.memopt", "memopt.planner.engines.memopt")
+
+
+def context():
+    """The ``multiprocessing`` context the planner's processes start with (module docstring)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx

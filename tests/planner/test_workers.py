@@ -1,0 +1,31 @@
+"""The planner's processes (``planner/workers.py``): forks of a server that imported the planner, not of the
+planning process, so they start without importing it again and hold none of that process's state."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _state() -> tuple:
+    """In the worker: the mark the test set in its own process, whether the search's engines were imported before
+    this task ran (the task's own module imports none of them), and the worker's pid."""
+    from memopt.planner import workers
+
+    return getattr(workers, "_mark", None), "memopt.engines.memopt" in sys.modules, os.getpid()
+
+
+def test_a_planner_process_is_a_fork_of_the_server_that_imported_the_planner(monkeypatch):
+    from memopt.planner import workers
+
+    monkeypatch.setattr(workers, "_mark", "set in the planning process", raising=False)
+    ctx = workers.context()
+    assert ctx.get_start_method() == "forkserver"  # Linux, as CI: a fork server exists
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        mark, preloaded, pid = pool.submit(_state).result()
+    assert pid != os.getpid() and mark is None  # not a fork of this process: none of its state
+    assert preloaded  # the server imported the planner's engines before forking it
+    # the control: a spawned process imports only what its task needs
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(_state).result()[:2] == (None, False)
