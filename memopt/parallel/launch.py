@@ -58,7 +58,7 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if preloaded:
-        _preload()
+        preload_forkserver()
         entrypoint = InCallersState(entrypoint)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memopt-{uuid.uuid4().hex[:8]}",
@@ -99,17 +99,24 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
 # Why a forkserver: a spawned worker imports torch and the trainer again (~5 s of a 2-rank launch on a 2-core CPU,
 # most of a test's launch); forked from a server that imported them once, it starts at once. Only what a fork
 # inherits differs from a spawn, so the worker is put back into the caller's state of the moment (below).
-PRELOAD = ["torch", "sympy", "memopt.api", "memopt.trainer", "memopt.worker"]
+# A process has one fork server, which the planner's processes use too (``planner/workers.py``): whichever starts it
+# first, it imports what both need (a server without the trainer made every later launch import it, ~5 s each).
+PRELOAD = ["torch", "sympy", "memopt.api", "memopt.trainer", "memopt.worker",
+           # the planner's (``workers.py``): the search, the simulation, memopt's engines
+           "memopt.planner.search", "memopt.planner.preflight", "memopt.planner.extrapolate", "memopt.compose",
+           "memopt.checkpoint", "memopt.model_file", "memopt.engines.memopt", "memopt.planner.engines.memopt"]
 # what torch's elastic agent sets in each worker's environment (LocalElasticAgent._start_workers), TORCHELASTIC_* too
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
-def _preload() -> None:
+def preload_forkserver() -> None:
+    """What this process's fork server imports (``PRELOAD``), read when it starts: by the first preloaded launch or
+    the planner's first process, whichever comes first."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first preloaded launch)
+    multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 class InCallersState:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import multiprocessing
 
-# what a worker's plan imports (a fork of the server has them): the search, the simulation, memopt's engines
-PRELOAD = ("memopt.planner.search", "memopt.planner.preflight", "memopt.planner.extrapolate", "memopt.compose",
-           "memopt.checkpoint", "memopt.model_file", "memopt.engines.memopt", "memopt.planner.engines.memopt")
-
 
 def context():
-    """The ``multiprocessing`` context the planner's processes start with (module docstring)."""
+    """The ``multiprocessing`` context the planner's processes start with (module docstring). The process's one fork
+    server imports what a plan needs beside what a launch does (``parallel.launch.PRELOAD``, for either's use)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
+    from memopt.parallel.launch import preload_forkserver
+
+    preload_forkserver()
+    return multiprocessing.get_context("forkserver")
