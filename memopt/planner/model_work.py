@@ -21,8 +21,8 @@ the same for every stage): the bound there is the model's work over pp.
 One micro-batch on one rank, no optimizer step, and not at the model's depth: every block (every period of
 blocks: checkpoint segments, MoE layers, pipeline stages, ``extrapolate.period``) adds the same counts, so the pass
 runs two shallow depths and draws their line to the model's (``pass_depths``; the counts at full depth, exactly:
-tests/planner/test_model_work.py). A pass of gpt_small's tensor-parallel model cost 1.0-2.0 s at its 12 blocks,
-0.5-0.8 s at 1 and 2; a deep model's (gpt_10b's 50 blocks) is no dearer. Shared by every candidate of the same
+tests/planner/test_model_work.py). A pass of gpt_small's tensor-parallel model cost 1.5-2.0 s at its 8 blocks,
+0.8-1.0 s drawn from 1 and 2; a deep model's (gpt_10b's 50 blocks) is no dearer. Shared by every candidate of the same
 model-phase strategies, parallel sizes, precision and micro-batch size (``work_key``). Where an
 engine's plan runs the model through layer code of its own (DeepSpeed's ZeRO-3 linear, DeepSpeed-MoE: its wing's
 ``model_code``), the pass runs inside that code too; an engine whose wing does not say the model bounds it (the
