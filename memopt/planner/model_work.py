@@ -54,14 +54,15 @@ def work_key(cfg) -> tuple:
 def pass_depths(cfg) -> tuple[int, int] | None:
     """The two depths whose passes draw the model's line (``model_work``): a whole ``extrapolate.period`` plus the
     model's depth's remainder of it (the last checkpoint segment, MoE layer or stage as at full depth; a segment of k
-    needs k blocks) and one period deeper; None where those cost about the full depth, or ``trainer.plan_exact=true``."""
+    needs k blocks) and one period deeper; None where their blocks are over half the model's (each pass also builds
+    the model and runs its embedding and head: a shallow model's own pass is cheaper), or ``trainer.plan_exact=true``."""
     from memopt.planner.extrapolate import period
 
     if getattr(cfg.trainer, "plan_exact", False):
         return None
     n, p = cfg.model.n_layer, period(cfg)
     first = p + n % p
-    return (first, first + p) if 2 * first + p < n else None
+    return (first, first + p) if 2 * first + p <= n / 2 else None
 
 
 def model_work(cfg) -> dict:

@@ -133,11 +133,11 @@ def test_deepspeeds_own_layers_run_in_the_pass():
     assert a["flops"] == b["flops"] and a["traffic"]["ops"] != b["traffic"]["ops"]
 
 
-DRAWN = [["model.n_layer=9", "+strategy=[ckpt,zero3]", "strategy.ckpt.policy=every_k", "strategy.ckpt.k=2"],
+DRAWN = [["model.n_layer=17", "+strategy=[ckpt,zero3]", "strategy.ckpt.policy=every_k", "strategy.ckpt.k=2"],
          ["model.n_layer=8", "+strategy=[tp]", "parallel.tp=2", "strategy.tp.sequence_parallel=true",
           "strategy.tp.loss_parallel=true"],
-         ["model.n_layer=8", "+strategy=[pipeline]", "parallel.pp=2"], ["model.n_layer=8", "engine=deepspeed", "+strategy=[bf16,zero3]"],
-         ["model=moe_tiny", "model.n_layer=10", "+strategy=[moe,zero2]", "parallel.ep=2"]]
+         ["model.n_layer=12", "+strategy=[pipeline]", "parallel.pp=2"], ["model.n_layer=8", "engine=deepspeed", "+strategy=[bf16,zero3]"],
+         ["model=moe_tiny", "model.n_layer=12", "+strategy=[moe,zero2]", "parallel.ep=2"]]
 
 
 @pytest.mark.parametrize("overrides", DRAWN, ids=[" ".join(o) for o in DRAWN])

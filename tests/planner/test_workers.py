@@ -9,11 +9,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def _state() -> tuple:
-    """In the worker: the mark the test set in its own process, whether the search's engines were imported before
-    this task ran (the task's own module imports none of them), and the worker's pid."""
+    """In the worker: the mark the test set in its own process, whether the search's engines and the trainer (what a
+    launch from the same server needs) were imported before this task ran (its own module imports neither), and the
+    worker's pid."""
     from memopt.planner import workers
 
-    return getattr(workers, "_mark", None), "memopt.engines.memopt" in sys.modules, os.getpid()
+    return (getattr(workers, "_mark", None), "memopt.engines.memopt" in sys.modules and "memopt.trainer" in sys.modules,
+            os.getpid())
 
 
 def test_a_planner_process_is_a_fork_of_the_server_that_imported_the_planner(monkeypatch):
@@ -25,7 +27,8 @@ def test_a_planner_process_is_a_fork_of_the_server_that_imported_the_planner(mon
     with ProcessPoolExecutor(1, mp_context=ctx) as pool:
         mark, preloaded, pid = pool.submit(_state).result()
     assert pid != os.getpid() and mark is None  # not a fork of this process: none of its state
-    assert preloaded  # the server imported the planner's engines before forking it
+    assert preloaded  # the server imported the planner's engines and the trainer before forking it (one server a
+    # process: a launch's workers fork from it too, parallel/launch.py)
     # the control: a spawned process imports only what its task needs
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert pool.submit(_state).result()[:2] == (None, False)
