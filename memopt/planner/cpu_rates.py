@@ -417,14 +417,14 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
     import os
     import tempfile
 
-    from memopt.planner.workers import context
+    from memopt.planner.workers import context, in_callers_state
 
     ctx = context()  # forked from the planner's server: its imports made once, for the search's workers too
     threads = max(1, torch.get_num_threads() // 2)
     with tempfile.TemporaryDirectory() as d:
         queue = ctx.SimpleQueue()  # each rank puts one item: rank 0 its timings, either one its error
         group_timeout = timeout_s / 2  # a rank whose peer never joins reports before the parent gives up
-        procs = [ctx.Process(target=_collective_rank, args=(r, os.path.join(d, "store"), queue, sizes, calls,
+        procs = [ctx.Process(target=in_callers_state(_collective_rank), args=(r, os.path.join(d, "store"), queue, sizes, calls,
                                                              compute_s, threads, group_timeout)) for r in range(2)]
         for p in procs:
             p.start()

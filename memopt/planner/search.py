@@ -368,10 +368,11 @@ def search(cfg, hw, progress=None, workers: int | None = None, prune: bool = Tru
 
         from memopt.planner.plan import runtime_bytes
         from memopt.planner.workers import context as workers_context
+        from memopt.planner.workers import in_callers_state
 
         ctx = workers_context()
         live = ctx.Value("d", math.inf)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=in_callers_state(_worker_init),
                                  initargs=(runtime_bytes(), live)) as pool:
             while True:  # as many chains and passes as workers: each bound is read when its chain is sent
                 while len(running) + len(passes) < workers and (got := next_chain()) is not None:

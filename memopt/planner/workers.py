@@ -6,8 +6,11 @@ fork server (``multiprocessing``'s "forkserver") imports them once, in its own p
 that: the search's first two plans came back 1.3-1.6 s after its pool was made, against 3.8-4.7 s spawned. Each is
 still a fresh interpreter's state (a fork of the server, not of the planning process: no threads, none of the
 probes' allocations), as the ranks of a run are. The server starts on first use (the gloo probe, before the
-search), not earlier: beside this CPU's product and op probes its imports moved their readings. Where there is no
-fork server (Windows), spawn.
+search), not earlier: beside this CPU's product and op probes its imports moved their readings. A fork holds the
+server's environment of its start (``multiprocessing`` gives it the caller's directory and import path, not its
+environment), so each process's entry is put back into its caller's of the moment (``in_callers_state``, as a
+launch's ranks are: the planner reads ``WORLD_SIZE``, ``parallel.dims.expected_world``, as a spawned process would).
+Where there is no fork server (Windows), spawn.
 """
 from __future__ import annotations
 
@@ -23,3 +26,11 @@ def context():
 
     preload_forkserver()
     return multiprocessing.get_context("forkserver")
+
+
+def in_callers_state(fn):
+    """``fn`` run in this process's environment, directory and import path of now (``parallel.launch.InCallersState``)
+    where the planner's processes are forks of the server; as it is where they are spawned (they start with them)."""
+    from memopt.parallel.launch import InCallersState
+
+    return InCallersState(fn) if context().get_start_method() == "forkserver" else fn

@@ -32,3 +32,24 @@ def test_a_planner_process_is_a_fork_of_the_server_that_imported_the_planner(mon
     # the control: a spawned process imports only what its task needs
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert pool.submit(_state).result()[:2] == (None, False)
+
+
+def _env() -> str | None:
+    return os.environ.get("MEMOPT_TEST_CALLERS_STATE")
+
+
+def test_a_planner_process_runs_in_its_callers_environment_of_the_moment(monkeypatch):
+    """A fork of the server holds the server's environment of its start (``WORLD_SIZE`` and memopt's own variables
+    are read by the planner); the planner's processes are put back into their caller's of now, as spawned ones
+    start. The control: without that, the fork reads the server's."""
+    from memopt.planner import workers
+
+    monkeypatch.delenv("MEMOPT_TEST_CALLERS_STATE", raising=False)
+    ctx = workers.context()
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:  # the server runs from here on, started without it
+        assert pool.submit(_env).result() is None
+    monkeypatch.setenv("MEMOPT_TEST_CALLERS_STATE", "set after the server started")
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=workers.in_callers_state(_env)) as pool:
+        assert pool.submit(_env).result() == "set after the server started"
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        assert pool.submit(_env).result() is None
