@@ -3,10 +3,11 @@
     python experiments/step_time/accuracy.py                 # the matrix (~5 min a repeat on 2 AVX2 cores)
     python experiments/step_time/accuracy.py --only ddp,zero3 --steps 3
 
-Each row is planned in this process (``make_plan``, ``hardware=auto`` resolved here and completed by
-``planner/cpu_rates.py``, as plan mode plans it) and trained in a launch of 2 ranks of its own; measured =
-the median step after ``--warmup`` steps, best of ``--repeats``. Printed: the plan's terms, planned / measured, whether it is within 25% (issue #30's goal), and Spearman's rank correlation of
-planned against measured order (what ``+strategy=auto`` ranks by).
+Each model's rows are planned in a fresh process of their own (``make_plan``, ``hardware=auto`` resolved there
+and completed by ``planner/cpu_rates.py``, as a plan-mode command plans them: ``planned_as_the_cli``) and each
+row trained in a launch of 2 ranks of its own; measured = the median step after ``--warmup`` steps, best of
+``--repeats``. Printed: the plan's terms, planned / measured, whether it is within 25% (issue #30's goal), and
+Spearman's rank correlation of planned against measured order (what ``+strategy=auto`` ranks by).
 """
 from __future__ import annotations
 
@@ -80,6 +81,25 @@ def planned(overrides: list[str]) -> dict:
     return make_plan(cfg, hw)["step_time"]
 
 
+def planned_as_the_cli(rows: dict[str, list[str]]) -> dict[str, dict]:
+    """Each model's rows planned in a fresh process of their own, one after another, as a plan-mode command plans
+    them: this CPU's rates are probed for that model in a process that allocated nothing else before. Planned in
+    one process, the tiny models' rows read their memory rate after gpt_small's probe had freed 32 MB tensors
+    (glibc then serves their 1 MB activations from its heap, not fresh pages): their memory term a third of
+    what their own command plans (README, 2026-11-27)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    models: dict[str, list[str]] = {}
+    for k, v in rows.items():
+        models.setdefault(next(o for o in v if o.startswith("model=")), []).append(k)
+    plans = {}
+    for keys in models.values():
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            plans.update(zip(keys, pool.map(planned, [rows[k] for k in keys])))
+    return plans
+
+
 def main() -> None:
     from experiments.common import cpu_has_bf16_matmul
     from memopt.api import run_jobs_on_ranks
@@ -98,7 +118,7 @@ def main() -> None:
     base = ["data=synthetic", "logger=none", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
             "trainer.progress_bar=false", "trainer.save_checkpoint=false", f"trainer.throughput_warmup_steps={args.warmup}",
             f"trainer.log_every={args.steps}"]
-    plans = {k: planned([*base, *v]) for k, v in rows.items()}
+    plans = planned_as_the_cli({k: [*base, *v] for k, v in rows.items()})
     tmp = bench_dir("step_time")
     keys, jobs = [], []
     for rep in range(args.repeats):
