@@ -48,7 +48,8 @@ aten = torch.ops.aten
 VIEWS = frozenset({aten.view.default, aten.as_strided.default, aten.slice.Tensor, aten.detach.default,
                    aten.t.default, aten.transpose.int, aten.select.int, aten.unsqueeze.default, aten.expand.default,
                    aten.squeeze.dim, aten.permute.default})
-INPLACE = frozenset({aten.add_.Tensor, aten.zero_.default, aten.mul_.Tensor, aten.div_.Tensor})
+COPY = aten.copy_.default  # an in-place update whose source may be on another device, of another dtype
+INPLACE = frozenset({aten.add_.Tensor, aten.zero_.default, aten.mul_.Tensor, aten.div_.Tensor, COPY})
 EMPTY = aten.empty.memory_format
 # a fresh tensor whose values a fake one has none of: ``empty``'s answer (every parameter's init draws one, seeded by
 # a generator: ~2.7 ms each through FakeTensorMode, a quarter of a plan that goes over at its build)
@@ -88,8 +89,8 @@ def run(func, args, kwargs):
             return NotImplemented
         x = args[0]
         if func is not aten.zero_.default and isinstance(args[1], torch.Tensor):
-            y = args[1]  # what the kernel would reject: another device, a shape that does not broadcast into x
-            if y.fake_device != x.fake_device or torch.broadcast_shapes(x.shape, y.shape) != x.shape:
+            y = args[1]  # what the kernel would reject: another device (but copy_'s), a shape that does not broadcast into x
+            if (func is not COPY and y.fake_device != x.fake_device) or torch.broadcast_shapes(x.shape, y.shape) != x.shape:
                 return NotImplemented
         return x
     if func is EMPTY or func in RANDOM:
@@ -105,24 +106,7 @@ def run(func, args, kwargs):
         with in_kernel_invocation_manager(mode):
             out = func(*args, **kw)
         return FakeTensor(mode, out, device)
-    if func is COPY:
-        return _copy(args, kwargs)
     return _recalled(func, args, kwargs)
-
-
-COPY = aten.copy_.default
-
-
-def _copy(args, kwargs):
-    """``copy_`` returns its destination (FakeTensorMode's rule for it, after its meta kernel's checks: the source
-    broadcasts to the destination; any device, any dtype)."""
-    mode = torch._C._get_dispatch_mode(_FAKE_KEY)
-    if mode is None or kwargs or len(args) > 3 or not all(_plain_fake(a, mode) for a in args[:2]):
-        return NotImplemented
-    x, y = args[0], args[1]
-    if torch.broadcast_shapes(x.shape, y.shape) != x.shape:
-        return NotImplemented
-    return x
 
 
 _OUTPUTS: dict = {}  # (op, its arguments' metadata) -> its outputs' (shape, stride, dtype, device) and container
@@ -157,11 +141,23 @@ def _key(func, args, kwargs, mode):
     return None if any(p is _NOT for p in parts) else tuple(parts)
 
 
+def _recallable(func) -> bool:
+    """An aten op that is not a view, mutates nothing and has no data-dependent output (asked once per op)."""
+    got = _RECALLABLE.get(func)
+    if got is None:
+        got = _RECALLABLE[func] = isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" \
+            and not func._schema.is_mutable and not func.is_view \
+            and torch.Tag.data_dependent_output not in func.tags and torch.Tag.dynamic_output_shape not in func.tags
+    return got
+
+
+_RECALLABLE: dict = {}
+
+
 def _recalled(func, args, kwargs):
     """An op that makes new tensors, answered as FakeTensorMode answered the same op on arguments of the same
     metadata (its outputs: new tensors of the shapes, strides, dtypes and devices it gave then)."""
-    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten" or func._schema.is_mutable \
-            or func.is_view or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+    if not _recallable(func):
         return NotImplemented
     mode = torch._C._get_dispatch_mode(_FAKE_KEY)
     if mode is None:
