@@ -65,6 +65,8 @@ class TrainerConfig:
     count_comm: bool = False  # count the collectives of step 0 (kinds, calls, bytes) into summary.json comm_per_step
     save_checkpoint: bool = True  # write model.pt (atomic) at the end of the run
     num_threads: int = 0  # torch intra-op threads on CPU; 0 keeps PyTorch's default
+    cpu_malloc_cache: bool = True  # on a CPU device, glibc's malloc keeps freed blocks for the next step's instead of
+    # faulting pages in again every step (memory/host_malloc.py; every engine alike); false: malloc's defaults
     checkpoint_every: int = 0  # steps between resumable checkpoints (<run dir>/checkpoints/step_<n>); 0: none
     keep_checkpoints: int = 2  # newest resumable checkpoints kept
     resume: str | None = None  # auto (this run directory's newest checkpoint, if any) | a checkpoint path

@@ -27,6 +27,7 @@ from memopt import outcome
 from memopt.logging import RunLogger
 from memopt.memory.hardware import (device_runtime_bytes, peak_tflops_for, resolve_hardware, run_peak_tflops,
                                      tensor_budget_bytes)
+from memopt.memory import host_malloc
 from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
@@ -82,6 +83,8 @@ class Trainer:
         try:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
+            if self.device.type == "cpu":  # every engine alike (a fair side by side); not on a GPU's host
+                self.summary["cpu_malloc_cache"] = cfg.trainer.cpu_malloc_cache and host_malloc.keep_freed_blocks()
             self.hw = resolve_hardware(cfg.hardware, self.device)  # its CPU matmul probe is not the run's memory
             tracker = MemoryTracker(self.device, budget=self._device_budget(), budget_name=self._budget_name()) \
                 if cfg.trainer.track_memory else NullTracker()
