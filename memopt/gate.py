@@ -76,8 +76,11 @@ def hardware(typed, step_rates: bool = False):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hw = resolve_hardware(typed.hardware, device)
     if step_rates:
+        from memopt.memory.host_malloc import keep_freed_blocks
         from memopt.planner.cpu_rates import complete
 
+        if device.type == "cpu" and typed.trainer.cpu_malloc_cache:  # the probes time blocks as the run keeps them
+            keep_freed_blocks()
         hw = complete(typed.hardware, hw, device, typed.model)  # the probes at the model's shapes
     return hw
 

@@ -67,18 +67,13 @@ BF16 = {"bf16 ddp": [*SMALL, "+strategy=[bf16,ddp]"], "bf16 zero2+cpu_offload": 
 
 
 def planned(overrides: list[str]) -> dict:
-    import torch
-
     from memopt.config import compose_config, to_dataclass, validate
-    from memopt.memory.hardware import resolve_hardware
-    from memopt.planner.cpu_rates import complete
+    from memopt.gate import hardware
     from memopt.planner.plan import make_plan
 
     cfg = to_dataclass(compose_config([*overrides, "trainer.nproc_per_node=2", "trainer.mode=plan"]))
     validate(cfg)
-    hw = complete(cfg.hardware, resolve_hardware(cfg.hardware, torch.device("cpu")), torch.device("cpu"),
-                  cfg.model)  # as plan mode
-    return make_plan(cfg, hw)["step_time"]
+    return make_plan(cfg, hardware(cfg, step_rates=True))["step_time"]  # as plan mode
 
 
 def planned_as_the_cli(rows: dict[str, list[str]]) -> dict[str, dict]:

@@ -18,7 +18,7 @@ the heap.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
@@ -26,14 +26,15 @@ M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1
 
 
+@functools.cache  # once a process: the settings stay for its life
 def keep_freed_blocks() -> bool:
     """Ask glibc's malloc to keep freed blocks in this process (the module says why). False, and nothing
     changed, where malloc is not glibc's (macOS, musl) or refuses."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # no C library to load, or one without mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
+    except (OSError, AttributeError):  # a C library without mallopt
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_TRIM_THRESHOLD, _INT_MAX)) and bool(mallopt(M_MMAP_MAX, 0))

@@ -53,11 +53,7 @@ def complete(profile, hw, device: torch.device, model=None):
 def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | None = None) -> dict[str, object]:
     """The step-time fields the profile ``hw`` leaves unset, measured here (cached for the process).
     ``peaks``: the resolved matmul peaks per dtype (whether bf16 is fast here); ``shape``: the block the
-    probes time (``probe_shape``). The probes run with freed blocks kept, as a CPU run keeps them
-    (``trainer.cpu_malloc_cache``, memory/host_malloc.py): a block's time then holds no page faults."""
-    from memopt.memory.host_malloc import keep_freed_blocks
-
-    keep_freed_blocks()
+    probes time (``probe_shape``)."""
     out: dict[str, object] = {}
     shape = shape or probe_shape()
     threads = torch.get_num_threads()

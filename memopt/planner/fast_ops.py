@@ -110,6 +110,7 @@ def run(func, args, kwargs):
 
 
 _OUTPUTS: dict = {}  # (op, its arguments' metadata) -> its outputs' (shape, stride, dtype, device) and container
+_RECALLABLE: dict = {}  # op -> whether its answers can be recalled (``_recallable``)
 _NOT = object()
 _KEPT = 100_000  # answers kept at most (a search's plans see a few thousand kinds of op and shape)
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -149,9 +150,6 @@ def _recallable(func) -> bool:
             and not func._schema.is_mutable and not func.is_view \
             and torch.Tag.data_dependent_output not in func.tags and torch.Tag.dynamic_output_shape not in func.tags
     return got
-
-
-_RECALLABLE: dict = {}
 
 
 def _recalled(func, args, kwargs):
