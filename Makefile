@@ -28,7 +28,7 @@ test-all: $(STAMP)
 clean:
 	rm -rf $(VENV) outputs multirun
 
-# The GPU check (memopt/gpu_check.py). `make gpu-wheels`, where pip reaches a registry, puts into .whl/
+# The GPU check (memopt/gpu_check/). `make gpu-wheels`, where pip reaches a registry, puts into .whl/
 # (git-ignored) the wheels memopt needs beyond torch and triton, and DeepSpeed's; `make gpu-check OUT=dir`,
 # on a GPU machine without network access, installs them into a temporary folder and runs the check
 # with that machine's own python3 and torch (no virtual environment is made).

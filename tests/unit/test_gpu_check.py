@@ -1,4 +1,4 @@
-"""The GPU check's orchestration on a CPU (memopt/gpu_check.py): the no-CUDA exit, the writers, the
+"""The GPU check's orchestration on a CPU (memopt/gpu_check/): the no-CUDA exit, the writers, the
 budget and the error handling of sections, the pytest parser and the wheel install (slow: it may
 need the network to fill .whl/ with `make gpu-wheels`)."""
 from __future__ import annotations
@@ -12,9 +12,13 @@ import sys
 
 import pytest
 
-from memopt import gpu_check as gc
+from memopt.gpu_check import cli, flash, procs, results, runs, section_tests, settings
+from memopt.gpu_check.check import Check, SkipSection
 
-REPO = gc.REPO
+REPO = settings.REPO
+# the GPU machine's Python and platform tags, as `make gpu-wheels` downloads for it
+GPU_TAGS = ("--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
 
 
 def _pythonpath() -> str:
@@ -34,7 +38,7 @@ def test_no_cuda_prints_one_line_and_exits_0(tmp_path):
 
 def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
-        gc.main(["--sections", "nope", "x"])
+        cli.main(["--sections", "nope", "x"])
     assert e.value.code == 2
 
 
@@ -48,7 +52,7 @@ class FakeClock:
 
 def test_sections_error_skip_budget(tmp_path):
     clock = FakeClock()
-    check = gc.Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "work"), clock=clock)
+    check = Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "work"), clock=clock)
 
     def ok(c, cap, rec):
         clock.t += 30
@@ -59,7 +63,7 @@ def test_sections_error_skip_budget(tmp_path):
         raise RuntimeError("section exploded")
 
     def skip(c, cap, rec):
-        raise gc.SkipSection("needs a GPU")
+        raise SkipSection("needs a GPU")
 
     def partial(c, cap, rec):
         clock.t += 50
@@ -75,7 +79,7 @@ def test_sections_error_skip_budget(tmp_path):
     assert s["a"]["status"] == "ok" and s["a"]["result"]["value"] == 1 and s["a"]["result"]["cap_seen"] == 50
     assert s["b"]["status"] == "error" and "section exploded" in s["b"]["error"] and "traceback" in s["b"]
     assert s["c"]["status"] == "skipped" and s["c"]["reason"] == "needs a GPU"
-    assert s["d"]["status"] == "partial" and s["d"]["note"] == "2 of 3 cases" and s["d"]["cap_s"] == 100 - 40 - gc.RESERVE_S
+    assert s["d"]["status"] == "partial" and s["d"]["note"] == "2 of 3 cases" and s["d"]["cap_s"] == 100 - 40 - settings.RESERVE_S
     assert s["e"]["status"] == "skipped" and "global budget spent" in s["e"]["reason"]
     on_disk = json.loads((tmp_path / "gpu_check.json").read_text())
     assert on_disk["status"] == "done" and list(on_disk["sections"]) == ["a", "b", "c", "d", "e"]
@@ -84,7 +88,7 @@ def test_sections_error_skip_budget(tmp_path):
 
 def test_results_written_after_every_section(tmp_path):
     """A section that never returns (killed with the process) still leaves the earlier ones on disk."""
-    check = gc.Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "w"))
+    check = Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "w"))
     check.run_section("first", lambda c, cap, rec: {"x": 1}, cap_s=20)
 
     def running(c, cap, rec):
@@ -124,7 +128,7 @@ FAKE = {
 
 
 def test_writers_documented_structure(tmp_path):
-    gc.write_results(str(tmp_path), FAKE)
+    results.write_results(str(tmp_path), FAKE)
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data == json.loads(json.dumps(FAKE))
     assert set(data) >= {"schema", "mode", "started", "finished", "budget_s", "elapsed_s", "status", "sections"}
@@ -136,11 +140,11 @@ def test_writers_documented_structure(tmp_path):
                    "plain_bf16", "+0.9%", "-4.0%", "-66.0%", "ZeRO-Offload", "memopt alone"):
         assert needle in txt, needle
     assert os.listdir(tmp_path) == ["gpu_check.json", "gpu_check.txt"] or sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.txt"]
-    gc.format_text(gc.new_results(10, "cuda"))  # an empty record formats too
+    results.format_text(results.new_results(10, "cuda"))  # an empty record formats too
 
 
 def test_cpu_dry_run_skips_the_cuda_sections_with_a_reason(tmp_path):
-    res = gc.run_check(str(tmp_path), budget_s=60, mode="cpu-dry-run", sections=("tests", "flash"))
+    res = cli.run_check(str(tmp_path), budget_s=60, mode="cpu-dry-run", sections=("tests", "flash"))
     for name in ("tests", "flash"):
         s = res["sections"][name]
         assert s["status"] == "skipped" and "no CUDA device" in s["reason"], s
@@ -159,30 +163,30 @@ FAILED tests/kernels/test_a.py::test_two[64-True] - AssertionError: Tensor-likes
 ERROR tests/kernels/test_b.py::test_four - RuntimeError: CUDA error
 ============= 1 failed, 1 passed, 1 skipped, 1 error in 12.34s =============
 """
-    r = gc.parse_pytest(text)
+    r = section_tests.parse_pytest(text)
     assert r["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
     assert r["failures"][0].startswith("FAILED tests/kernels/test_a.py::test_two[64-True] - AssertionError")
     assert len(r["failures"]) == 2
     assert r["last_line"] == "1 failed, 1 passed, 1 skipped, 1 error in 12.34s"
-    xdist = gc.parse_pytest("[gw0] [ 50%] PASSED tests/a.py::t1 \n[gw1] [100%] FAILED tests/a.py::t2[x] \n"
+    xdist = section_tests.parse_pytest("[gw0] [ 50%] PASSED tests/a.py::t1 \n[gw1] [100%] FAILED tests/a.py::t2[x] \n"
                             "FAILED tests/a.py::t2[x] - boom")
     assert xdist["counts"] == {"passed": 1, "failed": 1} and xdist["failures"] == ["FAILED tests/a.py::t2[x] - boom"]
-    partial = gc.parse_pytest("\n".join(text.splitlines()[:2]))  # cut off by the cap
+    partial = section_tests.parse_pytest("\n".join(text.splitlines()[:2]))  # cut off by the cap
     assert partial["counts"] == {"passed": 1, "failed": 1} and partial["last_line"] == ""
 
 
 def test_cuda_marked_tests_are_found():
     # the kernels' file (which the check runs whole, so the default excludes it) and the chunk engine's CUDA staging
-    assert gc.cuda_marked_test_files(exclude="nothing-excluded") == ["tests/chunk/test_chunk_cuda.py",
+    assert section_tests.cuda_marked_test_files(exclude="nothing-excluded") == ["tests/chunk/test_chunk_cuda.py",
                                                                       "tests/kernels/test_flash_attn.py"]
-    assert gc.cuda_marked_test_files() == ["tests/chunk/test_chunk_cuda.py"]
+    assert section_tests.cuda_marked_test_files() == ["tests/chunk/test_chunk_cuda.py"]
 
 
 def test_flash_cases_and_flops():
-    cases = gc.flash_cases()
+    cases = flash.flash_cases()
     assert len(cases) == 12 and {c[0] for c in cases} == {"float16", "bfloat16"} and {c[1] for c in cases} == {64, 128}
     assert {c[2] for c in cases} == {1024, 4096, 16384}
-    fwd, fb = gc.causal_flops(1, 1, 1024, 64)
+    fwd, fb = flash.causal_flops(1, 1, 1024, 64)
     assert fwd == 2 * 1024 * 1024 * 64 and fb == 3.5 * fwd
 
 
@@ -192,8 +196,8 @@ def test_compositions_compose():
     from tests.conftest import compose
 
     for dry in (False, True):
-        for name, ov in [*gc.COMPOSITIONS, gc.DEEPSPEED_COMPOSITION]:
-            args = [a for a in gc.composition_args(name, ov, dry)]
+        for name, ov in [*settings.COMPOSITIONS, settings.DEEPSPEED_COMPOSITION]:
+            args = [a for a in runs.composition_args(name, ov, dry)]
             validate(to_dataclass(compose(args)))
 
 
@@ -208,7 +212,7 @@ def test_wheels_install_into_a_fresh_target_and_import(tmp_path):
     target = str(tmp_path / "site")
     saved = (list(sys.path), os.environ.get("PYTHONPATH"))
     try:
-        rec = gc.install_wheels(wheel_dir, target)
+        rec = procs.install_wheels(wheel_dir, target, pip_args=GPU_TAGS)  # .whl/ holds its binary wheels too
     finally:
         sys.path[:] = saved[0]
         if saved[1] is None:
@@ -249,10 +253,8 @@ def test_deepspeed_wheels_import_beside_the_gpu_machines_packages(tmp_path):
         subprocess.run(["make", "gpu-wheels"], cwd=REPO, check=True, timeout=900)
     target = str(tmp_path / "site")
     saved = (list(sys.path), os.environ.get("PYTHONPATH"), os.environ.get("PATH"))
-    tags = ("--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
-            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")  # the GPU machine's
     try:
-        rec = gc.install_wheels(wheel_dir, target, pip_args=tags)
+        rec = procs.install_wheels(wheel_dir, target, pip_args=GPU_TAGS)
         path = os.environ["PATH"]
     finally:
         sys.path[:] = saved[0]
@@ -297,9 +299,9 @@ def test_flash_worker_on_cpu(tmp_path):
     one JSON line per case, both implementations timed and compared with the fp32 reference."""
     path = tmp_path / "flash.jsonl"
     code = ("import os, sys; os.environ['TRITON_INTERPRET'] = '1'\n"
-            "from memopt import gpu_check as gc\n"
-            "gc.FLASH_WARMUP, gc.FLASH_REPS = 1, 1\n"
-            "gc.flash_worker(sys.argv[1], 120, device='cpu', cases=[('float32', 16, 32), ('float16', 16, 48)], tokens=64)\n")
+            "from memopt.gpu_check import flash\n"
+            "flash.FLASH_WARMUP, flash.FLASH_REPS = 1, 1\n"
+            "flash.flash_worker(sys.argv[1], 120, device='cpu', cases=[('float32', 16, 32), ('float16', 16, 48)], tokens=64)\n")
     p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=_pythonpath()), cwd=REPO)
     assert p.returncode == 0, p.stderr
@@ -312,7 +314,7 @@ def test_flash_worker_on_cpu(tmp_path):
             assert "error" not in m, (impl, m)
             assert set(m["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(m["max_abs_err"].values()) < tol, m
             assert m["fwd_ms"] > 0 and m["fwdbwd_ms"] > 0 and m["fwdbwd_tflops"] > 0
-    gc.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
+    results.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
 
 
 @pytest.mark.slow  # 3.7 s; signals to the check's subprocesses
@@ -355,8 +357,8 @@ def test_step_spread_reads_the_timed_steps(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 0, "step_time_s": 5.0}, {"step": 1, "step_time_s": 5.0}, {"step": 2, "step_time_s": 1.2},
         {"step": 3, "step_time_s": 0.9}, {"event": "eval"}, {"step": 4, "step_time_s": 1.0}]))
-    got = gc.step_spread(str(path), warmup=2)
+    got = runs.step_spread(str(path), warmup=2)
     assert got["timed_steps"] == 3
     assert (got["step_time_min_s"], got["step_time_max_s"]) == (0.9, 1.2)
     assert got["step_time_spread"] == pytest.approx(0.3)
-    assert gc.step_spread(str(tmp_path / "missing.jsonl"), 2) == {}
+    assert runs.step_spread(str(tmp_path / "missing.jsonl"), 2) == {}

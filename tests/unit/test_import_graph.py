@@ -90,12 +90,17 @@ def test_the_walker_sees_a_cycle(tmp_path):
     assert cycle is not None and set(cycle) == {"memopt.a", "memopt.b"}
 
 
-ENTRY_POINTS = {"memopt.train", "memopt.api", "memopt.report.__main__", "memopt.gpu_check"}
+ENTRY_POINTS = {"memopt.train", "memopt.api", "memopt.report.__main__"}
+ENTRY_PACKAGES = ("memopt.gpu_check",)  # a command line whose modules import each other, never imported from below
+
+
+def is_entry(mod: str) -> bool:
+    return mod in ENTRY_POINTS or any(mod == p or mod.startswith(p + ".") for p in ENTRY_PACKAGES)
 
 
 def test_no_module_below_the_entry_points_imports_them():
     """The command lines and the programmatic entry points sit on top: the gate, the planner and the
     engines never reach back up into them (the planner builds typed candidates, not commands)."""
     graph = edges(module_names())
-    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if m not in ENTRY_POINTS for t in targets & ENTRY_POINTS)
+    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if not is_entry(m) for t in targets if is_entry(t))
     assert not bad, bad
