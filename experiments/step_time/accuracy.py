@@ -61,6 +61,11 @@ BF16_WIDE = {
                                           "trainer.micro_batch_size=16"],
     "moe_small bf16 ddp ep=2 8 x 2": ["model=moe_small", "+strategy=[moe,bf16,ddp]", *MOE_SMALL, "parallel.ep=2",
                                       "trainer.micro_batch_size=8", "trainer.grad_accum=2"],
+    # and at 100%: memopt's search (AMX CPU, 2026-11-28) ranked the chunk engine with ep=2 ahead of DDP with ep=2
+    "moe_small hybrid_adam_bf16 ep=2 16 x 1": ["model=moe_small", "+strategy=[moe,hybrid_adam_bf16]", *MOE_SMALL,
+                                               "parallel.ep=2", "trainer.micro_batch_size=16"],
+    "moe_small bf16 ddp ep=2 16 x 1": ["model=moe_small", "+strategy=[moe,bf16,ddp]", *MOE_SMALL, "parallel.ep=2",
+                                       "trainer.micro_batch_size=16"],
 }
 BF16 = {"bf16 ddp": [*SMALL, "+strategy=[bf16,ddp]"], "bf16 zero2+cpu_offload": [*SMALL, "+strategy=[bf16,zero2,cpu_offload]"],
         "hybrid_adam_bf16": [*SMALL, "+strategy=[hybrid_adam_bf16]"]}
