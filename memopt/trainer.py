@@ -84,7 +84,9 @@ class Trainer:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
             if self.device.type == "cpu":  # every engine alike (a fair side by side); not on a GPU's host
-                self.summary["cpu_malloc_cache"] = cfg.trainer.cpu_malloc_cache and host_malloc.keep_freed_blocks()
+                if cfg.trainer.cpu_malloc_cache:
+                    host_malloc.keep_freed_blocks()
+                self.summary["cpu_malloc_cache"] = host_malloc.in_effect()  # as the process runs, an earlier run's too
             self.hw = resolve_hardware(cfg.hardware, self.device)  # its CPU matmul probe is not the run's memory
             tracker = MemoryTracker(self.device, budget=self._device_budget(), budget_name=self._budget_name()) \
                 if cfg.trainer.track_memory else NullTracker()

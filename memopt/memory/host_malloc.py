@@ -38,3 +38,9 @@ def keep_freed_blocks() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_TRIM_THRESHOLD, _INT_MAX)) and bool(mallopt(M_MMAP_MAX, 0))
+
+
+def in_effect() -> bool:
+    """Whether this process's malloc keeps freed blocks: ``keep_freed_blocks`` succeeded here before. Its settings
+    last for the process, so a later run in it with the option off still runs with them (and records so)."""
+    return keep_freed_blocks.cache_info().currsize > 0 and keep_freed_blocks()

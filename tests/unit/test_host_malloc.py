@@ -51,3 +51,19 @@ def test_a_cpu_run_keeps_freed_blocks_unless_told_not_to(tmp_path):
     first, kept = _faults(run.format(extra="", want=True), tmp_path / "on")
     _, default = _faults(run.format(extra=", 'trainer.cpu_malloc_cache=false'", want=False), tmp_path / "off")
     assert kept < first / 10 and default >= 3 * first, (first, kept, default)
+
+
+def test_the_record_says_what_the_process_runs_with(tmp_path):
+    """malloc's settings last for the process: a run with the option off after one with it on, in one process,
+    runs with freed blocks kept, and its summary.json says so."""
+    code = ("from memopt.api import run_job\n"
+            "common = ['trainer.max_steps=1', 'logger=none', 'trainer.eval_every=0', 'trainer.progress_bar=false',"
+            " 'trainer.save_checkpoint=false', 'trainer.micro_batch_size=2']\n"
+            "off = run_job([*common, 'trainer.cpu_malloc_cache=false'], 'off')['cpu_malloc_cache']\n"
+            "on = run_job(common, 'on')['cpu_malloc_cache']\n"
+            "after = run_job([*common, 'trainer.cpu_malloc_cache=false', 'trainer.overwrite=true'], 'off')['cpu_malloc_cache']\n"
+            "print('RECORDS', off, on, after)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("RECORDS")[-1].split() == ["False", "True", "True"], out.stdout[-500:]
