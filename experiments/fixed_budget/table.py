@@ -9,7 +9,8 @@ Measured part (2 ranks of this CPU): the budget B = a fraction of plain fp32 DDP
 engine=deepspeed and engine=fsdp2 (each search run through the CLI in plan mode, ``auto.json``'s winner
 taken; with ``--trials k`` every engine's search trains its k fastest predicted candidates a few steps and takes
 the fastest measured, ``strategy.auto.trials``), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
-activation checkpointing, fp32). All chosen runs then train, the budget held by the
+activation checkpointing, fp32), and below 100% memopt's choice without a budget (the goal there is a fraction of
+it: running it beside the budget's rows keeps that ratio out of the VM's slow and fast phases). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
 the first rotating per repeat; tokens/s (and MFU, step time) is each run's median step after the warm-up, the
 median over the repeats (worst in parentheses). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
@@ -41,6 +42,7 @@ COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every=0", "
 NODES = {"8x A100 80G": ["hardware=a100_80g", "trainer.nproc_per_node=8"],
          "PatrickStar's node (8x V100 32 GB, 240 GB host)": ["hardware=v100_patrickstar", "trainer.nproc_per_node=8"]}
 NODE_KEYS = dict(zip(NODES, ("a100", "v100")))
+OWN = "memopt, no budget"  # memopt's choice without a device budget, run beside each budget under 100%
 
 
 def cli(args: list[str], run_dir: str) -> dict | None:
@@ -69,6 +71,17 @@ def choice(base: list[str], engine: str, run_dir: str) -> tuple[list[str] | None
     return [f"engine={engine}", *rows[0]["overrides"]], rows[0]
 
 
+def own_ratio_line(frac: float, chosen: list[dict], own: list[dict]) -> str:
+    """The goal below 100%: memopt's choice at the budget over its own best without one, from the runs of the same
+    repeats (each pair alternating in one rotation), the median of the pairs' ratios and each pair's."""
+    pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(chosen, own)
+             if a.get("status") == "ok" and b.get("status") == "ok"]
+    if not pairs:
+        return f"budget {frac:.3g}: memopt's choice / its best without a budget: no pair of runs that both ended ok"
+    return (f"budget {frac:.3g}: memopt's choice / its best without a budget, pairs of one rotation: "
+            f"{statistics.median(pairs):.2f}x (" + ", ".join(f"{r:.2f}x" for r in pairs) + ")")
+
+
 def budget_gb(frac: float, peak: int) -> float:
     """``frac`` of ``peak`` bytes in GiB, rounded up to the 6 decimals the command passes: at 100% plain DDP's own
     peak is within its budget (rounded down, the budget was a few hundred bytes under the peak DDP is planned at to
@@ -89,15 +102,22 @@ def measured(args, tmp: str) -> None:
         peak = ddp_peak(model, tmp, [o for o in args.extra.split() if not o.startswith("strategy.")])
         print(f"\n## {model}: plain fp32 DDP peaks at {mib(peak)} MiB per rank\n", flush=True)
         rows, jobs, keys = {}, [], []
-        for frac in [float(b) for b in args.budgets.split(",")]:
+        fracs = [float(b) for b in args.budgets.split(",")]
+        unbudgeted = [f"model={model}", *COMMON, *args.extra.split(), "trainer.nproc_per_node=2",
+                      f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}",
+                      *([f"strategy.auto.trials={args.trials}"] if args.trials else [])]  # each engine's search alike
+        # the goal at a budget under 100% is a fraction of memopt's own best without one: that choice runs beside the
+        # budget's rows, alternating with them, so the ratio is not one of two VM phases tens of minutes apart
+        own = choice(unbudgeted, "memopt", os.path.join(tmp, f"auto-{model}-none-memopt")) if min(fracs) < 1 else None
+        for frac in fracs:
             budget = budget_gb(frac, peak)
-            base = [f"model={model}", *COMMON, *args.extra.split(), "trainer.nproc_per_node=2", f"hardware.device_memory_gb={budget:.6f}",
-                    f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}",
-                    *([f"strategy.auto.trials={args.trials}"] if args.trials else [])]  # each engine's search alike
+            base = [*unbudgeted, f"hardware.device_memory_gb={budget:.6f}"]
             for engine in ENGINES:
                 ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"))
                 rows[(frac, f"{engine} auto")] = (ov, row)
             rows[(frac, "DeepSpeed typed")] = (TYPED_MOE if model.startswith("moe") else TYPED, {})
+            if frac < 1 and own is not None:
+                rows[(frac, OWN)] = own
             for rep in range(args.repeats):
                 names = [n for (f, n) in rows if f == frac]
                 names = names[rep % len(names):] + names[:rep % len(names)]  # rotate who goes first
@@ -105,8 +125,9 @@ def measured(args, tmp: str) -> None:
                     ov, _ = rows[(frac, name)]
                     if ov is not None:
                         keys.append((frac, name))
-                        run = [o for o in base if not o.startswith("strategy.auto.")]  # the search's own options
-                        jobs.append(([*run, *ov], os.path.join(tmp, f"run-{model}-{frac}-{name.replace(' ', '_')}-{rep}")))
+                        run = [o for o in (unbudgeted if name == OWN else base)
+                               if not o.startswith("strategy.auto.")]  # the search's own options
+                        jobs.append(([*run, *ov], os.path.join(tmp, f"run-{model}-{frac}-{name.replace(' ', '_').replace(',', '')}-{rep}")))
         best: dict = {}
         for key, (ov, run_dir) in zip(keys, jobs):  # each through the CLI, as a user runs it (an oom ends that run only)
             best.setdefault(key, []).append(cli(ov, run_dir) or {"status": "no summary"})
@@ -124,16 +145,20 @@ def measured(args, tmp: str) -> None:
             planned = row.get("step_s")
             med = {k: statistics.median(s[k] for s in ok) for k in ("tokens_per_s", "step_time_s")} if ok else {}
             mfu = [s["mfu"] for s in ok if s.get("mfu") is not None]
-            if ok and planned:
+            if ok and planned and name != OWN:
                 order.setdefault(frac, []).append((planned, med["step_time_s"]))
+            held = "(no budget)" if name == OWN else f"{'<=' if dev <= budget else 'OVER'} budget"
             out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
-                        f"{mib(dev)} {'<=' if dev <= budget else 'OVER'} budget" if top.get("peak_bytes") else "-",
+                        f"{mib(dev)} {held}" if top.get("peak_bytes") else "-",
                         f"{med['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
                         f"{statistics.median(mfu) * 100:.1f}%" if mfu else "-",
                         f"{top['final_loss']:.4f}" if ok else "-",
                         f"{planned:.3g} / {med['step_time_s']:.3g}" if ok and planned else "-"])
         print(table(["budget (of DDP's peak)", "row", "composition", "measured peak per rank", "tokens/s median (worst)", "MFU",
                      f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
+        for frac in fracs:
+            if (frac, OWN) in best and (frac, "memopt auto") in best:
+                print(own_ratio_line(frac, best[(frac, "memopt auto")], best[(frac, OWN)]), flush=True)
         for frac, pairs in order.items():  # each engine's search plans in its own process: rates differ by up to ~10%
             rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
             print(f"budget {frac:.3g}: planned vs measured order of the {len(pairs)} searches' choices, Spearman "
