@@ -9,8 +9,8 @@ Measured part (2 ranks of this CPU): the budget B = a fraction of plain fp32 DDP
 engine=deepspeed and engine=fsdp2 (each search run through the CLI in plan mode, ``auto.json``'s winner
 taken; with ``--trials k`` every engine's search trains its k fastest predicted candidates a few steps and takes
 the fastest measured, ``strategy.auto.trials``), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
-activation checkpointing, fp32), and below 100% memopt's choice without a budget (the goal there is a fraction of
-it: running it beside the budget's rows keeps that ratio out of the VM's slow and fast phases). All chosen runs then train, the budget held by the
+activation checkpointing, fp32), and below 100% memopt's own best, its choice at 100% (the goal there is a fraction
+of it: running it beside the budget's rows keeps that ratio out of the VM's slow and fast phases). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
 the first rotating per repeat; tokens/s (and MFU, step time) is each run's median step after the warm-up, the
 median over the repeats (worst in parentheses). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
@@ -42,7 +42,7 @@ COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every=0", "
 NODES = {"8x A100 80G": ["hardware=a100_80g", "trainer.nproc_per_node=8"],
          "PatrickStar's node (8x V100 32 GB, 240 GB host)": ["hardware=v100_patrickstar", "trainer.nproc_per_node=8"]}
 NODE_KEYS = dict(zip(NODES, ("a100", "v100")))
-OWN = "memopt, no budget"  # memopt's choice without a device budget, run beside each budget under 100%
+OWN = "memopt at 100%"  # memopt's own best (its choice at 100% of DDP's peak), run beside each budget under 100%
 
 
 def cli(args: list[str], run_dir: str) -> dict | None:
@@ -77,8 +77,8 @@ def own_ratio_line(frac: float, chosen: list[dict], own: list[dict]) -> str:
     pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(chosen, own)
              if a.get("status") == "ok" and b.get("status") == "ok"]
     if not pairs:
-        return f"budget {frac:.3g}: memopt's choice / its best without a budget: no pair of runs that both ended ok"
-    return (f"budget {frac:.3g}: memopt's choice / its best without a budget, pairs of one rotation: "
+        return f"budget {frac:.3g}: memopt's choice / its own best (at 100%): no pair of runs that both ended ok"
+    return (f"budget {frac:.3g}: memopt's choice / its own best (at 100%), pairs of one rotation: "
             f"{statistics.median(pairs):.2f}x (" + ", ".join(f"{r:.2f}x" for r in pairs) + ")")
 
 
@@ -106,13 +106,19 @@ def measured(args, tmp: str) -> None:
         unbudgeted = [f"model={model}", *COMMON, *args.extra.split(), "trainer.nproc_per_node=2",
                       f"trainer.max_steps={args.steps}", f"trainer.throughput_warmup_steps={args.warmup}",
                       *([f"strategy.auto.trials={args.trials}"] if args.trials else [])]  # each engine's search alike
-        # the goal at a budget under 100% is a fraction of memopt's own best without one: that choice runs beside the
-        # budget's rows, alternating with them, so the ratio is not one of two VM phases tens of minutes apart
-        own = choice(unbudgeted, "memopt", os.path.join(tmp, f"auto-{model}-none-memopt")) if min(fracs) < 1 else None
+        # the goal at a budget under 100% is a fraction of memopt's own best without one, in the same precision: its
+        # choice at 100% of DDP's peak (a CPU without a device budget is one memory, where the search keeps to fp32;
+        # no composition of the search needs more than fp32 DDP), run beside the budget's rows, alternating with
+        # them, so that the ratio is not one of two VM phases tens of minutes apart
+        full = [*unbudgeted, f"hardware.device_memory_gb={budget_gb(1.0, peak):.6f}"]
+        own = choice(full, "memopt", os.path.join(tmp, f"auto-{model}-own-memopt")) if min(fracs) < 1 else None
         for frac in fracs:
             budget = budget_gb(frac, peak)
             base = [*unbudgeted, f"hardware.device_memory_gb={budget:.6f}"]
             for engine in ENGINES:
+                if frac == 1 and engine == "memopt" and own is not None:  # that search is the one above
+                    rows[(frac, "memopt auto")] = own
+                    continue
                 ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"))
                 rows[(frac, f"{engine} auto")] = (ov, row)
             rows[(frac, "DeepSpeed typed")] = (TYPED_MOE if model.startswith("moe") else TYPED, {})
@@ -125,9 +131,9 @@ def measured(args, tmp: str) -> None:
                     ov, _ = rows[(frac, name)]
                     if ov is not None:
                         keys.append((frac, name))
-                        run = [o for o in (unbudgeted if name == OWN else base)
+                        run = [o for o in (full if name == OWN else base)
                                if not o.startswith("strategy.auto.")]  # the search's own options
-                        jobs.append(([*run, *ov], os.path.join(tmp, f"run-{model}-{frac}-{name.replace(' ', '_').replace(',', '')}-{rep}")))
+                        jobs.append(([*run, *ov], os.path.join(tmp, f"run-{model}-{frac}-{''.join(ch if ch.isalnum() else '_' for ch in name)}-{rep}")))
         best: dict = {}
         for key, (ov, run_dir) in zip(keys, jobs):  # each through the CLI, as a user runs it (an oom ends that run only)
             best.setdefault(key, []).append(cli(ov, run_dir) or {"status": "no summary"})
@@ -147,7 +153,7 @@ def measured(args, tmp: str) -> None:
             mfu = [s["mfu"] for s in ok if s.get("mfu") is not None]
             if ok and planned and name != OWN:
                 order.setdefault(frac, []).append((planned, med["step_time_s"]))
-            held = "(no budget)" if name == OWN else f"{'<=' if dev <= budget else 'OVER'} budget"
+            held = "(100%)" if name == OWN else f"{'<=' if dev <= budget else 'OVER'} budget"
             out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
                         f"{mib(dev)} {held}" if top.get("peak_bytes") else "-",
                         f"{med['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
