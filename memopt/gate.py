@@ -206,8 +206,8 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
     if typed.strategy.auto.trials and not same:
         from memopt.planner.trials import run_trials, trials_table
 
-        rows = run_trials(rows, base_of(typed), typed.strategy.auto.trials, typed.strategy.auto.trial_steps, run_dir,
-                          run_preflight)
+        a = typed.strategy.auto
+        rows = run_trials(rows, base_of(typed), a.trials, a.trial_steps, run_dir, run_preflight, a.trial_margin)
         print(trials_table(rows))
         _write_ranking(run_dir, rows)  # with the trials, fastest measured first
         if "trial" not in rows[0] or rows[0]["trial"]["status"] != "ok":

@@ -96,6 +96,24 @@ def test_a_trial_that_fails_drops_out_with_its_record(tmp_path, monkeypatch):
     assert refused["status"] == "refused" and "none of the trials" in refused["error"] and "oom, oom" in refused["error"]
 
 
+def test_a_trial_overturns_the_plan_only_by_more_than_the_margin():
+    """Rows in planned order with measured steps: the plan's first stays first while the fastest measured is within
+    ``trial_margin`` of it, and loses once it is further; margin 0 is the fastest measured, whatever the plan."""
+    from memopt.planner.trials import planned_unless_faster
+
+    def rows(*steps):
+        return [{"label": f"planned {i}", "trial": {"step_s": s}} for i, s in enumerate(steps)]
+
+    def order(ran):
+        return [r["label"] for r in ran]
+
+    assert order(planned_unless_faster(rows(10.3, 9.7, 11.0), 0.1)) == ["planned 0", "planned 1", "planned 2"]
+    assert order(planned_unless_faster(rows(10.3, 8.9, 9.5), 0.1)) == ["planned 1", "planned 2", "planned 0"]
+    assert order(planned_unless_faster(rows(10.3, 9.7, 11.0), 0.0)) == ["planned 1", "planned 0", "planned 2"]
+    assert order(planned_unless_faster(rows(8.0, 9.0), 0.1)) == ["planned 0", "planned 1"]
+    assert planned_unless_faster([], 0.1) == []
+
+
 def test_trial_options_are_checked_naming_the_field():
     from memopt.config import validate
     from memopt.errors import ConfigError
@@ -103,6 +121,9 @@ def test_trial_options_are_checked_naming_the_field():
 
     for bad in ("strategy.auto.trials=-1", "strategy.auto.trial_steps=1"):
         with pytest.raises(ConfigError, match=r"strategy.auto.trials=.*trial_steps=.*the first step is a warm-up"):
+            validate(typed([*TINY, bad]))
+    for bad in ("strategy.auto.trial_margin=-0.1", "strategy.auto.trial_margin=1.0"):
+        with pytest.raises(ConfigError, match=r"strategy.auto.trial_margin=.*a fraction in \[0, 1\)"):
             validate(typed([*TINY, bad]))
 
 
