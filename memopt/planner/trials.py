@@ -28,7 +28,7 @@ def trial_config(chosen, steps: int):
     return replace(chosen, trainer=t, logger=replace(chosen.logger, name="none"))
 
 
-def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflight, margin: float = 0.0) -> list[dict]:
+def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflight, margin: float) -> list[dict]:
     """Train the first ``k`` fitting rows of ``rows`` (planned order; ``base``: the config candidates compose
     on) for ``steps`` steps each; sets each tried row's ``trial`` ({status, step_s, peak_bytes, dir}) and
     returns the rows reordered: the tried ones that ran, fastest measured first, then the rest as planned.
