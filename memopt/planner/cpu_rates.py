@@ -155,10 +155,13 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under the bf16 strategy's
     autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
     matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
-    ``overhead_us``; the memory-bound ops' rate is what is left of the whole block's time over their bytes
-    (GELU, LayerNorm, residual adds, autocast's casts: in bf16 some move half the bytes in about the same
-    time per element, so each dtype has its own rate). The FLOPs, bytes and ops
-    are counted by the planner's own rule (``simulate.op_work``)."""
+    ``overhead_us``; the memory-bound ops (GELU, LayerNorm, residual adds, autocast's casts: in bf16 some move
+    half the bytes in about the same time per element, so each dtype has its own rate) are timed in the whole
+    block with its products and attention skipped (``WithoutProducts``), less its ops at ``overhead_us``. Why
+    not the block's time less its products at their own rate: on the AMX CPU a thread's bf16 products switch
+    between ~0.45 and ~1.15 TFLOP/s every few seconds (a neighbour on the core), and that remainder, a tenth of
+    the block's time, read 5.6-22.6 GB/s in one minute (experiments/step_time/README.md). The FLOPs, bytes and
+    ops are counted by the planner's own rule (``simulate.op_work``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memopt.memory.tracker import MemoryTracker
@@ -214,28 +217,58 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                     self.attention += flops
                 return out
 
+        def memory_bound():  # the whole block, its products and attention skipped (their outputs zeros)
+            with WithoutProducts():
+                block()
+
         counts = []
         for fn in (products, attention, block):
             with Count() as count:  # also the warm-up (first calls build kernels)
                 fn()
             counts.append(count)
+        memory_bound()  # its warm-up
         c_mm, c_att, c_all = counts
         with MemoryTracker(torch.device("cpu")):
-            t_mm, t_att, t_all = settled_best((products, attention, block))
+            t_mm, t_att, t_rest = settled_best((products, attention, memory_bound))
     finally:
         torch.set_num_threads(threads)
     ovh = overhead_us * 1e-6
     mm = c_mm.flops / max(t_mm - c_mm.ops * ovh, 1e-9) / peak_flops
     att = c_att.attention / max(t_att - c_att.ops * ovh, 1e-9) / peak_flops
-    # the memory-bound ops' time is what the products and attention, at the rates just timed, leave of the
-    # block: rates clamped to the peak would misread it (on an AVX2 EPYC the block's products beat the 512-cube
-    # peak by 5-25%, and clamping them moved that much of the products' time out of the memory term: 7-23 GB/s
-    # between processes)
-    rest = t_all - c_all.ops * ovh - (c_all.flops - c_all.attention) / (max(mm, 0.01) * peak_flops) \
-        - c_all.attention / (max(att, 0.01) * peak_flops)
-    rest = max(rest, 0.05 * t_all)  # the products' and attention's share misread: never a free memory term
+    rest = max(t_rest - c_all.ops * ovh, 0.05 * t_rest)  # the overhead misread: never a free memory term
     mm, att = (min(1.0, max(0.01, e)) for e in (mm, att))
     return mm, att, c_all.moved / rest / 1e9 * threads
+
+
+class WithoutProducts:
+    """Inside it, ops with a FLOP formula (products, fused attention: ``simulate._FLOPS``) return zeros of their
+    outputs' shapes, strides and dtypes without computing anything; every other op runs. A block run so takes
+    its memory-bound ops' time and its ops' host cost, none of its products' (``block_rates``)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+        from torch.utils._pytree import tree_map
+
+        from memopt.planner.simulate import _FLOPS
+
+        def zeros_like_out(args, kwargs, func):
+            with _disable_current_modes():  # the output's shape and strides, from the op's meta kernel, unseen
+                meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                out = func(*meta[0], **meta[1])  # by the tracker and the counting modes outside
+            return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).zero_()
+                            if isinstance(t, torch.Tensor) else t, out)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func._overloadpacket in _FLOPS:
+                    return zeros_like_out(args, kwargs or {}, func)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        return self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 def settled_best(fns, least: int = 3, most: int = 6, within: float = 0.05) -> list[float]:
