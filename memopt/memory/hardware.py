@@ -55,6 +55,11 @@ class HardwareConfig:
     # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's GELU and LayerNorm
     # move half the bytes in about the same time per element: planner/cpu_rates.py measures both).
     dtype_memory_gbps: dict[str, float] = field(default_factory=dict)
+    # Per compute dtype, the rate of activation functions' bytes (GELU, SiLU and their backward: ``op_bytes``'
+    # ``activation_bytes``), which the memory term then divides by this instead: on a CPU thread GELU (tanh) moves
+    # 1.5-5 GB/s where an add or a cast moves 20-45, so one rate mispriced steps whose bytes mix them differently
+    # (bf16 DDP's autocast casts against the chunk engine's bf16 GELU). Empty: those bytes at the memory rate.
+    activation_gbps: dict[str, float] = field(default_factory=dict)
     # Host time per dispatched op (microseconds): Python, autograd, the dispatcher and the memory tracker,
     # paid by every op of the step whatever its size (what makes gpt_tiny's step 7x its FLOPs on a CPU), and
     # per op on DTensors (tensor parallelism's sharding propagation). None: not estimated.
@@ -94,9 +99,10 @@ def check_hardware(hw: HardwareConfig) -> None:
     for name, value in (hw.attention_efficiency or {}).items():
         if not 0 < value <= 1:
             raise ConfigError(f"hardware.attention_efficiency.{name}={value} must be in (0, 1]")
-    for name, value in (hw.dtype_memory_gbps or {}).items():
-        if not value > 0:
-            raise ConfigError(f"hardware.dtype_memory_gbps.{name}={value} must be > 0")
+    for group in ("dtype_memory_gbps", "activation_gbps"):
+        for name, value in (getattr(hw, group) or {}).items():
+            if not value > 0:
+                raise ConfigError(f"hardware.{group}.{name}={value} must be > 0 (GB/s)")
     for name, value in (hw.dtype_efficiency or {}).items():
         if not 0 < value <= 1:
             raise ConfigError(f"hardware.dtype_efficiency.{name}={value} must be in (0, 1]")

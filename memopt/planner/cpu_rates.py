@@ -7,10 +7,10 @@ collectives (a copy through the kernel's sockets, not a memcpy), and on DTensors
 sharding propagation. Each probe measures one of these, for the fields of ``HardwareConfig`` a profile
 leaves unset:
 
-- ``compute_efficiency``, ``attention_efficiency`` and ``memory_gbps`` (per fast compute dtype: fp32, and
-  bf16 where its products are fast, ``dtype_efficiency`` / ``dtype_memory_gbps``): a GPT block at the run's
-  shapes (``probe_shape``), its products timed alone, its fused attention alone, the memory-bound ops' rate
-  what is left of the whole block's time (``block_rates``);
+- ``compute_efficiency``, ``attention_efficiency``, ``memory_gbps`` and ``activation_gbps`` (per fast compute
+  dtype: fp32, and bf16 where its products are fast, ``dtype_efficiency`` / ``dtype_memory_gbps``): a GPT block at
+  the run's shapes (``probe_shape``), its products timed alone, its fused attention alone, its GELU alone, and the
+  other memory-bound ops in the whole block with those skipped (``block_rates``);
 - ``op_overhead_us``: a tiny training step (LayerNorm, Linear, GELU, residual, cross entropy, AdamW)
   under the memory tracker, timed after a warm-up, divided by the ops it dispatches, on one thread;
 - ``dtensor_op_overhead_us``: the same kind of step with its Linear layers column/row parallel over a
@@ -78,6 +78,8 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
         out["memory_gbps"] = rates["fp32"][2]
         if not hw.dtype_memory_gbps and "bf16" in rates:
             out["dtype_memory_gbps"] = {"bf16": rates["bf16"][2]}
+    if not hw.activation_gbps:
+        out["activation_gbps"] = {name: r[3] for name, r in rates.items()}
     if hw.dtensor_op_overhead_us is None:
         got = _tried(("dtensor", ovh, threads), lambda: dtensor_op_overhead_us(ovh))
         if got is not None:
@@ -150,14 +152,16 @@ def probe_shape(model=None) -> tuple[int, int, int, int]:
 
 
 def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, int, int],
-                dtype: torch.dtype = torch.float32) -> tuple[float, float, float]:
-    """(products' fraction of the matmul peak, fused attention's fraction of it, memory-bound GB/s) of a GPT
-    block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under the bf16 strategy's
+                dtype: torch.dtype = torch.float32) -> tuple[float, float, float, float]:
+    """(products' fraction of the matmul peak, fused attention's fraction of it, memory-bound GB/s, the activation
+    function's GB/s) of a GPT block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under the bf16 strategy's
     autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
     matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
-    ``overhead_us``; the memory-bound ops (GELU, LayerNorm, residual adds, autocast's casts: in bf16 some move
-    half the bytes in about the same time per element, so each dtype has its own rate) are timed in the whole
-    block with its products and attention skipped (``WithoutProducts``), less its ops at ``overhead_us``. Why
+    ``overhead_us``; its GELU (forward and backward) alone; the other memory-bound ops (LayerNorm, residual adds,
+    autocast's casts: in bf16 some move half the bytes in about the same time per element, so each dtype has its
+    own rate) in the whole block with its products, attention and GELU skipped (``Skipping``), less its ops at
+    ``overhead_us`` (GELU (tanh) moves 1.5-5 GB/s on a thread of the AMX CPU, adds and casts 20-45: one rate for
+    both priced a step by its mix of them; simulate.ACTIVATION_FNS). Why
     not the block's time less its products at their own rate: on the AMX CPU a thread's bf16 products switch
     between ~0.45 and ~1.15 TFLOP/s every few seconds (a neighbour on the core), and that remainder, a tenth of
     the block's time, read 5.6-22.6 GB/s in one minute (experiments/step_time/README.md). The FLOPs, bytes and
@@ -165,7 +169,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memopt.memory.tracker import MemoryTracker
-    from memopt.planner.simulate import ATTENTION, op_work
+    from memopt.planner.simulate import _FLOPS, ACTIVATION_FNS, ATTENTION, op_work
 
     batch, seq, width, heads = shape
     threads = torch.get_num_threads()
@@ -204,10 +208,18 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                 out = attend(*qkv_in)
             out.backward(qkv_grad)
 
+        hidden = torch.randn(batch, seq, 4 * width, dtype=dtype, requires_grad=True)  # the up-projection's output
+        hidden_grad = torch.ones(batch, seq, 4 * width, dtype=dtype)
+
+        def activation():  # the block's GELU, forward and backward, at its shape and dtype
+            with autocast:
+                out = torch.nn.functional.gelu(hidden, approximate="tanh")
+            out.backward(hidden_grad)
+
         class Count(TorchDispatchMode):
             def __init__(self):
                 super().__init__()
-                self.flops = self.attention = self.moved = self.ops = 0
+                self.flops = self.attention = self.moved = self.act = self.ops = 0
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
@@ -215,41 +227,48 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                 self.ops, self.flops, self.moved = self.ops + 1, self.flops + flops, self.moved + moved
                 if func._overloadpacket in ATTENTION:
                     self.attention += flops
+                if func._overloadpacket in ACTIVATION_FNS:
+                    self.act += moved
                 return out
 
-        def memory_bound():  # the whole block, its products and attention skipped (their outputs zeros)
-            with WithoutProducts():
+        def memory_bound():  # the whole block, its products, attention and GELU skipped (their outputs zeros)
+            with Skipping(frozenset(_FLOPS) | ACTIVATION_FNS):
                 block()
 
         counts = []
-        for fn in (products, attention, block):
+        for fn in (products, attention, activation, block):
             with Count() as count:  # also the warm-up (first calls build kernels)
                 fn()
             counts.append(count)
         memory_bound()  # its warm-up
-        c_mm, c_att, c_all = counts
+        c_mm, c_att, c_act, c_all = counts
         with MemoryTracker(torch.device("cpu")):
-            t_mm, t_att, t_rest = settled_best((products, attention, memory_bound))
+            t_mm, t_att, t_act, t_rest = settled_best((products, attention, activation, memory_bound))
     finally:
         torch.set_num_threads(threads)
     ovh = overhead_us * 1e-6
     mm = c_mm.flops / max(t_mm - c_mm.ops * ovh, 1e-9) / peak_flops
     att = c_att.attention / max(t_att - c_att.ops * ovh, 1e-9) / peak_flops
     rest = max(t_rest - c_all.ops * ovh, 0.05 * t_rest)  # the overhead misread: never a free memory term
+    act = max(t_act - c_act.ops * ovh, 0.05 * t_act)
     mm, att = (min(1.0, max(0.01, e)) for e in (mm, att))
-    return mm, att, c_all.moved / rest / 1e9 * threads
+    return mm, att, (c_all.moved - c_all.act) / rest / 1e9 * threads, c_act.act / act / 1e9 * threads
 
 
-class WithoutProducts:
-    """Inside it, ops with a FLOP formula (products, fused attention: ``simulate._FLOPS``) return zeros of their
-    outputs' shapes, strides and dtypes without computing anything; every other op runs. A block run so takes
-    its memory-bound ops' time and its ops' host cost, none of its products' (``block_rates``)."""
+class Skipping:
+    """Inside it, the ops of ``packets`` (overload packets: the products and fused attention of
+    ``simulate._FLOPS``, the activation functions) return zeros of their outputs' shapes, strides and dtypes
+    without computing anything; every other op runs. A block run so takes the time of its other memory-bound
+    ops and its ops' host cost, none of the skipped ops' (``block_rates``)."""
+
+    def __init__(self, packets: frozenset):
+        self.packets = packets
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
         from torch.utils._pytree import tree_map
 
-        from memopt.planner.simulate import _FLOPS
+        packets = self.packets
 
         def zeros_like_out(args, kwargs, func):
             with _disable_current_modes():  # the output's shape and strides, from the op's meta kernel, unseen
@@ -260,7 +279,7 @@ class WithoutProducts:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func._overloadpacket in _FLOPS:
+                if func._overloadpacket in packets:
                     return zeros_like_out(args, kwargs or {}, func)
                 return func(*args, **(kwargs or {}))
 

@@ -188,6 +188,13 @@ def comm_seconds(hw, traffic: dict, per_kind: dict | None) -> float | None:
     return total
 
 
+def memory_seconds(traffic: dict, gbps: float, activation_gbps: float | None) -> float:
+    """One rank's memory-bound ops: their bytes at ``gbps``, the activation functions' share of them
+    (``activation_bytes``) at ``activation_gbps`` where the profile has that rate."""
+    total, act = traffic.get("op_bytes", 0), traffic.get("activation_bytes", 0) if activation_gbps else 0
+    return (total - act) / (gbps * 1e9) + (act / (activation_gbps * 1e9) if act else 0.0)
+
+
 def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     """Seconds per optimizer step on ``hw``: compute, offload, communication and host-optimizer terms,
     which dominates. ``ranks_per_node``: the ranks whose host optimizer steps share the node's host."""
@@ -214,7 +221,7 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     comm = comm_seconds(hw, tr, sim.get("comm_per_step"))
     terms = {
         "compute_s": flops_at_eff * share / (peak * eff * 1e12) if peak else None,
-        "memory_s": tr.get("op_bytes", 0) * share / (mem_gbps * 1e9) if mem_gbps else None,
+        "memory_s": memory_seconds(tr, mem_gbps, (hw.activation_gbps or {}).get(dtype)) * share if mem_gbps else None,
         "overhead_s": overhead * 1e-6 if overhead is not None else None,
         "offload_s": tr.get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
         "comm_s": comm,

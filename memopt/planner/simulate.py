@@ -82,6 +82,9 @@ ATTENTION = frozenset(getattr(_aten, n) for n in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward") if hasattr(_aten, n))
+# activation functions: memory-bound ops whose bytes run at a rate of their own (``hardware.activation_gbps``): on a
+# CPU thread GELU (tanh) and its backward move 1.5-5 GB/s where adds, casts and LayerNorm move 13-45
+ACTIVATION_FNS = frozenset(getattr(_aten, n) for n in ("gelu", "gelu_backward", "silu", "silu_backward") if hasattr(_aten, n))
 
 
 def op_work(func, args, kwargs, out, moves: bool = True) -> tuple[int, int]:
@@ -261,6 +264,8 @@ class PlanTracker(MemoryTracker):
                 if func._overloadpacket in ATTENTION:
                     self.traffic["attention_flops"] += flops // split
                 self.traffic["op_bytes"] += moved // split
+                if func._overloadpacket in ACTIVATION_FNS:
+                    self.traffic["activation_bytes"] += moved // split
             if _on_dtensors(args):
                 self.traffic["dtensor_ops"] += 1
             if src is not None and self._device_of(args[0]) not in (None, src):

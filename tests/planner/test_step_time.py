@@ -166,6 +166,20 @@ def test_attention_and_bf16_memory_at_their_own_rates():
     assert step_time(typed(TINY), _hw(**rates), sim, ranks_per_node=2)["compute_s"] == pytest.approx(2.0)
 
 
+def test_activation_bytes_at_their_own_rate():
+    """The activation functions' share of the memory-bound bytes at ``activation_gbps[dtype]``, the rest at the
+    memory rate: of 4e9 B, 1e9 B of GELU at 2 GB/s and 3e9 B at 16 GB/s, on 2 ranks sharing the CPU: 1 + 0.375 s;
+    without the activation rate (or for a dtype it lacks) all 4e9 B at 16 GB/s: 0.5 s; a rate of 0 refused."""
+    sim = {"flops": 1e12, "traffic": {"op_bytes": 4e9, "activation_bytes": 1e9}}
+    hw = _hw(memory_gbps=16.0, activation_gbps={"fp32": 2.0})
+    assert step_time(typed(TINY), hw, sim, ranks_per_node=2)["memory_s"] == pytest.approx(1.375)
+    assert step_time(typed(TINY), _hw(memory_gbps=16.0), sim, ranks_per_node=2)["memory_s"] == pytest.approx(0.5)
+    bf16 = typed([*TINY, "+strategy=bf16"])
+    assert step_time(bf16, hw, sim, ranks_per_node=2)["memory_s"] == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="hardware.activation_gbps.bf16=0"):
+        check_hardware(_hw(activation_gbps={"bf16": 0.0}))
+
+
 def test_the_simulated_step_counts_attention_flops_by_the_formula():
     """The plan's attention FLOPs (what ``attention_efficiency`` divides) are the fused kernel's products,
     causal blocks counted: forward Q K^T and P V, 4 B T^2 C; backward the scores recomputed and four products
@@ -191,7 +205,8 @@ def test_the_simulated_step_dispatches_the_ops_of_a_real_step():
     """The plan's op count and memory-bound bytes (what the overhead and memory terms multiply) against a
     real step of the same engine, counted by a dispatch mode over real tensors (checkpointing and two
     micro-batches on one rank: recomputation, accumulation and the optimizer's ops): within 5% (fake tensors
-    dispatch a few ops of their own: 853 planned against 829 real, bytes 2% under)."""
+    dispatch a few ops of their own: 853 planned against 829 real, bytes 2% under), and the GELU's bytes, which
+    ``activation_gbps`` prices, likewise."""
     import contextlib
 
     import torch
@@ -208,13 +223,15 @@ def test_the_simulated_step_dispatches_the_ops_of_a_real_step():
     planned = make_plan(cfg, _hw(device_memory_gb=64.0, device_is_host=True))["traffic"]
 
     class Count(TorchDispatchMode):
-        ops, moved = 0, 0
+        ops, moved, gelu = 0, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             Count.ops += 1
             if func._overloadpacket not in _FLOPS and not func.is_view and func.namespace not in ("c10d", "_c10d_functional"):
                 Count.moved += _moved_bytes(args, kwargs, out)
+                if func._overloadpacket in (torch.ops.aten.gelu, torch.ops.aten.gelu_backward):
+                    Count.gelu += _moved_bytes(args, kwargs, out)
             return out
 
     tracker = MemoryTracker(torch.device("cpu"))
@@ -228,6 +245,7 @@ def test_the_simulated_step_dispatches_the_ops_of_a_real_step():
                 engine.step(1e-3)
     assert planned["ops"] == pytest.approx(Count.ops, rel=0.05)
     assert planned["op_bytes"] == pytest.approx(Count.moved, rel=0.05)
+    assert planned["activation_bytes"] == pytest.approx(Count.gelu, rel=0.05) and Count.gelu > 0
 
 
 def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
@@ -246,6 +264,8 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
     assert 0.05 <= hw.compute_efficiency <= 1.0
     if hw.peak_tflops["bf16"] >= hw.peak_tflops["fp32"]:  # bf16 products fast here: their own fraction
         assert 0.05 <= hw.dtype_efficiency["bf16"] <= 1.0 and hw.dtype_memory_gbps["bf16"] > 0
+        assert hw.activation_gbps["bf16"] > 0
+    assert hw.activation_gbps["fp32"] > 0
     assert all(0 < e <= 1 for e in hw.attention_efficiency.values()) and "fp32" in hw.attention_efficiency
     for name in ("memory_gbps", "dtensor_op_overhead_us", "collective_latency_us", "host_adam_gparams_s",
                  "device_device_gbps"):
@@ -302,21 +322,21 @@ def test_probe_rounds_go_on_until_each_best_is_met_again(monkeypatch):
     assert settled_best((lambda: None,), least=3, most=5) == [pytest.approx(0.9 ** 4)]
 
 
-def test_memory_rate_is_the_block_timed_without_its_products(monkeypatch):
-    """The memory-bound ops' rate is the block's bytes over the block's time with its products and attention
-    skipped (their outputs zeros), less its ops' overhead: the third timing dispatches no op with a FLOP formula
-    and moves the whole block's non-product bytes, and the rate follows from its time alone, however fast the
-    products are (efficiencies far above 1 reported as 1)."""
+def test_memory_rates_are_timed_directly(monkeypatch):
+    """The activation's rate is its GELU's bytes over the GELU's own timing; the other memory-bound ops' rate is their
+    bytes over the whole block timed with its products, attention and GELU skipped (their outputs zeros): that timing
+    dispatches no op with a FLOP formula and no GELU, and moves the block's other bytes; both rates follow from those
+    times alone, however fast the products are (efficiencies far above 1 reported as 1)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memopt.planner import cpu_rates
-    from memopt.planner.simulate import ATTENTION, op_work
+    from memopt.planner.simulate import ACTIVATION_FNS, ATTENTION, op_work
 
-    class Count(TorchDispatchMode):  # the reference count: FLOPs (attention apart), bytes and ops of each function
+    class Count(TorchDispatchMode):  # the reference count: FLOPs (attention apart), GELU's and other bytes
         def __init__(self):
             super().__init__()
-            self.flops = self.att = self.moved = 0
+            self.flops = self.att = self.moved = self.act = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -325,11 +345,13 @@ def test_memory_rate_is_the_block_timed_without_its_products(monkeypatch):
                 self.att += f
             else:
                 self.flops += f
-            if f == 0 and func not in (torch.ops.aten.empty_strided.default, torch.ops.aten.zero_.default):
-                self.moved += m  # the zeros standing for the products apart
+            if func._overloadpacket in ACTIVATION_FNS:
+                self.act += m
+            elif func not in (torch.ops.aten.empty_strided.default, torch.ops.aten.zero_.default):
+                self.moved += m  # the zeros standing for the skipped ops apart
             return out
 
-    times, seen = [0.5, 0.1, 0.3], []  # products, attention, the block without them (seconds)
+    times, seen = [0.5, 0.1, 0.04, 0.3], []  # products, attention, GELU, the block without them (seconds)
 
     def timed(fns, **kw):
         for fn in fns:
@@ -339,12 +361,15 @@ def test_memory_rate_is_the_block_timed_without_its_products(monkeypatch):
         return list(times)
 
     monkeypatch.setattr(cpu_rates, "settled_best", timed)
-    mm, att, gbps = cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2))  # a 1e6 FLOP/s peak: efficiencies far above 1
-    products, attention, rest = seen
+    mm, att, gbps, act_gbps = cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2))  # a 1e6 FLOP/s peak: far above 1
+    products, attention, gelu, rest = seen
     assert mm == att == 1.0  # reported clamped to the peak
-    assert rest.flops == rest.att == 0 and products.flops > 0 and attention.att > 0
+    assert rest.flops == rest.att == rest.act == 0 and products.flops > 0 and attention.att > 0
+    assert gelu.act == 5 * 16 * 128 * 4  # 16 x 128 fp32 hidden: forward in + out, backward grad + in + out
+    threads = torch.get_num_threads()
+    assert act_gbps == pytest.approx(gelu.act / times[2] / 1e9 * threads)
     # 5%: the probe counts the block's first call, whose parameters' gradients are created, not accumulated into
-    assert rest.moved > 0 and gbps == pytest.approx(rest.moved / times[2] / 1e9 * torch.get_num_threads(), rel=0.05)
+    assert rest.moved > 0 and gbps == pytest.approx(rest.moved / times[3] / 1e9 * threads, rel=0.05)
 
 
 def test_the_first_probe_of_a_process_says_so_and_each_probe_runs_once(monkeypatch, capsys):
