@@ -52,7 +52,7 @@ class HardwareConfig:
     # term is the simulated step's bytes of ops without a FLOP formula (elementwise, norms, softmax, the
     # optimizer's math) / this. None: not estimated (the GPU profiles' compute_efficiency absorbs it).
     memory_gbps: float | None = None
-    # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's GELU and LayerNorm
+    # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's casts and LayerNorm
     # move half the bytes in about the same time per element: planner/cpu_rates.py measures both).
     dtype_memory_gbps: dict[str, float] = field(default_factory=dict)
     # Per compute dtype, the rate of activation functions' bytes (GELU, SiLU and their backward: ``op_bytes``'

@@ -154,8 +154,8 @@ def probe_shape(model=None) -> tuple[int, int, int, int]:
 def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, int, int],
                 dtype: torch.dtype = torch.float32) -> tuple[float, float, float, float]:
     """(products' fraction of the matmul peak, fused attention's fraction of it, memory-bound GB/s, the activation
-    function's GB/s) of a GPT block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under the bf16 strategy's
-    autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
+    function's GB/s) of a GPT block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under
+    the bf16 strategy's autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
     matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
     ``overhead_us``; its GELU (forward and backward) alone; the other memory-bound ops (LayerNorm, residual adds,
     autocast's casts: in bf16 some move half the bytes in about the same time per element, so each dtype has its
