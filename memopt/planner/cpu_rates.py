@@ -231,8 +231,10 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                     self.act += moved
                 return out
 
+        skipping = Skipping(frozenset(_FLOPS) | ACTIVATION_FNS)
+
         def memory_bound():  # the whole block, its products, attention and GELU skipped (their outputs zeros)
-            with Skipping(frozenset(_FLOPS) | ACTIVATION_FNS):
+            with skipping:
                 block()
 
         counts = []
@@ -240,7 +242,8 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
             with Count() as count:  # also the warm-up (first calls build kernels)
                 fn()
             counts.append(count)
-        memory_bound()  # its warm-up
+        with Count() as c_rest:  # its warm-up: its ops, the zeros' own included, each pays the host's cost
+            memory_bound()
         c_mm, c_att, c_act, c_all = counts
         with MemoryTracker(torch.device("cpu")):
             t_mm, t_att, t_act, t_rest = settled_best((products, attention, activation, memory_bound))
@@ -249,7 +252,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     ovh = overhead_us * 1e-6
     mm = c_mm.flops / max(t_mm - c_mm.ops * ovh, 1e-9) / peak_flops
     att = c_att.attention / max(t_att - c_att.ops * ovh, 1e-9) / peak_flops
-    rest = max(t_rest - c_all.ops * ovh, 0.05 * t_rest)  # the overhead misread: never a free memory term
+    rest = max(t_rest - c_rest.ops * ovh, 0.05 * t_rest)  # the overhead misread: never a free memory term
     act = max(t_act - c_act.ops * ovh, 0.05 * t_act)
     mm, att = (min(1.0, max(0.01, e)) for e in (mm, att))
     return mm, att, (c_all.moved - c_all.act) / rest / 1e9 * threads, c_act.act / act / 1e9 * threads
@@ -259,21 +262,27 @@ class Skipping:
     """Inside it, the ops of ``packets`` (overload packets: the products and fused attention of
     ``simulate._FLOPS``, the activation functions) return zeros of their outputs' shapes, strides and dtypes
     without computing anything; every other op runs. A block run so takes the time of its other memory-bound
-    ops and its ops' host cost, none of the skipped ops' (``block_rates``)."""
+    ops and its ops' host cost, none of the skipped ops' (``block_rates``). The outputs' layouts are read once per
+    op and argument layout (a meta kernel's call costs ~100 us, a tenth of a small model's memory-bound time)."""
 
     def __init__(self, packets: frozenset):
         self.packets = packets
+        self._layouts: dict = {}
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
         from torch.utils._pytree import tree_map
 
-        packets = self.packets
+        packets, layouts = self.packets, self._layouts
 
         def zeros_like_out(args, kwargs, func):
-            with _disable_current_modes():  # the output's shape and strides, from the op's meta kernel, unseen
-                meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
-                out = func(*meta[0], **meta[1])  # by the tracker and the counting modes outside
+            key = (func, repr(tree_map(lambda t: (t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t,
+                                       (args, kwargs))))
+            out = layouts.get(key)
+            if out is None:
+                with _disable_current_modes():  # the output's shape and strides, from the op's meta kernel, unseen
+                    meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                    out = layouts[key] = func(*meta[0], **meta[1])  # by the tracker and the counting modes outside
             return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).zero_()
                             if isinstance(t, torch.Tensor) else t, out)
 
