@@ -55,7 +55,7 @@ class HardwareConfig:
     # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's casts and LayerNorm
     # move half the bytes in about the same time per element: planner/cpu_rates.py measures both).
     dtype_memory_gbps: dict[str, float] = field(default_factory=dict)
-    # Per compute dtype, the rate of activation functions' bytes (GELU, SiLU and their backward: ``op_bytes``'
+    # Per compute dtype, the rate of the activation function's bytes (GELU and its backward: ``op_bytes``'
     # ``activation_bytes``), which the memory term then divides by this instead: on a CPU thread GELU (tanh) moves
     # 1.5-5 GB/s where an add or a cast moves 20-45, so one rate mispriced steps whose bytes mix them differently
     # (bf16 DDP's autocast casts against the chunk engine's bf16 GELU). Empty: those bytes at the memory rate.

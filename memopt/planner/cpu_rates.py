@@ -260,7 +260,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
 
 class Skipping:
     """Inside it, the ops of ``packets`` (overload packets: the products and fused attention of
-    ``simulate._FLOPS``, the activation functions) return zeros of their outputs' shapes, strides and dtypes
+    ``simulate._FLOPS``, GELU) return zeros of their outputs' shapes, strides and dtypes
     without computing anything; every other op runs. A block run so takes the time of its other memory-bound
     ops and its ops' host cost, none of the skipped ops' (``block_rates``). The outputs' layouts are read once per
     op and argument layout (a meta kernel's call costs ~100 us, a tenth of a small model's memory-bound time)."""

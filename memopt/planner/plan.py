@@ -189,7 +189,7 @@ def comm_seconds(hw, traffic: dict, per_kind: dict | None) -> float | None:
 
 
 def memory_seconds(traffic: dict, gbps: float, activation_gbps: float | None) -> float:
-    """One rank's memory-bound ops: their bytes at ``gbps``, the activation functions' share of them
+    """One rank's memory-bound ops: their bytes at ``gbps``, their GELU's share
     (``activation_bytes``) at ``activation_gbps`` where the profile has that rate."""
     total, act = traffic.get("op_bytes", 0), traffic.get("activation_bytes", 0) if activation_gbps else 0
     return (total - act) / (gbps * 1e9) + (act / (activation_gbps * 1e9) if act else 0.0)
