@@ -8,7 +8,8 @@ sharding propagation. Each probe measures one of these, for the fields of ``Hard
 leaves unset:
 
 - ``compute_efficiency``, ``attention_efficiency``, ``memory_gbps`` and ``activation_gbps`` (per fast compute
-  dtype: fp32, and bf16 where its products are fast, ``dtype_efficiency`` / ``dtype_memory_gbps``): a GPT block at
+  dtype: fp32, and bf16 where its products are fast, ``dtype_efficiency`` / ``dtype_memory_gbps``, whose
+  ``bf16_weights`` is a block with bf16 weights too): a GPT block at
   the run's shapes (``probe_shape``), its products timed alone, its fused attention alone, its GELU alone, and the
   other memory-bound ops in the whole block with those skipped (``block_rates``);
 - ``op_overhead_us``: a tiny training step (LayerNorm, Linear, GELU, residual, cross entropy, AdamW)
@@ -77,7 +78,13 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
     if hw.memory_gbps is None:
         out["memory_gbps"] = rates["fp32"][2]
         if not hw.dtype_memory_gbps and "bf16" in rates:
-            out["dtype_memory_gbps"] = {"bf16": rates["bf16"][2]}
+            # and a block whose weights are bf16 too (the chunk engine's, ``bf16.params=bf16``): its residual
+            # stream and norms in bf16 move half the bytes in about the same time (7.5-8.9 GB/s against
+            # 13.3-14.2 under autocast over fp32 weights, gpt_small's block, the AMX CPU)
+            weights = _cached(("block", ovh, peaks["bf16"], threads, shape, "bf16", "bf16 weights"),
+                              lambda: block_rates(ovh, peaks["bf16"] / threads * 1e12, shape, torch.bfloat16,
+                                                  torch.bfloat16))
+            out["dtype_memory_gbps"] = {"bf16": rates["bf16"][2], "bf16_weights": weights[2]}
     if not hw.activation_gbps:
         out["activation_gbps"] = {name: r[3] for name, r in rates.items()}
     if hw.dtensor_op_overhead_us is None:
@@ -152,14 +159,16 @@ def probe_shape(model=None) -> tuple[int, int, int, int]:
 
 
 def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, int, int],
-                dtype: torch.dtype = torch.float32) -> tuple[float, float, float, float]:
+                dtype: torch.dtype = torch.float32, weights: torch.dtype = torch.float32
+                ) -> tuple[float, float, float, float]:
     """(products' fraction of the matmul peak, fused attention's fraction of it, memory-bound GB/s, the activation
     function's GB/s) of a GPT block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under
     the bf16 strategy's autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
     matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
     ``overhead_us``; its GELU (forward and backward) alone; the other memory-bound ops (LayerNorm, residual adds,
     autocast's casts: in bf16 some move half the bytes in about the same time per element, so each dtype has its
-    own rate) in the whole block with its products, attention and GELU skipped (``Skipping``), less its ops at
+    own rate; ``weights``: the block's parameters' dtype, bf16 for runs that keep bf16 weights) in the whole block
+    with its products, attention and GELU skipped (``Skipping``), less its ops at
     ``overhead_us`` (GELU (tanh) moves 1.5-5 GB/s on a thread of the AMX CPU, adds and casts 20-45: one rate for
     both priced a step by its mix of them; simulate.ACTIVATION_FNS). Why
     not the block's time less its products at their own rate: on the AMX CPU a thread's bf16 products switch
@@ -179,7 +188,9 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
         ln1, ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
         qkv, proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
         up, down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-        x = torch.randn(batch, seq, width, requires_grad=True)
+        for m in (ln1, ln2, qkv, proj, up, down):
+            m.to(weights)
+        x = torch.randn(batch, seq, width, dtype=weights, requires_grad=True)
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False)
 
         def attend(q, k, v):
@@ -192,7 +203,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                 out = h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
             out.backward(grad)
 
-        grad = torch.ones(batch, seq, width)
+        grad = torch.ones(batch, seq, width, dtype=weights)
         a_in = [torch.randn(batch, seq, n, dtype=dtype, requires_grad=True) for n in (width, width, 4 * width)]
         a_grad = [torch.ones(batch, seq, n, dtype=dtype) for n in (3 * width, 4 * width, width)]
         qkv_in = [torch.randn(batch, heads, seq, width // heads, dtype=dtype, requires_grad=True) for _ in range(3)]

@@ -152,7 +152,7 @@ def test_collectives_at_their_kinds_rates():
 
 def test_attention_and_bf16_memory_at_their_own_rates():
     """Fused attention's FLOPs at ``attention_efficiency``, the rest at ``compute_efficiency``, and a bf16
-    run's memory-bound bytes at ``dtype_memory_gbps["bf16"]``: 0.8e12 FLOPs at 2 TFLOP/s x 0.5 / 2 ranks
+    run's memory-bound bytes at ``dtype_memory_gbps["bf16"]`` (``bf16_weights`` with bf16 weights): 0.8e12 FLOPs at 2 TFLOP/s x 0.5 / 2 ranks
     = 1.6 s plus 0.2e12 at 2 x 0.1 / 2 = 2 s; 4e9 B at 8 GB/s / 2 = 1 s (fp32's 16 GB/s would say 0.5).
     Without attention's rate (a GPU profile's), all 1e12 FLOPs at 0.5: 2 s."""
     sim = {"flops": 1e12, "traffic": {"attention_flops": 2e11, "op_bytes": 4e9}}
@@ -162,6 +162,13 @@ def test_attention_and_bf16_memory_at_their_own_rates():
     assert (st["compute_s"], st["memory_s"]) == (pytest.approx(3.6), pytest.approx(0.5))
     bf16 = step_time(typed([*TINY, "+strategy=bf16"]), _hw(**rates), sim, ranks_per_node=2)
     assert (bf16["compute_s"], bf16["memory_s"]) == (pytest.approx(3.6), pytest.approx(1.0))
+    # bf16 weights (the chunk engine's, bf16.params=bf16): their own rate where the profile has it, else bf16's
+    weights = [*TINY, "+strategy=bf16", "strategy.bf16.params=bf16"]
+    assert step_time(typed(weights), _hw(**rates), sim, ranks_per_node=2)["memory_s"] == pytest.approx(1.0)
+    rates["dtype_memory_gbps"]["bf16_weights"] = 4.0
+    assert step_time(typed(weights), _hw(**rates), sim, ranks_per_node=2)["memory_s"] == pytest.approx(2.0)
+    assert step_time(typed([*TINY, "+strategy=bf16"]), _hw(**rates), sim, ranks_per_node=2)["memory_s"] == \
+        pytest.approx(1.0)
     rates.pop("attention_efficiency")
     assert step_time(typed(TINY), _hw(**rates), sim, ranks_per_node=2)["compute_s"] == pytest.approx(2.0)
 
@@ -264,6 +271,7 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
     assert 0.05 <= hw.compute_efficiency <= 1.0
     if hw.peak_tflops["bf16"] >= hw.peak_tflops["fp32"]:  # bf16 products fast here: their own fraction
         assert 0.05 <= hw.dtype_efficiency["bf16"] <= 1.0 and hw.dtype_memory_gbps["bf16"] > 0
+        assert hw.dtype_memory_gbps["bf16_weights"] > 0  # a block with bf16 weights, its own rate
         assert hw.activation_gbps["bf16"] > 0
     assert hw.activation_gbps["fp32"] > 0
     assert all(0 < e <= 1 for e in hw.attention_efficiency.values()) and "fp32" in hw.attention_efficiency
