@@ -210,8 +210,8 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     # a run that keeps low-precision weights (the chunk engine's, bf16.params=bf16) its own rate where measured:
     # its norms and residual stream move half the bytes in about the same time as under autocast
     rates = hw.dtype_memory_gbps or {}
-    weights = rates.get(f"{dtype}_weights") if precision.master_weights else None
-    mem_gbps = weights or rates.get(dtype, hw.memory_gbps)
+    weights_gbps = rates.get(f"{dtype}_weights") if precision.master_weights else None
+    mem_gbps = weights_gbps or rates.get(dtype, hw.memory_gbps)
     tr = sim["traffic"]
     attention = tr.get("attention_flops", 0) if att_eff else 0  # else at the products' efficiency
     # FLOPs at the products' rate: fused attention at its own where measured
