@@ -31,6 +31,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -66,27 +67,26 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
         # bf16 products fast here (AVX-512-BF16 / AMX): rates of their own (on an AVX2 CPU a bf16 block takes
         # seconds, and auto ranks bf16 last there anyway)
         dtypes["bf16"] = torch.bfloat16
+    # bf16's block also times its memory-bound ops with bf16 weights, in the same rounds (runs that keep them:
+    # the chunk engine's, ``bf16.params=bf16``; their residual stream and norms in bf16 move half the bytes in
+    # about the same time: 7.5-8.9 GB/s against 13.3-14.2 under autocast, gpt_small's block, the AMX CPU)
     rates = {name: _cached(("block", ovh, peaks[name], threads, shape, name),
-                           lambda d=d, name=name: block_rates(ovh, peaks[name] / threads * 1e12, shape, d))
+                           lambda d=d, name=name: block_rates(ovh, peaks[name] / threads * 1e12, shape, d,
+                                                              bf16_weights_too=name == "bf16"))
              for name, d in dtypes.items()}  # one thread's peak, as step_time divides by
     if hw.compute_efficiency == 1.0:  # the default: nothing measured; a profile's own value wins
-        out["compute_efficiency"] = rates["fp32"][0]
+        out["compute_efficiency"] = rates["fp32"].products
         if not hw.dtype_efficiency and "bf16" in rates:
-            out["dtype_efficiency"] = {"bf16": rates["bf16"][0]}
+            out["dtype_efficiency"] = {"bf16": rates["bf16"].products}
     if not hw.attention_efficiency:
-        out["attention_efficiency"] = {name: r[1] for name, r in rates.items()}
+        out["attention_efficiency"] = {name: r.attention for name, r in rates.items()}
     if hw.memory_gbps is None:
-        out["memory_gbps"] = rates["fp32"][2]
+        out["memory_gbps"] = rates["fp32"].memory_gbps
         if not hw.dtype_memory_gbps and "bf16" in rates:
-            # and a block whose weights are bf16 too (the chunk engine's, ``bf16.params=bf16``): its residual
-            # stream and norms in bf16 move half the bytes in about the same time (7.5-8.9 GB/s against
-            # 13.3-14.2 under autocast over fp32 weights, gpt_small's block, the AMX CPU)
-            weights = _cached(("block", ovh, peaks["bf16"], threads, shape, "bf16", "bf16 weights"),
-                              lambda: block_rates(ovh, peaks["bf16"] / threads * 1e12, shape, torch.bfloat16,
-                                                  torch.bfloat16))
-            out["dtype_memory_gbps"] = {"bf16": rates["bf16"][2], "bf16_weights": weights[2]}
+            out["dtype_memory_gbps"] = {"bf16": rates["bf16"].memory_gbps,
+                                        "bf16_weights": rates["bf16"].weights_memory_gbps}
     if not hw.activation_gbps:
-        out["activation_gbps"] = {name: r[3] for name, r in rates.items()}
+        out["activation_gbps"] = {name: r.activation_gbps for name, r in rates.items()}
     if hw.dtensor_op_overhead_us is None:
         got = _tried(("dtensor", ovh, threads), lambda: dtensor_op_overhead_us(ovh))
         if got is not None:
@@ -158,52 +158,45 @@ def probe_shape(model=None) -> tuple[int, int, int, int]:
     return max(1, PROBE_ROWS // seq), seq, heads * head, heads
 
 
-def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, int, int],
-                dtype: torch.dtype = torch.float32, weights: torch.dtype = torch.float32
-                ) -> tuple[float, float, float, float]:
-    """(products' fraction of the matmul peak, fused attention's fraction of it, memory-bound GB/s, the activation
-    function's GB/s) of a GPT block's forward + backward at ``shape`` (``probe_shape``) in ``dtype`` (bf16: under
-    the bf16 strategy's autocast), on one thread, under the memory tracker as runs have it. ``peak_flops``: one thread's resolved
-    matmul peak. The block's four products are timed alone and its attention alone, each less its ops at
-    ``overhead_us``; its GELU (forward and backward) alone; the other memory-bound ops (LayerNorm, residual adds,
-    autocast's casts: in bf16 some move half the bytes in about the same time per element, so each dtype has its
-    own rate; ``weights``: the block's parameters' dtype, bf16 for runs that keep bf16 weights) in the whole block
-    with its products, attention and GELU skipped (``Skipping``), less its ops at
-    ``overhead_us`` (GELU (tanh) moves 1.5-5 GB/s on a thread of the AMX CPU, adds and casts 20-45: one rate for
-    both priced a step by its mix of them; simulate.ACTIVATION_FNS). Why
-    not the block's time less its products at their own rate: on the AMX CPU a thread's bf16 products switch
-    between ~0.45 and ~1.15 TFLOP/s every few seconds (a neighbour on the core), and that remainder, a tenth of
-    the block's time, read 5.6-22.6 GB/s in one minute (experiments/step_time/README.md). The FLOPs, bytes and
-    ops are counted by the planner's own rule (``simulate.op_work``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class BlockRates(NamedTuple):
+    """What ``block_rates`` measured: fractions of one thread's matmul peak and GB/s, all of them scaled to
+    the process's threads as ``step_time`` divides by them."""
 
+    products: float  # the block's four products' fraction of the matmul peak
+    attention: float  # its fused attention's fraction of the peak
+    memory_gbps: float  # its other memory-bound ops (LayerNorm, residual adds, casts)
+    activation_gbps: float  # its GELU, forward and backward
+    weights_memory_gbps: float | None = None  # the memory-bound ops of the same block with bf16 weights
+
+
+def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, int, int],
+                dtype: torch.dtype = torch.float32, bf16_weights_too: bool = False) -> BlockRates:
+    """The products' and fused attention's fractions of the matmul peak, the memory-bound GB/s and the
+    activation function's GB/s of a GPT block's forward + backward at ``shape`` (``probe_shape``) in ``dtype``
+    (bf16: under the bf16 strategy's autocast), on one thread, under the memory tracker as runs have it.
+    ``peak_flops``: one thread's resolved matmul peak. The block's four products are timed alone and its
+    attention alone, each less its ops at ``overhead_us``; its GELU (forward and backward) alone; the other
+    memory-bound ops (LayerNorm, residual adds, autocast's casts: in bf16 some move half the bytes in about the
+    same time per element, so each dtype has its own rate) in the whole block with its products, attention and
+    GELU skipped (``Skipping``), less its ops at ``overhead_us`` (GELU (tanh) moves 1.5-5 GB/s on a thread of the
+    AMX CPU, adds and casts 20-45: one rate for both priced a step by its mix of them; simulate.ACTIVATION_FNS).
+    ``bf16_weights_too``: also the memory-bound ops of the same block with bf16 parameters (runs that keep bf16
+    weights: their residual stream and norms in bf16), in the same rounds, so that both rates read one phase of
+    the machine (a probe of its own cost ~4 s, products and attention timed again for nothing). Why not the
+    block's time less its products at their own rate: on the AMX CPU a thread's bf16 products switch between
+    ~0.45 and ~1.15 TFLOP/s every few seconds (a neighbour on the core), and that remainder, a tenth of the
+    block's time, read 5.6-22.6 GB/s in one minute (experiments/step_time/README.md). The FLOPs, bytes and ops
+    are counted by the planner's own rule (``simulate.op_work``)."""
     from memopt.memory.tracker import MemoryTracker
-    from memopt.planner.simulate import _FLOPS, ACTIVATION_FNS, ATTENTION, op_work
+    from memopt.planner.simulate import _FLOPS, ACTIVATION_FNS
 
     batch, seq, width, heads = shape
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        ln1, ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        qkv, proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        up, down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-        for m in (ln1, ln2, qkv, proj, up, down):
-            m.to(weights)
-        x = torch.randn(batch, seq, width, dtype=weights, requires_grad=True)
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False)
-
-        def attend(q, k, v):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        def block():  # GPT-2's block (memopt's GPT)
-            with autocast:
-                q, k, v = qkv(ln1(x)).view(batch, seq, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-                h = x + proj(attend(q, k, v).transpose(1, 2).reshape(batch, seq, width))
-                out = h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
-            out.backward(grad)
-
-        grad = torch.ones(batch, seq, width, dtype=weights)
+        block, (qkv, proj, up, down) = _gpt_block(shape, autocast, torch.float32)
         a_in = [torch.randn(batch, seq, n, dtype=dtype, requires_grad=True) for n in (width, width, 4 * width)]
         a_grad = [torch.ones(batch, seq, n, dtype=dtype) for n in (3 * width, 4 * width, width)]
         qkv_in = [torch.randn(batch, heads, seq, width // heads, dtype=dtype, requires_grad=True) for _ in range(3)]
@@ -216,7 +209,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
 
         def attention():
             with autocast:
-                out = attend(*qkv_in)
+                out = torch.nn.functional.scaled_dot_product_attention(*qkv_in, is_causal=True)
             out.backward(qkv_grad)
 
         hidden = torch.randn(batch, seq, 4 * width, dtype=dtype, requires_grad=True)  # the up-projection's output
@@ -227,46 +220,92 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
                 out = torch.nn.functional.gelu(hidden, approximate="tanh")
             out.backward(hidden_grad)
 
-        class Count(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.flops = self.attention = self.moved = self.act = self.ops = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                flops, moved = op_work(func, args, kwargs, out)
-                self.ops, self.flops, self.moved = self.ops + 1, self.flops + flops, self.moved + moved
-                if func._overloadpacket in ATTENTION:
-                    self.attention += flops
-                if func._overloadpacket in ACTIVATION_FNS:
-                    self.act += moved
-                return out
-
         skipping = Skipping(frozenset(_FLOPS) | ACTIVATION_FNS)
 
-        def memory_bound():  # the whole block, its products, attention and GELU skipped (their outputs zeros)
-            with skipping:
-                block()
+        def skipped(fn):  # the whole block, its products, attention and GELU skipped (their outputs zeros)
+            def memory_bound():
+                with skipping:
+                    fn()
+            return memory_bound
 
-        counts = []
-        for fn in (products, attention, activation, block):
-            with Count() as count:  # also the warm-up (first calls build kernels)
-                fn()
-            counts.append(count)
-        with Count() as c_rest:  # its warm-up: its ops, the zeros' own included, each pays the host's cost
-            memory_bound()
-        c_mm, c_att, c_act, c_all = counts
+        fns = [products, attention, activation, skipped(block)]
+        whole = [block]  # counted whole: the bytes of the memory-bound ops, the GELU's apart
+        if bf16_weights_too:
+            weights_block, _ = _gpt_block(shape, autocast, torch.bfloat16)
+            fns.append(skipped(weights_block))
+            whole.append(weights_block)
+        # each counted once, which is also its warm-up (first calls build kernels; the skipped runs' zeros
+        # and layouts included, whose ops each pay the host's cost)
+        counts, wholes = [_counted(fn) for fn in fns], [_counted(fn) for fn in whole]
         with MemoryTracker(torch.device("cpu")):
-            t_mm, t_att, t_act, t_rest = settled_best((products, attention, activation, memory_bound))
+            times = settled_best(fns)
     finally:
         torch.set_num_threads(threads)
     ovh = overhead_us * 1e-6
+    (c_mm, c_att, c_act, *c_rest), (t_mm, t_att, t_act, *t_rest) = counts, times
+
+    def gbps(moved: int, t: float, ops: int) -> float:  # the overhead misread: never a free memory term
+        return moved / max(t - ops * ovh, 0.05 * t) / 1e9 * threads
+
     mm = c_mm.flops / max(t_mm - c_mm.ops * ovh, 1e-9) / peak_flops
     att = c_att.attention / max(t_att - c_att.ops * ovh, 1e-9) / peak_flops
-    rest = max(t_rest - c_rest.ops * ovh, 0.05 * t_rest)  # the overhead misread: never a free memory term
-    act = max(t_act - c_act.ops * ovh, 0.05 * t_act)
     mm, att = (min(1.0, max(0.01, e)) for e in (mm, att))
-    return mm, att, (c_all.moved - c_all.act) / rest / 1e9 * threads, c_act.act / act / 1e9 * threads
+    mem = [gbps(w.moved - w.act, t, c.ops) for w, t, c in zip(wholes, t_rest, c_rest)]
+    return BlockRates(mm, att, mem[0], gbps(c_act.act, t_act, c_act.ops), mem[1] if bf16_weights_too else None)
+
+
+def _gpt_block(shape: tuple[int, int, int, int], autocast, weights: torch.dtype):
+    """GPT-2's block (memopt's GPT) at ``shape`` with parameters of ``weights``: a closure running its forward
+    under ``autocast`` and its backward, and its four Linear layers (the products ``block_rates`` times alone)."""
+    batch, seq, width, heads = shape
+    ln1, ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+    qkv, proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+    up, down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+    for m in (ln1, ln2, qkv, proj, up, down):
+        m.to(weights)
+    x = torch.randn(batch, seq, width, dtype=weights, requires_grad=True)
+    grad = torch.ones(batch, seq, width, dtype=weights)
+
+    def block():
+        with autocast:
+            q, k, v = qkv(ln1(x)).view(batch, seq, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = x + proj(a.transpose(1, 2).reshape(batch, seq, width))
+            out = h + down(torch.nn.functional.gelu(up(ln2(h)), approximate="tanh"))
+        out.backward(grad)
+
+    return block, (qkv, proj, up, down)
+
+
+class _Count:
+    """What a call dispatched, by ``simulate.op_work``'s rule: ops, FLOPs (fused attention's apart) and bytes
+    moved (the activation function's apart)."""
+
+    def __init__(self):
+        self.flops = self.attention = self.moved = self.act = self.ops = 0
+
+
+def _counted(fn) -> _Count:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memopt.planner.simulate import ACTIVATION_FNS, ATTENTION, op_work
+
+    count = _Count()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flops, moved = op_work(func, args, kwargs, out)
+            count.ops, count.flops, count.moved = count.ops + 1, count.flops + flops, count.moved + moved
+            if func._overloadpacket in ATTENTION:
+                count.attention += flops
+            if func._overloadpacket in ACTIVATION_FNS:
+                count.act += moved
+            return out
+
+    with Mode():
+        fn()
+    return count
 
 
 class Skipping:

@@ -359,24 +359,29 @@ def test_memory_rates_are_timed_directly(monkeypatch):
                 self.moved += m  # the zeros standing for the skipped ops apart
             return out
 
-    times, seen = [0.5, 0.1, 0.04, 0.3], []  # products, attention, GELU, the block without them (seconds)
+    # products, attention, GELU, the block without them, the same with bf16 weights (seconds)
+    times, seen = [0.5, 0.1, 0.04, 0.3, 0.2], []
 
     def timed(fns, **kw):
         for fn in fns:
             with Count() as c:
                 fn()
             seen.append(c)
-        return list(times)
+        return list(times[:len(fns)])
 
     monkeypatch.setattr(cpu_rates, "settled_best", timed)
-    mm, att, gbps, act_gbps = cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2))  # a 1e6 FLOP/s peak: far above 1
-    products, attention, gelu, rest = seen
+    rates = cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2), bf16_weights_too=True)  # a 1e6 FLOP/s peak: far above 1
+    mm, att, gbps, act_gbps, weights_gbps = rates
+    products, attention, gelu, rest, rest_bf16 = seen
     assert mm == att == 1.0  # reported clamped to the peak
     assert rest.flops == rest.att == rest.act == 0 and products.flops > 0 and attention.att > 0
     assert gelu.act == 5 * 16 * 128 * 4  # 16 x 128 fp32 hidden: forward in + out, backward grad + in + out
     threads = torch.get_num_threads()
     assert act_gbps == pytest.approx(gelu.act / times[2] / 1e9 * threads)
-    # 5%: the probe counts the block's first call, whose parameters' gradients are created, not accumulated into
+    # bf16 weights: the same ops over half the bytes (5%: the first call creates the parameters' gradients)
+    assert rest_bf16.flops == rest_bf16.act == 0 and rest_bf16.moved == pytest.approx(rest.moved / 2, rel=0.05)
+    assert weights_gbps == pytest.approx(rest_bf16.moved / times[4] / 1e9 * threads, rel=0.05)
+    assert cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2)).weights_memory_gbps is None  # not asked: not timed
     assert rest.moved > 0 and gbps == pytest.approx(rest.moved / times[3] / 1e9 * threads, rel=0.05)
 
 
