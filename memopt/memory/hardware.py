@@ -55,7 +55,7 @@ class HardwareConfig:
     # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's casts and LayerNorm
     # move half the bytes in about the same time per element: planner/cpu_rates.py measures both), and
     # ``<dtype>_weights`` for runs that keep their weights in it (the chunk engine's, ``bf16.params=bf16``: the
-    # residual stream and norms in bf16 too, 0.55-0.65 of the autocast block's rate on the AMX CPU).
+    # residual stream and norms in bf16 too, 0.71-0.76 of the autocast block's rate on the AMX CPU).
     dtype_memory_gbps: dict[str, float] = field(default_factory=dict)
     # Per compute dtype, the rate of the activation function's bytes (GELU and its backward: ``op_bytes``'
     # ``activation_bytes``), which the memory term then divides by this instead: on a CPU thread GELU (tanh) moves

@@ -69,7 +69,7 @@ def measured(hw, peaks: dict[str, float], shape: tuple[int, int, int, int] | Non
         dtypes["bf16"] = torch.bfloat16
     # bf16's block also times its memory-bound ops with bf16 weights, in the same rounds (runs that keep them:
     # the chunk engine's, ``bf16.params=bf16``; their residual stream and norms in bf16 move half the bytes in
-    # about the same time: 7.5-8.9 GB/s against 13.3-14.2 under autocast, gpt_small's block, the AMX CPU)
+    # about the same time: 0.71-0.76 of the autocast block's rate, gpt_small's block, the AMX CPU)
     rates = {name: _cached(("block", ovh, peaks[name], threads, shape, name),
                            lambda d=d, name=name: block_rates(ovh, peaks[name] / threads * 1e12, shape, d,
                                                               bf16_weights_too=name == "bf16"))
@@ -277,33 +277,27 @@ def _gpt_block(shape: tuple[int, int, int, int], autocast, weights: torch.dtype)
     return block, (qkv, proj, up, down)
 
 
-class _Count:
-    """What a call dispatched, by ``simulate.op_work``'s rule: ops, FLOPs (fused attention's apart) and bytes
-    moved (the activation function's apart)."""
-
-    def __init__(self):
-        self.flops = self.attention = self.moved = self.act = self.ops = 0
-
-
-def _counted(fn) -> _Count:
+def _counted(fn):
+    """What ``fn()`` dispatched, by ``simulate.op_work``'s rule: ``ops``, ``flops`` (fused attention's also in
+    ``attention``) and bytes ``moved`` (the activation function's also in ``act``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memopt.planner.simulate import ACTIVATION_FNS, ATTENTION, op_work
 
-    count = _Count()
+    class Count(TorchDispatchMode):
+        flops = attention = moved = act = ops = 0
 
-    class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             flops, moved = op_work(func, args, kwargs, out)
-            count.ops, count.flops, count.moved = count.ops + 1, count.flops + flops, count.moved + moved
+            self.ops, self.flops, self.moved = self.ops + 1, self.flops + flops, self.moved + moved
             if func._overloadpacket in ATTENTION:
-                count.attention += flops
+                self.attention += flops
             if func._overloadpacket in ACTIVATION_FNS:
-                count.act += moved
+                self.act += moved
             return out
 
-    with Mode():
+    with Count() as count:
         fn()
     return count
 
