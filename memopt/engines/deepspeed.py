@@ -104,7 +104,8 @@ by the module hook. Approximate: what ``initialize`` allocates and frees again i
 ``other``; transient flattening/reduction scratch counts as ``temp`` (backward and step) or as
 forward transients. Under zero3 each parameter is partitioned as it is made, as a DeepSpeed user's
 ``zero.Init`` does (``deepspeed_zero_init.py``): the init-time ``params`` peak is the partitions beside
-one parameter whole; stages 0-2 materialise the whole fp32 model on every rank, as DeepSpeed keeps it.
+one parameter whole (two at times: gloo's worker thread releases the previous parameter's broadcast buffer
+just after the call returns); stages 0-2 materialise the whole fp32 model on every rank, as DeepSpeed keeps it.
 """
 from __future__ import annotations
 

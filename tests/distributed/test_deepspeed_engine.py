@@ -158,8 +158,11 @@ def test_zero3_gathered_state_dict_matches_memopt(fast):
 
 def test_zero3_never_holds_the_whole_model(fast):
     """zero3 partitions each parameter as it is made (as under ``deepspeed.zero.Init``): a rank's ``params``
-    peak is its partitions (half the model, fp32) beside at most one parameter whole, never the whole model
-    (which stage 0 holds: the reference)."""
+    peak is its partitions (half the model, fp32) beside at most two parameters whole, never the whole model
+    (which stage 0 holds: the reference). Two, not one: DeepSpeed broadcasts each whole parameter before
+    partitioning it, and gloo's worker thread drops its reference to that buffer only after the call has
+    returned, so on a loaded machine the previous parameter is sometimes still alive when the next is made
+    (seen in CI: one 32768-element parameter, 131072 bytes, over the single-parameter bound)."""
     import math
 
     import torch
@@ -175,7 +178,7 @@ def test_zero3_never_holds_the_whole_model(fast):
     whole = 4 * sum(p.numel() for p in params)  # what stage 0 holds: every parameter in fp32
     for rank in ("0", "1"):
         got = summaries[("zero3_checkpoint_saved", "deepspeed")]["peak_bytes"][rank]["cpu"]["params"]
-        assert part <= got <= part + largest < whole
+        assert part <= got <= part + 2 * largest < whole
 
 
 @pytest.mark.slow
