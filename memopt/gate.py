@@ -67,7 +67,7 @@ def gate(cfg: DictConfig, run_dir: str, launched: bool) -> Verdict:
 
 def hardware(typed, step_rates: bool = False):
     """The run's ``hardware`` profile, resolved on this machine's device; ``step_rates``: with this CPU's
-    measured step-time rates (``planner/cpu_rates.py``: plan mode and auto rank by the step time; a run's
+    measured step-time rates (``planner/cpu_rates/``: plan mode and auto rank by the step time; a run's
     preflight only judges the fit)."""
     import torch
 

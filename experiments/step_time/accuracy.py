@@ -4,7 +4,7 @@
     python experiments/step_time/accuracy.py --only ddp,zero3 --steps 3
 
 Each model's rows are planned in a fresh process of their own (``make_plan``, ``hardware=auto`` resolved there
-and completed by ``planner/cpu_rates.py``, as a plan-mode command plans them: ``planned_as_the_cli``) and each
+and completed by ``planner/cpu_rates/``, as a plan-mode command plans them: ``planned_as_the_cli``) and each
 row trained in a launch of 2 ranks of its own; measured = the median step after ``--warmup`` steps, best of
 ``--repeats``. Printed: the plan's terms, planned / measured, whether it is within 25% (issue #30's goal), and
 Spearman's rank correlation of planned against measured order (what ``+strategy=auto`` ranks by).

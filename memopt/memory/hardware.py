@@ -29,19 +29,19 @@ class HardwareConfig:
     # The fraction of the datasheet peak that dense training reaches end to end (the planner's counted
     # FLOPs per step / (peak x measured step time) of a plain run): the planner's compute term divides by
     # peak x compute_efficiency. MFU keeps dividing by the datasheet peak. 1.0 where nothing was measured;
-    # on this CPU (hardware=auto) plan mode and auto measure it (planner/cpu_rates.py). In (0, 1].
+    # on this CPU (hardware=auto) plan mode and auto measure it (planner/cpu_rates/). In (0, 1].
     compute_efficiency: float = 1.0
     # Per compute dtype, an efficiency that replaces ``compute_efficiency`` for it (a CPU's bf16 products reach a
-    # different fraction of their 512-cube peak than its fp32 ones: planner/cpu_rates.py measures both).
+    # different fraction of their 512-cube peak than its fp32 ones: planner/cpu_rates/ measures both).
     dtype_efficiency: dict[str, float] = field(default_factory=dict)
     # Per compute dtype, the fraction of the matmul peak fused attention reaches (its FLOPs counted as PyTorch's
     # flash formula counts them, the causal half included): the planner's compute term divides attention's FLOPs
     # by peak x this. Empty: attention at the products' efficiency (the GPU profiles: their compute_efficiency
     # stands for the whole step). A CPU's bf16 attention reached a fifth of the bf16 peak, its products three
-    # fifths: planner/cpu_rates.py measures it at the run's sequence length.
+    # fifths: planner/cpu_rates/ measures it at the run's sequence length.
     attention_efficiency: dict[str, float] = field(default_factory=dict)
     # The node's ranks share one compute device (a CPU's cores and memory bandwidth), so each plans with its
-    # share of the peak and bandwidth. Set by the planner for this CPU's profile (planner/cpu_rates.py), a
+    # share of the peak and bandwidth. Set by the planner for this CPU's profile (planner/cpu_rates/), a
     # device budget or not; ``device_is_host`` implies it.
     ranks_share_device: bool = False
     # Billions of parameter updates per second of the node's host AdamW (``CPUAdamW``: ZeRO's cpu_offload,
@@ -53,7 +53,7 @@ class HardwareConfig:
     # optimizer's math) / this. None: not estimated (the GPU profiles' compute_efficiency absorbs it).
     memory_gbps: float | None = None
     # Per compute dtype, a rate that replaces ``memory_gbps`` for its runs (in bf16 a CPU's casts and LayerNorm
-    # move half the bytes in about the same time per element: planner/cpu_rates.py measures both), and
+    # move half the bytes in about the same time per element: planner/cpu_rates/ measures both), and
     # ``<dtype>_weights`` for runs that keep their weights in it (the chunk engine's, ``bf16.params=bf16``: the
     # residual stream and norms in bf16 too, 0.71-0.76 of the autocast block's rate on the AMX CPU).
     dtype_memory_gbps: dict[str, float] = field(default_factory=dict)
@@ -71,7 +71,7 @@ class HardwareConfig:
     collective_latency_us: float | None = None
     # Per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all, ...), a latency (microseconds) and
     # a bus bandwidth (GB/s) that replace the two above for its calls: gloo's reduce-scatter costs about twice
-    # its all-reduce per bus byte on a CPU, its all-gather more at large buffers (planner/cpu_rates.py measures
+    # its all-reduce per bus byte on a CPU, its all-gather more at large buffers (planner/cpu_rates/ measures
     # them between two processes). Kinds not named take the two fields above.
     collective_latency_us_by_kind: dict[str, float] = field(default_factory=dict)
     collective_gbps_by_kind: dict[str, float] = field(default_factory=dict)
@@ -206,7 +206,7 @@ def run_peak_tflops(hw: HardwareConfig, given: HardwareConfig, dtype_name: str, 
 
 def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig:
     """Fill the unset fields from the machine at hand (the planner's step-time rates of a CPU are
-    measured by ``planner/cpu_rates.py``, for plan mode and auto only)."""
+    measured by ``planner/cpu_rates/``, for plan mode and auto only)."""
     dev_mem, peaks = hw.device_memory_gb, dict(hw.peak_tflops)
     if dev_mem is None:
         if device.type == "cuda":
@@ -224,7 +224,7 @@ def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig
     unified = hw.device_is_host or (device.type == "cpu" and hw.device_memory_gb is None)
     h2d, d2d = hw.host_device_gbps, hw.device_device_gbps
     if device.type == "cpu" and (h2d is None or d2d is None):
-        copy = measure_copy_gbps()  # offload is a memory copy here (the planner measures gloo: planner/cpu_rates.py)
+        copy = measure_copy_gbps()  # offload is a memory copy here (the planner measures gloo: planner/cpu_rates/)
         h2d, d2d = h2d or copy, d2d or copy
     runtime = hw.device_runtime_mb
     if runtime is None:

@@ -12,7 +12,7 @@ The core, one path for every engine:
     candidate.py    a candidate as typed data: its TrainConfig copy and the overrides it prints
     prune.py        auto's smaller micro-batches skipped once a larger one fits; candidates bounded by their compute
     balance.py      ``strategy.pipeline.split=balanced``: the split with the least largest stage peak
-    cpu_rates.py    this CPU's step-time rates, measured for plan mode and auto
+    cpu_rates/      this CPU's step-time rates, measured for plan mode and auto
     figure.py       plan.png
 Beside it, what makes a plan cheaper or bounds what fake tensors cannot know:
     fast_ops.py     fake views, in-place updates and allocations answered without FakeTensorMode's cache

@@ -20,7 +20,7 @@ step runs on the host (``CPUAdamW``: ZeRO's cpu_offload partition, the chunk eng
 groups; per rank x the node's ranks, which share its cores) / ``host_adam_gparams_s``. A term whose rate
 the profile lacks is not estimated (the GPU profiles leave the memory and overhead terms to
 ``compute_efficiency``, measured on one H100 on 2026-11-26, ``experiments/planner/README.md``); on a
-CPU (``hardware=auto``) plan mode and auto measure them (``planner/cpu_rates.py``), and the node's ranks
+CPU (``hardware=auto``) plan mode and auto measure them (``planner/cpu_rates/``), and the node's ranks
 share the CPU's peak and bandwidth (``ranks_share_device``) (``experiments/step_time/README.md``: the accuracy matrix).
 """
 from __future__ import annotations

@@ -91,7 +91,7 @@ ACTIVATION_FNS = frozenset((_aten.gelu, _aten.gelu_backward))
 def op_work(func, args, kwargs, out, moves: bool = True) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one op as the step time counts them: an op with a FLOP formula is compute,
     any other that is not a view or a collective moves its arguments and outputs (``moves``: count those).
-    The plan and the CPU probes that calibrate its rates (cpu_rates.py) count by this one rule."""
+    The plan and the CPU probes that calibrate its rates (cpu_rates/) count by this one rule."""
     formula = _FLOPS.get(func._overloadpacket)
     if formula is not None:
         return int(formula(*args, **(kwargs or {}), out_val=out)), 0

@@ -296,10 +296,10 @@ def test_cpu_probes_fill_only_what_the_profile_leaves_unset():
 
 
 def _scripted_clock(monkeypatch, durations):
-    """``time.perf_counter`` in cpu_rates advancing by the scripted call durations (start, stop pairs)."""
+    """``time.perf_counter`` in the block probe advancing by the scripted call durations (start, stop pairs)."""
     import itertools
 
-    from memopt.planner import cpu_rates
+    from memopt.planner.cpu_rates import block
 
     now, steps = [0.0], iter(durations)
     ticks = itertools.count()
@@ -309,14 +309,14 @@ def _scripted_clock(monkeypatch, durations):
             now[0] += next(steps)
         return now[0]
 
-    monkeypatch.setattr(cpu_rates.time, "perf_counter", clock)
+    monkeypatch.setattr(block.time, "perf_counter", clock)
 
 
 def test_probe_rounds_go_on_until_each_best_is_met_again(monkeypatch):
     """Rounds still getting faster (a machine coming out of a busy phase) are not what the probe reads: the
     rounds go on past ``least`` until a later round meets each best within 5% (a slower round does not count);
     a time that keeps falling stops at ``most`` rounds, at its best."""
-    from memopt.planner.cpu_rates import settled_best
+    from memopt.planner.cpu_rates.block import settled_best
 
     fast = [1.0, 2.0]
     rounds = [[1.3, 2.6], [1.15, 2.3], fast, [1.5, 3.0], [1.01, 2.02], [5.0, 5.0]]  # the 4th round slow
@@ -338,7 +338,7 @@ def test_memory_rates_are_timed_directly(monkeypatch):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from memopt.planner import cpu_rates
+    from memopt.planner.cpu_rates import block
     from memopt.planner.simulate import ACTIVATION_FNS, ATTENTION, op_work
 
     class Count(TorchDispatchMode):  # the reference count: FLOPs (attention apart), GELU's and other bytes
@@ -369,8 +369,8 @@ def test_memory_rates_are_timed_directly(monkeypatch):
             seen.append(c)
         return list(times[:len(fns)])
 
-    monkeypatch.setattr(cpu_rates, "settled_best", timed)
-    rates = cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2), bf16_weights_too=True)  # a 1e6 FLOP/s peak: far above 1
+    monkeypatch.setattr(block, "settled_best", timed)
+    rates = block.block_rates(0.0, 1e6, (1, 16, 32, 2), bf16_weights_too=True)  # a 1e6 FLOP/s peak: far above 1
     mm, att, gbps, act_gbps, weights_gbps = rates
     products, attention, gelu, rest, rest_bf16 = seen
     assert mm == att == 1.0  # reported clamped to the peak
@@ -381,7 +381,7 @@ def test_memory_rates_are_timed_directly(monkeypatch):
     # bf16 weights: the same ops over half the bytes (5%: the first call creates the parameters' gradients)
     assert rest_bf16.flops == rest_bf16.act == 0 and rest_bf16.moved == pytest.approx(rest.moved / 2, rel=0.05)
     assert weights_gbps == pytest.approx(rest_bf16.moved / times[4] / 1e9 * threads, rel=0.05)
-    assert cpu_rates.block_rates(0.0, 1e6, (1, 16, 32, 2)).weights_memory_gbps is None  # not asked: not timed
+    assert block.block_rates(0.0, 1e6, (1, 16, 32, 2)).weights_memory_gbps is None  # not asked: not timed
     assert rest.moved > 0 and gbps == pytest.approx(rest.moved / times[3] / 1e9 * threads, rel=0.05)
 
 
