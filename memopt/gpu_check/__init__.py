@@ -23,8 +23,8 @@ budget (``--budget``, default 420 s), each section with its own cap:
   device peak (the tracker's and ``torch.cuda.max_memory_allocated``), planned vs measured step time,
   the relative errors; the ZeRO-Offload step time, beside DeepSpeed's where its wheels travelled (``make
   gpu-wheels`` puts them in .whl/; DeepSpeed's CPU Adam op is built in the background);
-* ``throughput``: tokens/s and MFU of the plain composition and the fastest one, rerun without the
-  memory tracker.
+* ``throughput``: every composition that trained, rerun without the memory tracker (plain first, then the
+  fastest): tokens/s, MFU, the planned step against the untracked one, and the tracker's cost.
 
 Every section runs in its own ``try`` and (where it touches the GPU) in its own subprocess with a
 timeout; ``gpu_check.json`` and ``gpu_check.txt`` are rewritten after every section, so a section

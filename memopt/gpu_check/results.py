@@ -119,9 +119,11 @@ def format_text(results: dict) -> str:
     thr = ((secs.get("throughput") or {}).get("result") or {}).get("runs") or []
     if thr:
         lines.append("")
-        lines.append("throughput without the memory tracker:")
+        lines.append("without the memory tracker (err: the plan against this step; tracker: the tracked step's extra time):")
         for r in thr:
             lines.append(f"  {r.get('name', '?'):<19}{str(r.get('status')):<8}tokens/s {_fmt(r.get('tokens_per_s'), ',.0f')}  "
                          f"TFLOP/s {_fmt(r.get('tflops'), '.1f')}  MFU {_fmt(None if r.get('mfu') is None else 100 * r['mfu'], '.1f')}%  "
-                         f"step {_fmt(r.get('step_time_s'), '.4f')} s" + (f"  error: {str(r['error'])[:100]}" if r.get("error") else ""))
+                         f"step {_fmt(r.get('step_time_s'), '.4f')} s  plan {_fmt(r.get('planned_step_s'), '.4f')} s  "
+                         f"err {_pct(r.get('rel_err_step_time'))}  tracker {_pct(r.get('tracker_cost'))}"
+                         + (f"  error: {str(r['error'])[:100]}" if r.get("error") else ""))
     return "\n".join(lines) + "\n"

@@ -362,3 +362,32 @@ def test_step_spread_reads_the_timed_steps(tmp_path):
     assert (got["step_time_min_s"], got["step_time_max_s"]) == (0.9, 1.2)
     assert got["step_time_spread"] == pytest.approx(0.3)
     assert runs.step_spread(str(tmp_path / "missing.jsonl"), 2) == {}
+
+
+def test_throughput_reruns_every_composition_untracked(tmp_path, monkeypatch):
+    """Every composition that trained is rerun with the tracker off, plain first then by tracked tokens/s (a failed
+    one is not); the plan is compared with the untracked step, and the tracker's cost is the tracked step over it."""
+    check = Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "w"))
+    tracked = [  # name, status, tokens/s, planned and tracked step
+        ("plain_bf16", "ok", 100.0, 0.05, 0.06), ("bf16_ckpt", "ok", 80.0, 0.06, 0.08),
+        ("zero2_offload", "error", None, 0.2, None), ("chunked_loss", "ok", 120.0, 0.05, 0.07)]
+    check.results["sections"]["compositions"] = {"status": "partial", "result": {"runs": [
+        {"name": n, "status": s, "tokens_per_s": t, "planned_step_s": p, "step_time_s": m} for n, s, t, p, m in tracked]}}
+    untracked = {"plain_bf16": 0.048, "bf16_ckpt": 0.064, "chunked_loss": 0.056}
+    calls = []
+
+    def fake_run(c, name, overrides, steps, timeout, extra=()):
+        calls.append((name, list(extra)))
+        return {"name": name, "status": "ok", "step_time_s": untracked[name.removesuffix("_untracked")]}
+
+    monkeypatch.setattr(runs, "train_run", fake_run)
+    res = runs.section_throughput(check, 60.0, {})
+    assert [n for n, _ in calls] == ["plain_bf16_untracked", "chunked_loss_untracked", "bf16_ckpt_untracked"]
+    assert all(extra == ["trainer.track_memory=false"] for _, extra in calls)
+    got = {r["name"]: r for r in res["runs"]}
+    for name, _, _, planned, measured in (t for t in tracked if t[1] == "ok"):
+        assert got[name]["rel_err_step_time"] == pytest.approx(planned / untracked[name] - 1)
+        assert got[name]["tracker_cost"] == pytest.approx(measured / untracked[name] - 1)
+    assert res["best_tracked"] == "chunked_loss" and "_status" not in res
+    txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": res}}})
+    assert "tracker +25.0%" in txt and "err +4.2%" in txt  # plain: 0.06 / 0.048 - 1 and 0.05 / 0.048 - 1
