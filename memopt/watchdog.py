@@ -63,13 +63,6 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
 
-    def steps_done(self) -> int | None:
-        """Steps every rank had finished when it fired, from the heartbeats (None before the first step):
-        a rank in step k's forward, backward or optimizer step has finished k; after its optimizer step
-        (the loss all-reduce, the evaluation, the step boundary, a checkpoint save), k + 1."""
-        done = [b["step"] + (b.get("phase") not in IN_STEP) for b in self.beats.values() if b.get("step") is not None]
-        return min(done) if done else None
-
 
 def read_beats(run_dir: str) -> dict[int, dict]:
     out = {}
