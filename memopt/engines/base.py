@@ -220,16 +220,25 @@ def model_backward(model, loss: torch.Tensor, precision, tracker, n_micro: int) 
 
 
 def refuse_unsupported(cfg, name: str, label: str, supports) -> None:
-    """ConfigError naming the first selected strategy that engine ``name`` does not implement."""
+    """ConfigError naming every selected strategy that engine ``name`` does not implement, those that select an
+    engine of their own first (the chunk engine's: the cause, where a preset such as hybrid_adam brought several)."""
     if supports is None:
         return
+    from memopt.strategies.base import registry
+
+    reg = registry()
     other = [n for n in cfg.strategy.selected() if n not in supports]
-    if other:
-        if name == cfg.engine.name and name != "memopt":
-            raise ConfigError(
-                f"strategy {other[0]} has no {label} equivalent: engine={name} implements {', '.join(supports)}; "
-                f"drop +strategy={other[0]} or use engine=memopt")
-        # an engine a strategy selected (the chunk engine) under engine=memopt: name the way out that exists
-        raise ConfigError(
-            f"strategy {other[0]} is not built for {label}, which implements {', '.join(supports)}; "
-            f"drop +strategy={other[0]} or leave out the strategy that selects {label}")
+    other.sort(key=lambda n: getattr(reg.get(n), "engine", None) is None)  # stable: composition order otherwise
+    if not other:
+        return
+    if len(other) == 1:
+        what, drop = f"strategy {other[0]}", f"drop +strategy={other[0]}"
+    else:
+        listed = f"{', '.join(other[:-1])} and {other[-1]}"
+        what, drop = f"strategies {listed}", f"drop {listed} from +strategy (or the preset that selected them)"
+    if name == cfg.engine.name and name != "memopt":
+        raise ConfigError(f"{what} {'has' if len(other) == 1 else 'have'} no {label} equivalent: engine={name} "
+                          f"implements {', '.join(supports)}; {drop} or use engine=memopt")
+    # an engine a strategy selected (the chunk engine) under engine=memopt: name the way out that exists
+    raise ConfigError(f"{what} {'is' if len(other) == 1 else 'are'} not built for {label}, which implements "
+                      f"{', '.join(supports)}; {drop} or leave out the strategy that selects {label}")

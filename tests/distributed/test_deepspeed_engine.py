@@ -200,6 +200,9 @@ def test_cpu_offload_follows_memopt(tmp_path):
     (["+strategy=cpu_offload"], ["cpu_offload", "ZeRO stage"]),
     (["+engine.deepspeed.optimizer.type=Adam"], ["engine.deepspeed.optimizer"]),
     (["+engine.deepspeed.gradient_accumulation_steps=4"], ["engine.deepspeed.gradient_accumulation_steps"]),
+    # a preset's strategies all named, the one that selects another engine first (the cause)
+    (["+strategy=hybrid_adam"], ["strategies chunk, hybrid_adam and chunked_loss have no DeepSpeed equivalent",
+                                 "drop chunk, hybrid_adam and chunked_loss from +strategy"]),
 ])
 def test_refused_combinations_name_the_field(overrides, words):
     with pytest.raises(ConfigError) as e:
