@@ -132,12 +132,20 @@ class MemoryTracker(TorchDispatchMode):
             self._window = events = []
         try:
             yield
-        finally:
+        except BaseException:
             with self._lock:
                 self._window = None
                 self._replay(events, live0, peak0)
+            raise
+        with self._lock:
+            self._window = None
+            crossed = self._replay(events, live0, peak0)
+        if crossed is not None:  # the device budget is judged on the replay: where each storage ended, not its birth
+            self._over_budget(*crossed)
 
-    def _replay(self, events: list, live0: dict, peak0: dict) -> None:
+    def _replay(self, events: list, live0: dict, peak0: dict) -> tuple | None:
+        """Recount a ``placed_at_exit`` block's events with each storage on its device at the exit; returns the first
+        move that took the compute device over the budget, as ``_over_budget``'s arguments (else None)."""
         born, final = {}, {}  # storage key -> its birth event; birth event -> its device at exit
         for i, (kind, key, *_) in enumerate(events):
             if kind == "new":
@@ -153,6 +161,7 @@ class MemoryTracker(TorchDispatchMode):
             for d, cats in src.items():
                 dst[d].update(cats)
         placed = {}  # storage key born in the block -> (device, category, bytes) counted for it now
+        crossed = None
         for i, (kind, key, *where) in enumerate(events):
             if kind == "new":
                 dev, cat, n = where[0]
@@ -168,10 +177,14 @@ class MemoryTracker(TorchDispatchMode):
                 moves = [(where[0], -1), (where[1], 1)]
             for (dev, cat, n), sign in moves:
                 self.live[dev][cat] += sign * n
-                self._update_peak(dev)
+                total = self._update_peak(dev)
+                if (crossed is None and sign > 0 and self.budget is not None and total > self.budget
+                        and dev == self._compute_key):
+                    crossed = (_Info(dev, cat, n), total)
         self.live = live  # the replay ends where counting stands
         for dev in list(live):
             self._update_peak(dev)
+        return crossed
 
     def _device_key(self, t: torch.Tensor) -> str | None:
         dev = t.device
@@ -222,7 +235,8 @@ class MemoryTracker(TorchDispatchMode):
                 if self._captures:
                     self._captures[-1].append(key)
             total = self._update_peak(info.device)
-            if self.budget is not None and total > self.budget and info.device == self._compute_key:
+            # inside a ``placed_at_exit`` block a storage's device is known at the block's exit: judged there
+            if self.budget is not None and total > self.budget and info.device == self._compute_key and self._window is None:
                 self._over_budget(info, total)
 
     def _over_budget(self, info: _Info, total: int) -> None:

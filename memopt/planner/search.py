@@ -22,6 +22,7 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 ``pp_schedule``; ``planner/search_pp.py``): ``parallel.pp`` among the sizes dividing the world and the
 blocks, each valid schedule, pp x the accumulation, ddp over the ranks left; each candidate's plan
 holds its stages' peaks and its schedule's bubble, so it competes on the same fit and step time.
+On one rank a candidate carries a ZeRO stage only to offload (``one_rank_offload_stages``).
 """
 from __future__ import annotations
 
@@ -104,6 +105,12 @@ def candidates(cfg, hw) -> list[Candidate]:
     mbs = list(a.micro_batch_size) or sorted({m for m in (max(1, t.micro_batch_size // d) for d in (1, 2, 4))
                                               if global_mb % m == 0}, reverse=True)
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
+    supports = _engine_supports(cfg.engine.name)
+    if world > 1:  # (stage, offload) in the search's order
+        pairs = [(stage, off) for stage in stages for off in a.offload]
+    else:  # one rank: a stage only to offload (it partitions nothing)
+        pairs = [(st, off) for off in a.offload
+                 for st in (one_rank_offload_stages(a.stage, supports is None) if off else ["ddp"])]
 
     out = []
     for mb in mbs:
@@ -113,19 +120,18 @@ def candidates(cfg, hw) -> list[Candidate]:
             for p in precisions:
                 for ep in eps:
                     par = (("parallel.ep", ep),) if cfg.strategy.moe is not None else ()
-                    for stage in stages:
-                        for off in a.offload:
-                            if off and ep > 1:  # refused: the fused host step handles one data-parallel dimension
-                                continue
-                            names = (*PRECISION[p], *ck_s, *([stage] if world > 1 else []), *(["cpu_offload"] if off else []))
-                            out.append(keep.extend(names, *ck_o, *par, *batch))
-                            if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
-                                out.append(keep.extend(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
+                    for stage, off in pairs:
+                        if off and ep > 1:  # refused: the fused host step handles one data-parallel dimension
+                            continue
+                        keep_stage = world > 1 or stage != "ddp"
+                        names = (*PRECISION[p], *ck_s, *([stage] if keep_stage else []), *(["cpu_offload"] if off else []))
+                        out.append(keep.extend(names, *ck_o, *par, *batch))
+                        if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
+                            out.append(keep.extend(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
                         extra = (("strategy.chunk.device_budget_gb", budget),) if budget else ()
                         out.append(keep.extend((preset, *ck_s), *ck_o, *extra, *par, *batch))
-    supports = _engine_supports(cfg.engine.name)
     if supports is not None:  # engine=deepspeed / fsdp2: its own space (no chunk engine, its stages and options)
         out = [c for c in out if set(c.strategies) <= supports]
         check_engine_runs_kept(cfg)
@@ -143,6 +149,15 @@ def candidates(cfg, hw) -> list[Candidate]:
         if c not in unique:
             unique.append(c)
     return unique
+
+
+def one_rank_offload_stages(searched, memopt_engine: bool) -> list[str]:
+    """The ZeRO stages an offloading candidate takes on one rank, where no stage partitions anything: memopt's
+    ``cpu_offload`` alone is ZeRO-Offload (no stage needed), DeepSpeed's and FSDP2's need one (zero2 is DeepSpeed's
+    single-GPU ZeRO-Offload); zero3 adds the parameters on the host (``offload_param``: the least a device can hold,
+    DeepSpeed's ZeRO-Infinity on one GPU, memopt's zero3 likewise). Only stages the search was given."""
+    first = "ddp" if memopt_engine else next((s for s in searched if s in ("zero1", "zero2")), None)
+    return [s for s in (first, "zero3") if s is not None and (s == "ddp" or s in searched)]
 
 
 def base_of(cfg):

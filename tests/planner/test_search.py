@@ -481,14 +481,16 @@ def test_a_search_with_trials_plans_the_fastest_it_trials(trials):
 
 
 @pytest.mark.slow
-def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path):
+@pytest.mark.parametrize("engine", ["memopt", "deepspeed"])
+def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path, engine):
     """A device budget no candidate meets is refused before anything is allocated, naming the least a
-    candidate needs; that budget, given back, is met: the search then fits (plan mode, one rank)."""
+    candidate needs; that budget, given back, is met: the search then fits (plan mode, one rank; DeepSpeed's
+    search named none there before its one-rank ZeRO-Offload candidates)."""
     import re
 
     from tests.conftest import cli_main
 
-    base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
+    base = [f"engine={engine}", "model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
             "trainer.save_checkpoint=false", "trainer.eval_every=0", "+strategy=auto", "strategy.auto.micro_batch_size=[2]",
             "strategy.auto.chunk_budget_gb=[]", "strategy.auto.ckpt=[none,full]", "trainer.mode=plan"]
     rc = cli_main([*base, "hardware.device_memory_gb=0.001", f"hydra.run.dir={tmp_path / 'a'}"])
@@ -501,6 +503,21 @@ def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path):
     rc = cli_main([*base, f"hardware.device_memory_gb={need}", f"hydra.run.dir={tmp_path / 'b'}"])
     rows = json.loads((tmp_path / "b" / "auto.json").read_text())
     assert rc == 0 and rows[0]["fits"]  # the plan judged its device peak against the budget given back
+
+
+@pytest.mark.parametrize("engine, offload_stages", [("memopt", [set(), {"zero3"}]), ("deepspeed", [{"zero2"}, {"zero3"}])])
+def test_one_rank_offloads_with_the_stages_that_do_something_there(engine, offload_stages):
+    """One rank: a ZeRO stage partitions nothing, so a candidate carries one only to offload: memopt's cpu_offload alone
+    (its ZeRO-Offload) and zero3's (parameters on the host too); DeepSpeed's offload needs a stage (zero2: its
+    single-GPU ZeRO-Offload; zero3: parameters too). Without offload no candidate names a stage."""
+    from memopt.planner.search import candidates
+
+    cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "strategy.auto.chunk_budget_gb=[]"])
+    stages = {"ddp", "zero1", "zero2", "zero3"}
+    rows = [set(c.strategies) for c in candidates(cfg, small_hw(64))]
+    offload = [r & stages for r in rows if "cpu_offload" in r]
+    assert sorted(map(sorted, {frozenset(o) for o in offload})) == sorted(map(sorted, offload_stages))
+    assert all(not (r & stages) for r in rows if "cpu_offload" not in r)
 
 
 def test_auto_micro_batches_divide_the_global_batch():

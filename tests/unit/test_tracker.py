@@ -1,6 +1,7 @@
 """The dispatch-mode tracker against allocations whose sizes are known by construction."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memopt.memory.tracker import MemoryTracker
@@ -75,3 +76,22 @@ def test_placed_at_exit_counts_survivors_on_their_final_device_from_their_birth(
     assert p["host"]["optim"] == 4000 and p["host"]["other"] == 4000 and p["host"]["total"] == 4000
     assert tr.live["cpu"]["params"] == 400 and tr.live["host"]["optim"] == 4000 and tr.live["cpu"]["other"] == 0
     del host_buf, old
+
+
+def test_a_device_budget_inside_placed_at_exit_is_judged_where_storages_end():
+    """Inside the block a library's host buffer counts on the device until its re-tag: a budget under it must not end
+    the run there (DeepSpeed's offload buffers on one CPU rank took a run that fits to ``oom`` at ``initialize``).
+    The budget is judged on the replay at the exit: host buffers pass, device bytes over it raise there."""
+    from memopt.memory.tracker import DeviceBudgetExceeded
+
+    tr = MemoryTracker("cpu", budget=3000)
+    with tr:
+        with tr.placed_at_exit():
+            host_buf = torch.empty(1000)  # 4000 bytes: over the budget until it is re-tagged as host
+            scratch = torch.empty(500)  # 2000 bytes on the device: under it
+            tr.register(host_buf, "optim", device="host")
+        assert tr.peaks()["cpu"]["total"] == 2000 and tr.peaks()["host"]["total"] == 4000
+        with pytest.raises(DeviceBudgetExceeded, match=r"3200 B live > hardware.device_memory_gb = 3000 B, crossed by 1200 B"):
+            with tr.placed_at_exit():
+                more = torch.empty(300)  # 2000 + 1200 bytes on the device at the exit's replay
+    del host_buf, scratch, more

@@ -45,7 +45,7 @@ def build(cfg, device: torch.device, dims, tracker) -> "MemoptEngine":
     precision = Precision.of(cfg)
     name, stage, opts = selected_stage(cfg)
     part_dim = dims.dp_shard
-    if stage >= 1 and not part_dim.enabled:
+    if stage >= 1 and not part_dim.enabled and not offloads_params(cfg):  # zero3 + offload_param: parameters on the host
         warnings.warn(f"strategy {name} on one rank partitions nothing: it runs as plain data parallelism with "
                       "world size 1 (launch several ranks with trainer.nproc_per_node=N or torchrun)", stacklevel=2)
     plan = plan_groups(model, stage, getattr(opts, "bucket_mb", 0.0), precision.param_dtype, model.param_dims())
