@@ -22,7 +22,8 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 ``pp_schedule``; ``planner/search_pp.py``): ``parallel.pp`` among the sizes dividing the world and the
 blocks, each valid schedule, pp x the accumulation, ddp over the ranks left; each candidate's plan
 holds its stages' peaks and its schedule's bubble, so it competes on the same fit and step time.
-On one rank a candidate carries a ZeRO stage only to offload (``one_rank_offload_stages``).
+On one rank a candidate carries a ZeRO stage only to offload (``one_rank_offload_stages``) or where the engine
+has no plain data parallelism (FSDP2: zero2, ``fully_shard`` of one rank).
 """
 from __future__ import annotations
 
@@ -108,9 +109,11 @@ def candidates(cfg, hw) -> list[Candidate]:
     supports = _engine_supports(cfg.engine.name)
     if world > 1:  # (stage, offload) in the search's order
         pairs = [(stage, off) for stage in stages for off in a.offload]
-    else:  # one rank: a stage only to offload (it partitions nothing)
+    else:  # one rank: a stage only to offload (it partitions nothing), or where the engine has no plain one (FSDP2)
+        plain = ["ddp"] if supports is None or "ddp" in supports else \
+            [st for st in a.stage if st in ("zero2", "zero3")][:1]
         pairs = [(st, off) for off in a.offload
-                 for st in (one_rank_offload_stages(a.stage, supports is None) if off else ["ddp"])]
+                 for st in (one_rank_offload_stages(a.stage, supports is None) if off else plain)]
 
     out = []
     for mb in mbs:
@@ -506,23 +509,28 @@ def smallest_device_budget(rows: list[dict], hw, cfg) -> tuple[int, str] | None:
     """(device bytes, candidate label) of the least a candidate of ``cfg``'s search where none fits needs on the
     device: the frugal candidates (full checkpointing with optimizer offload, ZeRO-3's parameters offloaded
     too where it is searched, at the smallest micro-batch searched; a candidate stopped at its first op over
-    the device, so its need is unknown) planned again without the device limit. None when the search was
+    the device, so its need is unknown) planned again without the device limit; where none of those can run
+    (FSDP2's offload on a CPU), the other fully checkpointed candidates at that micro-batch. None when the search was
     not refused for the device (a CPU without a device budget: one memory) or no such candidate exists."""
     limits = limits_of(hw, cfg.trainer.nproc_per_node, cfg)
     if "device" not in limits or not rows:
         return None
     base = base_of(cfg)
     small = min(r["candidate"].value(BATCH[0], 0) for r in rows)
-    frugal = [r for r in rows if r["candidate"].value(BATCH[0], 0) == small and not r.get("skipped")
-              and {"ckpt", "cpu_offload"} <= set(r["candidate"].strategies)
-              and r["candidate"].value("strategy.ckpt.policy") is None
-              and r["candidate"].value("strategy.cpu_offload.offload_param") is not False]
+    checkpointed = [r for r in rows if r["candidate"].value(BATCH[0], 0) == small and not r.get("skipped")
+                    and "ckpt" in r["candidate"].strategies and r["candidate"].value("strategy.ckpt.policy") is None]
+    offloaded = [r for r in checkpointed if "cpu_offload" in r["candidate"].strategies
+                 and r["candidate"].value("strategy.cpu_offload.offload_param") is not False]
     from memopt.planner.preflight import plan_with_fixes
 
     best = None
-    for r in frugal:
-        plan = plan_with_fixes(r["candidate"], base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
-        need = (plan or {}).get("fit", {}).get("device", {}).get("bytes")
-        if need is not None and (plan.get("fit", {}).get("host") or {}).get("fits", True) and (best is None or need < best[0]):
-            best = (need, r["label"])
+    # the offloading ones first; where none of them can run (FSDP2's offload on a CPU), the other checkpointed ones
+    for frugal in (offloaded, [r for r in checkpointed if r not in offloaded]):
+        for r in frugal:
+            plan = plan_with_fixes(r["candidate"], base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
+            need = (plan or {}).get("fit", {}).get("device", {}).get("bytes")
+            if need is not None and (plan.get("fit", {}).get("host") or {}).get("fits", True) and (best is None or need < best[0]):
+                best = (need, r["label"])
+        if best is not None:
+            return best
     return best

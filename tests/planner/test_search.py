@@ -481,11 +481,12 @@ def test_a_search_with_trials_plans_the_fastest_it_trials(trials):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["memopt", "deepspeed"])
+@pytest.mark.parametrize("engine", ["memopt", "deepspeed", "fsdp2"])
 def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path, engine):
     """A device budget no candidate meets is refused before anything is allocated, naming the least a
     candidate needs; that budget, given back, is met: the search then fits (plan mode, one rank; DeepSpeed's
-    search named none there before its one-rank ZeRO-Offload candidates)."""
+    search named none there before its one-rank ZeRO-Offload candidates, FSDP2's none as its offload cannot run
+    on a CPU)."""
     import re
 
     from tests.conftest import cli_main
@@ -505,11 +506,14 @@ def test_auto_where_nothing_fits_names_the_smallest_budget_that_works(tmp_path, 
     assert rc == 0 and rows[0]["fits"]  # the plan judged its device peak against the budget given back
 
 
-@pytest.mark.parametrize("engine, offload_stages", [("memopt", [set(), {"zero3"}]), ("deepspeed", [{"zero2"}, {"zero3"}])])
-def test_one_rank_offloads_with_the_stages_that_do_something_there(engine, offload_stages):
+@pytest.mark.parametrize("engine, offload_stages, plain", [("memopt", [set(), {"zero3"}], set()),
+                                                            ("deepspeed", [{"zero2"}, {"zero3"}], set()),
+                                                            ("fsdp2", [{"zero2"}, {"zero3"}], {"zero2"})])
+def test_one_rank_offloads_with_the_stages_that_do_something_there(engine, offload_stages, plain):
     """One rank: a ZeRO stage partitions nothing, so a candidate carries one only to offload: memopt's cpu_offload alone
     (its ZeRO-Offload) and zero3's (parameters on the host too); DeepSpeed's offload needs a stage (zero2: its
-    single-GPU ZeRO-Offload; zero3: parameters too). Without offload no candidate names a stage."""
+    single-GPU ZeRO-Offload; zero3: parameters too). Without offload no candidate names a stage, but under FSDP2,
+    which has no plain data parallelism (zero2: ``fully_shard`` of one rank; every candidate had been refused)."""
     from memopt.planner.search import candidates
 
     cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "strategy.auto.chunk_budget_gb=[]"])
@@ -517,7 +521,7 @@ def test_one_rank_offloads_with_the_stages_that_do_something_there(engine, offlo
     rows = [set(c.strategies) for c in candidates(cfg, small_hw(64))]
     offload = [r & stages for r in rows if "cpu_offload" in r]
     assert sorted(map(sorted, {frozenset(o) for o in offload})) == sorted(map(sorted, offload_stages))
-    assert all(not (r & stages) for r in rows if "cpu_offload" not in r)
+    assert all(r & stages == plain for r in rows if "cpu_offload" not in r)
 
 
 def test_auto_micro_batches_divide_the_global_batch():
