@@ -62,9 +62,16 @@ def resolve(resume: str | None, run_dir: str, field: str = "trainer.resume") -> 
     """The checkpoint directory ``trainer.resume`` names: ``auto`` -> this run directory's newest one
     (None when it has none: the run starts from step 0); a path -> that checkpoint, or the newest
     one under it when it is a run directory or a ``checkpoints/`` directory. ``field``: what a refusal
-    names (the option, or the command-line argument that gave the path)."""
-    if not resume:
+    names (the option, or the command-line argument that gave the path). ``true`` (as Hugging Face's
+    ``resume_from_checkpoint=True``): this run directory's newest one, refused when it has none; ``false``: none."""
+    if not resume or str(resume).lower() == "false":
         return None
+    if str(resume).lower() == "true":
+        found = complete(run_dir)
+        if not found:
+            raise ConfigError(f"{field}=true: this run directory ({run_dir}) has no checkpoint to resume from; "
+                              f"{field}=auto starts from step 0 when there is none")
+        return found[-1][1]
     if resume == "auto":
         found = complete(run_dir)
         return found[-1][1] if found else None

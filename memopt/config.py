@@ -69,7 +69,7 @@ class TrainerConfig:
     # faulting pages in again every step (memory/host_malloc.py; every engine alike); false: malloc's defaults
     checkpoint_every: int = 0  # steps between resumable checkpoints (<run dir>/checkpoints/step_<n>); 0: none
     keep_checkpoints: int = 2  # newest resumable checkpoints kept
-    resume: str | None = None  # auto (this run directory's newest checkpoint, if any) | a checkpoint path
+    resume: str | None = None  # auto (this run directory's newest checkpoint, if any) | true (the newest, which must exist) | a checkpoint path
     overwrite: bool = False  # a run directory that already holds a run is refused unless this (or resume) is set
     watchdog_s: float = 0.0  # a rank without progress this long stops the job, named with its phase; 0: off
     divergence_steps: int = 20  # consecutive non-finite losses (or fp16 skipped steps) that stop the run: diverged; 0: never

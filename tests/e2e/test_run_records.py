@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from memopt.errors import EXIT_CODES
+from memopt.errors import EXIT_CODES, ConfigError
 from tests.conftest import compose
 
 QUICK = ["logger=none", "trainer.progress_bar=false", "model=gpt_tiny", "model.seq_len=32", "model.n_layer=2",
@@ -172,6 +172,12 @@ def test_checkpoints_are_ordered_by_when_they_were_written(tmp_path):
         os.utime(os.path.join(d, META), (1000 + i, 1000 + i))
     assert [s for s, _ in complete(str(tmp_path))] == [5, 10, 7]
     assert resolve("auto", str(tmp_path)).endswith("step_7")
+    # true (as a Hugging Face user types it, which Hydra hands over as 'True'): the newest too; false: none
+    assert resolve("True", str(tmp_path)).endswith("step_7") and resolve("false", str(tmp_path)) is None
+    empty = tmp_path / "empty"
+    assert resolve("auto", str(empty)) is None  # auto starts from step 0 where there is none; true is refused
+    with pytest.raises(ConfigError, match=r"trainer.resume=true: this run directory .* has no checkpoint"):
+        resolve("True", str(empty))
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
