@@ -59,8 +59,11 @@ def _message(e: BaseException) -> str:
     return " ".join(text.split())
 
 
+
+
 def _nearest_key(job: list[str]) -> str:
-    """'did you mean K?' for the first ``key=value`` whose key the default config lacks."""
+    """'did you mean K?' for the first ``key=value`` whose key the default config lacks (what another framework calls
+    it, ``FOREIGN_KEYS``, before the nearest spelling)."""
     from omegaconf import OmegaConf
 
     from memopt.config import compose_config
@@ -75,6 +78,11 @@ def _nearest_key(job: list[str]) -> str:
         key = a.split("=", 1)[0]
         if "/" in key or key in keys or any(k.startswith(key + ".") for k in keys):
             continue
+        from memopt.config import FOREIGN_KEYS
+
+        foreign = FOREIGN_KEYS.get(key.rsplit(".", 1)[-1])
+        if foreign:
+            return f"memopt's name for it: {foreign}"
         near = difflib.get_close_matches(key, sorted(keys), n=1)
         if near:
             return f"did you mean {near[0]}?"

@@ -230,6 +230,22 @@ def to_dataclass(cfg: DictConfig) -> TrainConfig:
     return OmegaConf.to_object(cfg)
 
 
+# what users of DeepSpeed, Lightning and Hugging Face type for a setting memopt names otherwise (the key's last part)
+FOREIGN_KEYS = {
+    "precision": "precision is a strategy here: +strategy=bf16 or +strategy=fp16",
+    "zero_stage": "a ZeRO stage is a strategy here: +strategy=zero1, zero2 or zero3",
+    "stage": "a ZeRO stage is a strategy here: +strategy=zero1, zero2 or zero3",
+    "gradient_accumulation_steps": "trainer.grad_accum", "accumulate_grad_batches": "trainer.grad_accum",
+    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size", "per_device_train_batch_size": "trainer.micro_batch_size",
+    "batch_size": "trainer.micro_batch_size (per rank; the global batch is it x trainer.grad_accum x the data-parallel ranks)",
+    "gradient_checkpointing": "checkpointing is a strategy here: +strategy=ckpt",
+    "activation_checkpointing": "checkpointing is a strategy here: +strategy=ckpt",
+    "devices": "trainer.nproc_per_node", "num_gpus": "trainer.nproc_per_node", "gpus": "trainer.nproc_per_node",
+    "learning_rate": "optim.lr", "lr": "optim.lr", "max_steps": "trainer.max_steps",
+    "gradient_clipping": "optim.grad_clip", "max_grad_norm": "optim.grad_clip",
+}
+
+
 def _refuse_unknown_keys(node, path: str) -> None:
     import dataclasses
     import difflib
@@ -243,6 +259,8 @@ def _refuse_unknown_keys(node, path: str) -> None:
         if key not in fields:
             near = difflib.get_close_matches(str(key), sorted(fields), n=1)
             hint = f"did you mean {path}{near[0]}?" if near else f"the fields of {path.rstrip('.') or 'the config'} are: " + ", ".join(sorted(fields))
+            if str(key) in FOREIGN_KEYS:
+                hint = f"memopt's name for it: {FOREIGN_KEYS[str(key)]}"
             raise ConfigError(f"{name} is not a field of the configuration ({hint}); a '+' override adds a key "
                               f"only where the schema has a place for it")
         child = node._get_node(key)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from memopt.errors import EXIT_CODES
-from tests.conftest import REPO
+from tests.conftest import REPO, typed
 
 QUICK = ["logger=none", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.progress_bar=false",
          "trainer.micro_batch_size=2", "model.seq_len=32"]
@@ -52,6 +52,9 @@ def test_an_empty_data_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["trainer.max_step=5"], ["trainer.max_step", "did you mean trainer.max_steps?"]),
+    # what a Lightning or DeepSpeed user types: memopt's way named, not the nearest spelling (it was trainer.resume)
+    (["trainer.precision=bf16"], ["trainer.precision", "+strategy=bf16"]),
+    (["trainer.gradient_accumulation_steps=4"], ["trainer.gradient_accumulation_steps", "trainer.grad_accum"]),
     (["model=gpt_huge"], ["model/gpt_huge", "gpt_tiny"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps=abc", "Integer"]),
 ])
@@ -69,6 +72,17 @@ def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args,
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and all(w in s["error"] for w in words), s["error"]
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("summary.json")
+
+
+def test_a_key_added_with_plus_where_the_schema_has_none_is_refused_with_memopts_name_for_it():
+    """``+trainer.gradient_accumulation_steps=4`` composes (the '+' adds the key) and is refused by the schema check,
+    which names memopt's field for what another framework calls it, or the nearest field."""
+    from memopt.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.gradient_accumulation_steps is not a field .*trainer.grad_accum"):
+        typed(["+trainer.gradient_accumulation_steps=4"])
+    with pytest.raises(ConfigError, match=r"did you mean trainer.max_steps\?"):
+        typed(["+trainer.max_stepz=4"])
 
 
 def test_a_command_that_does_not_compose_leaves_a_directory_holding_a_run_as_it_was(tmp_path, capsys, monkeypatch):
