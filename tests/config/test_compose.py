@@ -96,6 +96,7 @@ def test_several_strategies_append():
         (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
         (["model.attention=flash"], ["model.attention='flash'", "+strategy=flash_attn"]),
         (["model.arch=mamba"], ["model.arch='mamba'", "gpt", "llama"]),
+        (["model.dropout=1.5"], ["model.dropout=1.5", "[0, 1)"]),  # had failed in nn.Dropout, after the launch
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):

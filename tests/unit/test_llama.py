@@ -205,6 +205,7 @@ def test_activation_bytes_per_layer(dtype, nbytes):
     (["model.rope_low_freq_factor=4", "model.rope_high_freq_factor=1"], ["model.rope_low_freq_factor=4", "0 < low < high"]),
     (["model.rope_factor=0.5"], ["model.rope_factor=0.5"]),
     (["model.d_ff=0"], ["model.d_ff=0"]),
+    (["model.dropout=-0.1"], ["model.dropout=-0.1", "[0, 1)"]),
     (["model.attention=flash"], ["+strategy=flash_attn"]),
 ])
 def test_bad_shapes_are_refused_naming_the_field(overrides, needles):
