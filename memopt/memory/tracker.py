@@ -125,7 +125,11 @@ class MemoryTracker(TorchDispatchMode):
         re-tagged, as always); the block's peaks are replayed from its events in order. For a library
         that allocates host buffers itself, which the engine can only re-tag after the call
         (DeepSpeed's offload buffers, made by ``initialize``): on a GPU they are host memory from their
-        birth, on a CPU-only machine they would otherwise count under the device until the re-tag."""
+        birth, on a CPU-only machine they would otherwise count under the device until the re-tag. A block inside
+        another is part of the outer one (its replay covers both)."""
+        if self._window is not None:
+            yield
+            return
         with self._lock:
             live0 = {d: dict(c) for d, c in self.live.items()}
             peak0 = {d: dict(c) for d, c in self.peak.items()}
@@ -180,7 +184,7 @@ class MemoryTracker(TorchDispatchMode):
                 total = self._update_peak(dev)
                 if (crossed is None and sign > 0 and self.budget is not None and total > self.budget
                         and dev == self._compute_key):
-                    crossed = (_Info(dev, cat, n), total)
+                    crossed = (_Info(dev, cat, n), total, dict(self.live[dev]))  # the categories at the crossing
         self.live = live  # the replay ends where counting stands
         for dev in list(live):
             self._update_peak(dev)
@@ -239,10 +243,11 @@ class MemoryTracker(TorchDispatchMode):
             if self.budget is not None and total > self.budget and info.device == self._compute_key and self._window is None:
                 self._over_budget(info, total)
 
-    def _over_budget(self, info: _Info, total: int) -> None:
-        """Raise DeviceBudgetExceeded for the op whose output took the device's live bytes to ``total``."""
+    def _over_budget(self, info: _Info, total: int, at: dict[str, int] | None = None) -> None:
+        """Raise DeviceBudgetExceeded for the op whose output took the device's live bytes to ``total`` (``at``: the
+        device's categories then, where they are not the live ones: a ``placed_at_exit`` block's replay)."""
         live: dict[str, int] = defaultdict(int)  # a forward's transient bytes are the activations it is making
-        for c, b in self.live[info.device].items():
+        for c, b in (self.live[info.device] if at is None else at).items():
             live["activations" if c == "_forward" else c.lstrip("_")] += b
         budget, self.budget = self.budget, None  # once: what runs while the error unwinds is not refused again
         largest = max(live, key=live.get)

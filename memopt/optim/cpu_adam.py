@@ -78,8 +78,12 @@ log = logging.getLogger(__name__)
 
 _NAMESPACE = "memopt_cpu_adam"
 
-# the kernel's source, compiled on first use (read as text: its hash names the cached build)
-_CPP_SOURCE = Path(__file__).with_name("cpu_adam.cpp").read_text()
+
+def _source() -> str:
+    """The kernel's source (``cpu_adam.cpp``), read when it is built: its hash names the cached build. Missing (an
+    install without the package data), the build fails in ``load_kernel``'s ``try`` and torch's kernel is used."""
+    return Path(__file__).with_name("cpu_adam.cpp").read_text(encoding="utf-8")
+
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
@@ -110,7 +114,7 @@ def _cpu_tag() -> str:
 
 
 def _extension_name() -> str:
-    key = "\n".join([_CPP_SOURCE, " ".join(_cflags() + _LDFLAGS), torch.__version__, _cpu_tag()])
+    key = "\n".join([_source(), " ".join(_cflags() + _LDFLAGS), torch.__version__, _cpu_tag()])
     return f"memopt_cpu_adam_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -134,7 +138,7 @@ def load_kernel():
             log.info("memopt CPUAdamW: compiling the C++ kernel (one time, ~10 s; cached in torch's extension dir)")
             load_inline(
                 name=_extension_name(),
-                cpp_sources=_CPP_SOURCE,
+                cpp_sources=_source(),
                 extra_cflags=_cflags(),
                 extra_ldflags=_LDFLAGS,
                 is_python_module=False,

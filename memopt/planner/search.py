@@ -34,7 +34,7 @@ import warnings
 
 from memopt.planner.candidate import BATCH, Candidate, carried, clear
 from memopt.memory.hardware import peak_tflops_for
-from memopt.planner.plan import SlowerThan, fit_bytes, fit_peaks, fmt, limits_of, step_time
+from memopt.planner.plan import SlowerThan, fit_bytes, fit_peaks, limits_of, step_time
 from memopt.planner.placement import plan_placed
 from memopt.planner.model_work import lower_bound_s, model_work, step_of, work_key
 from memopt.planner.prune import MARGIN, bound_row, bounded, chains, plan_chain, work_class
@@ -113,7 +113,7 @@ def candidates(cfg, hw) -> list[Candidate]:
         plain = ["ddp"] if supports is None or "ddp" in supports else \
             [st for st in a.stage if st in ("zero2", "zero3")][:1]
         pairs = [(st, off) for off in a.offload
-                 for st in (one_rank_offload_stages(a.stage, supports is None) if off else plain)]
+                 for st in (one_rank_offload_stages(a.stage, supports) if off else plain)]
 
     out = []
     for mb in mbs:
@@ -154,13 +154,15 @@ def candidates(cfg, hw) -> list[Candidate]:
     return unique
 
 
-def one_rank_offload_stages(searched, memopt_engine: bool) -> list[str]:
+def one_rank_offload_stages(searched, supports: set[str] | None) -> list[str]:
     """The ZeRO stages an offloading candidate takes on one rank, where no stage partitions anything: memopt's
-    ``cpu_offload`` alone is ZeRO-Offload (no stage needed), DeepSpeed's and FSDP2's need one (zero2 is DeepSpeed's
-    single-GPU ZeRO-Offload); zero3 adds the parameters on the host (``offload_param``: the least a device can hold,
-    DeepSpeed's ZeRO-Infinity on one GPU, memopt's zero3 likewise). Only stages the search was given."""
-    first = "ddp" if memopt_engine else next((s for s in searched if s in ("zero1", "zero2")), None)
-    return [s for s in (first, "zero3") if s is not None and (s == "ddp" or s in searched)]
+    ``cpu_offload`` alone is ZeRO-Offload (no stage needed; ``supports`` None: the memopt engine), DeepSpeed's and
+    FSDP2's need one of theirs (zero2 is DeepSpeed's single-GPU ZeRO-Offload); zero3 adds the parameters on the host
+    (``offload_param``: the least a device can hold, DeepSpeed's ZeRO-Infinity on one GPU, memopt's zero3 likewise).
+    Only stages the search was given and the engine implements."""
+    able = [s for s in searched if supports is None or s in supports]
+    first = "ddp" if supports is None else next((s for s in able if s in ("zero1", "zero2")), None)
+    return [s for s in (first, "zero3") if s is not None and (s == "ddp" or s in able)]
 
 
 def base_of(cfg):
@@ -525,7 +527,8 @@ def smallest_device_budget(rows: list[dict], hw, cfg) -> tuple[int, str] | None:
 
     best = None
     # the offloading ones first; where none of them can run (FSDP2's offload on a CPU), the other checkpointed ones
-    for frugal in (offloaded, [r for r in checkpointed if r not in offloaded]):
+    chosen = {id(r) for r in offloaded}
+    for frugal in (offloaded, [r for r in checkpointed if id(r) not in chosen]):
         for r in frugal:
             plan = plan_with_fixes(r["candidate"], base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
             need = (plan or {}).get("fit", {}).get("device", {}).get("bytes")

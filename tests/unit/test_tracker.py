@@ -91,7 +91,18 @@ def test_a_device_budget_inside_placed_at_exit_is_judged_where_storages_end():
             scratch = torch.empty(500)  # 2000 bytes on the device: under it
             tr.register(host_buf, "optim", device="host")
         assert tr.peaks()["cpu"]["total"] == 2000 and tr.peaks()["host"]["total"] == 4000
-        with pytest.raises(DeviceBudgetExceeded, match=r"3200 B live > hardware.device_memory_gb = 3000 B, crossed by 1200 B"):
+        with pytest.raises(DeviceBudgetExceeded, match=r"3200 B live > hardware.device_memory_gb = 3000 B, crossed by 1200 B"
+                                                       r" of other \(largest category other: 3200 B\)"):
             with tr.placed_at_exit():
                 more = torch.empty(300)  # 2000 + 1200 bytes on the device at the exit's replay
-    del host_buf, scratch, more
+                del scratch  # freed before the exit: the message reads the categories at the crossing
+    del host_buf, more
+    tr = MemoryTracker("cpu", budget=3000)  # nested: the inner block is the outer one's; an error inside still counts
+    with tr:
+        with pytest.raises(ValueError), tr.placed_at_exit():
+            with tr.placed_at_exit():
+                buf = torch.empty(1000)
+            tr.register(buf, "optim", device="host")
+            raise ValueError("the library failed")
+        assert tr.peaks()["host"]["optim"] == 4000 and tr.peaks()["cpu"]["total"] == 0 and tr._window is None
+    del buf
