@@ -265,9 +265,12 @@ class TPStrategy(Strategy):
             dims.insert(1, ("n_kv_head", m.kv_heads))
         for field, n in dims:
             if n % tp:
+                world = expected_world(cfg)
+                able = [d for d in range(2, world + 1) if world % d == 0 and all(v % d == 0 for _, v in dims)]
+                fix = (f"use parallel.tp in {able}" if able else f"no tp > 1 divides it and the world size {world}: make "
+                       f"model.{field} a multiple of {tp}, or drop +strategy=tp")
                 raise ConfigError(f"model.{field}={n} is not divisible by parallel.tp={tp}: each tensor-parallel rank "
-                                  f"holds {field} / tp of it; use a tp among "
-                                  f"{[d for d in range(2, n + 1) if n % d == 0 and expected_world(cfg) % d == 0]}")
+                                  f"holds {field} / tp of it; {fix}")
         if c.sequence_parallel and m.seq_len % tp:
             raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by parallel.tp={tp}: sequence parallelism "
                               f"gives each rank seq_len / tp positions")

@@ -165,7 +165,8 @@ def check_sequence_parallel_comm(ops: dict, cfg) -> None:
 
 
 REFUSED = {
-    "heads": (["model.n_head=3", "model.d_model=96"], "model.n_head=3 is not divisible by parallel.tp=2"),
+    "heads": (["model.n_head=3", "model.d_model=96"], "model.n_head=3 is not divisible by parallel.tp=2.*no tp > 1 divides it "
+              "and the world size 2: make model.n_head a multiple of 2"),  # it had offered "a tp among []"
     "d_ff": (["model.d_ff=129"], "model.d_ff=129 is not divisible by parallel.tp=2"),
     "vocab": (["model.vocab_size=257"], "model.vocab_size=257 is not divisible by parallel.tp=2"),
     "world": (["parallel.tp=3"], "does not divide the world size 2"),
