@@ -528,7 +528,9 @@ def smallest_device_budget(rows: list[dict], hw, cfg) -> tuple[int, str] | None:
     best = None
     # the offloading ones first; where none of them can run (FSDP2's offload on a CPU), the other checkpointed ones
     chosen = {id(r) for r in offloaded}
-    for frugal in (offloaded, [r for r in checkpointed if id(r) not in chosen]):
+    rest = [r for r in checkpointed if id(r) not in chosen]
+    rest = [r for r in rest if "zero3" in r["candidate"].strategies] or rest  # the most frugal stage, where searched
+    for frugal in (offloaded, rest):
         for r in frugal:
             plan = plan_with_fixes(r["candidate"], base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
             need = (plan or {}).get("fit", {}).get("device", {}).get("bytes")
