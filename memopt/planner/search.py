@@ -23,7 +23,8 @@ micro-batches, so tp x the accumulation keeps the global batch. Every candidate 
 blocks, each valid schedule, pp x the accumulation, ddp over the ranks left; each candidate's plan
 holds its stages' peaks and its schedule's bubble, so it competes on the same fit and step time.
 On one rank a candidate carries a ZeRO stage only to offload (``one_rank_offload_stages``) or where the engine
-has no plain data parallelism (FSDP2: zero2, ``fully_shard`` of one rank).
+has no plain data parallelism (FSDP2: ``fully_shard`` of one rank, zero2 and zero3, which frees the whole weights
+after each use).
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def candidates(cfg, hw) -> list[Candidate]:
         pairs = [(stage, off) for stage in stages for off in a.offload]
     else:  # one rank: a stage only to offload (it partitions nothing), or where the engine has no plain one (FSDP2)
         plain = ["ddp"] if supports is None or "ddp" in supports else \
-            [st for st in a.stage if st in ("zero2", "zero3")][:1]
+            [st for st in a.stage if st in ("zero2", "zero3") and st in supports]  # zero3 frees the whole weights
         pairs = [(st, off) for off in a.offload
                  for st in (one_rank_offload_stages(a.stage, supports) if off else plain)]
 
