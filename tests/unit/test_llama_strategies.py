@@ -145,7 +145,7 @@ def test_cli_trains_llama_tiny(tmp_path):
 @pytest.mark.parametrize("overrides, needles", [
     (["+strategy=moe"], ["strategy moe", "SwiGLU", "model.arch='llama'"]),
     # tp composes (tests/tp/test_tp.py); a tp above the key/value heads is refused naming what works
-    (["+strategy=tp", "trainer.nproc_per_node=4", "parallel.tp=4"], ["model.n_kv_head=2", "parallel.tp=4", "use a tp"]),
+    (["+strategy=tp", "trainer.nproc_per_node=4", "parallel.tp=4"], ["model.n_kv_head=2", "parallel.tp=4", "use parallel.tp in [2]"]),
 ])
 def test_unbuilt_combinations_are_refused_with_the_reason(overrides, needles):
     with pytest.raises(ConfigError) as e:
