@@ -200,6 +200,14 @@ def check_cpu_offload(runs):
     assert peak(off, "optim", "host") == 12 * P  # fp32 master + moments on the host
     assert peak(off, "grads", "host") == 4 * P and peak(z, "grads", "host") == 0  # the fp32 gradient leaves the device
     assert len(lo) == 2 and rel(lo, lz) < 1e-6
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:  # zero3 + offload_param on one rank: its parameters on the host
+        warnings.simplefilter("always")
+        z3, l3 = runs("zero3_offload_1rank", ["+strategy=[zero3,cpu_offload]", *two_steps])
+    assert peak(z3, "params", "host") == 4 * P and peak(z3, "params") < 4 * P  # only what a block uses on the device
+    assert not [w for w in seen if "partitions nothing" in str(w.message)]  # it does something on one rank
+    assert rel(l3, lz) < 1e-6
 
 
 def check_auto(runs):
