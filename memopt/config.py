@@ -170,6 +170,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
+    if t.num_threads < 0:
+        raise ConfigError(f"trainer.num_threads={t.num_threads} must be >= 0 (0 keeps PyTorch's default, one share of the "
+                          f"cores per rank)")
+    if t.throughput_warmup_steps < 0:
+        raise ConfigError(f"trainer.throughput_warmup_steps={t.throughput_warmup_steps} must be >= 0 (the steps left out "
+                          f"of the median tokens/s)")
     _one_of("optim.name", o.name, ("adamw",))
     _one_of("optim.schedule", o.schedule, ("cosine", "constant"))
     if o.lr <= 0 or o.grad_clip < 0:

@@ -97,6 +97,8 @@ def test_several_strategies_append():
         (["model.attention=flash"], ["model.attention='flash'", "+strategy=flash_attn"]),
         (["model.arch=mamba"], ["model.arch='mamba'", "gpt", "llama"]),
         (["model.dropout=1.5"], ["model.dropout=1.5", "[0, 1)"]),  # had failed in nn.Dropout, after the launch
+        (["trainer.num_threads=-2"], ["trainer.num_threads=-2", ">= 0"]),  # had been ignored silently
+        (["trainer.throughput_warmup_steps=-1"], ["trainer.throughput_warmup_steps=-1", ">= 0"]),
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):
