@@ -174,19 +174,21 @@ def _gpt_block(shape: tuple[int, int, int, int], autocast, weights: torch.dtype)
 
 
 def _counted(fn):
-    """What ``fn()`` dispatched, by ``simulate.op_work``'s rule: ``ops``, ``flops`` (fused attention's also in
-    ``attention``) and bytes ``moved`` (the activation function's also in ``act``)."""
+    """What ``fn()`` dispatched, by the planner's rules (``simulate.op_work``, ``simulate._on_dtensors``): ``ops`` (those
+    on DTensors also in ``dtensor_ops``), ``flops`` (fused attention's also in ``attention``) and bytes ``moved`` (the
+    activation function's also in ``act``). The block probe and the op-overhead probes count with it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from memopt.planner.simulate import ACTIVATION_FNS, ATTENTION, op_work
+    from memopt.planner.simulate import ACTIVATION_FNS, ATTENTION, _on_dtensors, op_work
 
     class Count(TorchDispatchMode):
-        flops = attention = moved = act = ops = 0
+        flops = attention = moved = act = ops = dtensor_ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             flops, moved = op_work(func, args, kwargs, out)
             self.ops, self.flops, self.moved = self.ops + 1, self.flops + flops, self.moved + moved
+            self.dtensor_ops += _on_dtensors(args)
             if func._overloadpacket in ATTENTION:
                 self.attention += flops
             if func._overloadpacket in ACTIVATION_FNS:

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from memopt.planner.cpu_rates.block import _counted
+
 
 def _tiny_step(model: torch.nn.Module, opt, x: torch.Tensor, y: torch.Tensor) -> None:
     loss = torch.nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
@@ -27,24 +29,6 @@ class _Block(torch.nn.Module):
 
 def _model(width: int = 16, blocks: int = 3) -> torch.nn.Module:
     return torch.nn.Sequential(*[_Block(width) for _ in range(blocks)])
-
-
-def _count_ops(fn, only_dtensor: bool = False) -> int:
-    """Ops ``fn`` dispatches as the memory tracker (and the planner's counting) sees them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not only_dtensor or any(type(a).__name__ == "DTensor" for a in tree_leaves(args)):
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
 
 
 def _time_per_call(fn, repeats: int = 5) -> float:
@@ -74,8 +58,7 @@ def op_overhead_us() -> float:
             _tiny_step(model, opt, x, y)
 
         step()
-        n = _count_ops(step)
-        return 1e6 * _time_per_call(step) / n
+        return 1e6 * _time_per_call(step) / _counted(step).ops
     finally:
         torch.set_num_threads(threads)
 
@@ -112,7 +95,8 @@ def dtensor_op_overhead_us(plain_us: float) -> float:
             _tiny_step(model, opt, x, y)
 
         step()
-        n_all, n_dt = _count_ops(step), _count_ops(step, only_dtensor=True)
+        count = _counted(step)  # every op, and those on DTensors (the tracker sees those once)
+        n_all, n_dt = count.ops, count.dtensor_ops
         took = _time_per_call(step)
         return max(0.0, 1e6 * took - n_all * plain_us) / max(1, n_dt)
     finally:
