@@ -107,7 +107,8 @@ def lerp_nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
 
 def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     """The compute bytes a step records at its moments (``simulate_rank``: at the backward's start, at
-    each early gradient's arrival, in each early recomputation; DeepSpeed's rules read them), at depth n:
+    each early gradient's arrival, in each early recomputation, at each parameter's first gradient with its
+    index; DeepSpeed's rules read them), at depth n:
     each grows by the blocks' activations, so by the same line. A list holds an entry per gradient or
     recomputation in the backward's order, the same number per block: its first entries (the blocks
     both depths have, the last ones first) are extrapolated; those of the root group after them are
@@ -115,13 +116,21 @@ def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     compute peak instead)."""
     out = {k: lerp_nested(a.get(k) or {}, b.get(k) or {}, n1, n2, n) for k in ("backward_nonmodel", "backward_with_grads")}
     out["data"] = max(0, round(lerp(a.get("data", 0), b.get("data", 0), n1, n2, n)))
-    for key in ("grad_ready_nonmodel", "recompute_nonmodel"):
+    for key in ("grad_ready_nonmodel", "recompute_nonmodel", "grad_arrivals"):
         x, y = a.get(key) or [], b.get(key) or []
         per, rest = divmod(len(y) - len(x), n2 - n1)  # entries per block
         if x and not rest and per >= 0:
             k = min(len(x), per * n1) if per else len(x)
-            out[key] = [max(0, round(lerp(u, v, n1, n2, n))) for u, v in zip(x[:k], y[:k])]
+            out[key] = [_lerp_entry(u, v, n1, n2, n) for u, v in zip(x[:k], y[:k])]
     return out
+
+
+def _lerp_entry(u, v, n1: int, n2: int, n: int):
+    """A moment's entry at depth n: a number, or a list of them (``grad_arrivals``: a parameter's index in
+    the model, which moves by a block's parameters per block, and its compute bytes), each on its line."""
+    if isinstance(u, list):
+        return [_lerp_entry(p, q, n1, n2, n) for p, q in zip(u, v)]
+    return max(0, round(lerp(u, v, n1, n2, n)))
 
 
 def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: str = "gloo",

@@ -159,9 +159,15 @@ class PlanTracker(MemoryTracker):
         # until its reductions after the backward; memopt accumulates into a flat buffer allocated whole)
         self._arrived = 0  # bytes of those gradients, each parameter's once a step (accumulating adds into it)
         self._arrived_from: set[int] = set()  # the parameters counted in ``_arrived``
+        self.arrivals: list[list[int]] | None = None  # set to []: at each parameter's gradient in the last step's
+        # first backward, [its index in the model's parameters, the compute bytes then, their peak until the next
+        # gradient or the backward's end] (DeepSpeed's stage 2 reduces a bucket when the next gradient would
+        # overflow it: planner/engines/deepspeed)
+        self._param_index: dict[int, int] = {}
 
     def register_module(self, module: torch.nn.Module) -> None:
         super().register_module(module)
+        self._param_index = {id(p): i for i, p in enumerate(module.parameters())}
         for p in module.parameters():
             if p.requires_grad and not getattr(p, "_plan_arrival_hooked", False):
                 p.register_post_accumulate_grad_hook(self._grad_arrived)
@@ -171,6 +177,9 @@ class PlanTracker(MemoryTracker):
         if self.backward_with_grads is not None and id(p) not in self._arrived_from:
             self._arrived_from.add(id(p))
             self._arrived += p.numel() * p.grad.element_size()
+            if self.arrivals is not None:
+                b = self._compute_bytes(self.compute_key)
+                self.arrivals.append([self._param_index.get(id(p), -1), b, b])
             self._update_peak(self.compute_key)
 
     def counters(self) -> tuple[dict, dict]:
@@ -224,6 +233,8 @@ class PlanTracker(MemoryTracker):
                 self.backward_nonmodel[device] = b
             if device == self.compute_key and b + self._arrived > self.backward_with_grads.get(device, 0):
                 self.backward_with_grads[device] = b + self._arrived
+            if device == self.compute_key and self.arrivals:  # (None or empty: no window open)
+                self.arrivals[-1][2] = max(self.arrivals[-1][2], b)
             if self._recomputing and device == self.compute_key:
                 self.recompute_nonmodel[-1] = max(self.recompute_nonmodel[-1], b)
         limit = self.limits.get(device)
@@ -497,7 +508,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     tracker.counting = last
                     tracker.backward_nonmodel = {} if last else None
                     tracker.backward_with_grads, tracker._arrived = ({} if last else None), 0
-                    tracker._arrived_from = set()
+                    tracker._arrived_from, tracker.arrivals = set(), ([] if last else None)
+                    arrivals = []
                     tracker.grad_ready_nonmodel = [] if last else None
                     tracker.recompute_nonmodel, tracker._recomputing = ([] if last else None), False
                     for micro in micros:
@@ -508,6 +520,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         if last and micro == 0:  # the run's data and buffers (DeepSpeed's rules add them to its moments)
                             data_bytes = tracker.live[tracker.compute_key].get("other", 0)
                         engine.forward_backward(x, y, micro, t.grad_accum)
+                        if tracker.arrivals is not None:  # the first backward's: closed
+                            arrivals, tracker.arrivals = tracker.arrivals, None
                         if before is not None:
                             tracker.repeat_since(before, stands_for - 1)
                     nonmodel, tracker.backward_nonmodel = tracker.backward_nonmodel or {}, None
@@ -557,7 +571,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
     return {"rank": rank, "peaks": peaks, "traffic": traffic, "flops": traffic.pop("flops", 0),
             "comm_per_step": tracker.comm_per_step(), "seconds": time.perf_counter() - t0, "engine_metrics": metrics,
             "backward_nonmodel": {keymap.get(d, d): v for d, v in nonmodel.items()}, "grad_ready_nonmodel": grad_ready,
-            "recompute_nonmodel": recompute, "data": data_bytes, "backward_with_grads": {keymap.get(d, d): v for d, v in with_grads.items()}}
+            "recompute_nonmodel": recompute, "data": data_bytes, "backward_with_grads": {keymap.get(d, d): v for d, v in with_grads.items()},
+            "grad_arrivals": arrivals}
 
 
 @contextlib.contextmanager

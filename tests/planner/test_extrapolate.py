@@ -239,6 +239,7 @@ def test_extrapolated_step_carries_its_early_gradient_moments(monkeypatch):
     of different lengths were dropped and gpt_10b's DeepSpeed ZeRO-3-Offload plan (ckpt) fell to 1.9 GiB
     a device where its step holds 7.6."""
     from memopt.planner import extrapolate
+    from memopt.planner.engines.deepspeed.rules import _meta_params as meta_params
 
     cfg = typed([*COMMON, "+strategy=zero3", "model.n_layer=9"])
     got = extrapolate.simulate(cfg, 0, 1, None, windows=[(3, 4, 5)])
@@ -248,3 +249,9 @@ def test_extrapolated_step_carries_its_early_gradient_moments(monkeypatch):
     early = got["grad_ready_nonmodel"]
     assert len(early) >= 3 * (len(full["grad_ready_nonmodel"]) // 9) > 0
     assert early == pytest.approx(full["grad_ready_nonmodel"][:len(early)], rel=TOL, abs=1024)
+    # each parameter's first gradient (DeepSpeed's stage-2 rules replay their reductions over them): its index in
+    # the model, which moves by a block's parameters per block, and the compute bytes then and until the next
+    early, every = got["grad_arrivals"], full["grad_arrivals"]
+    assert len(early) >= 3 * (len(every) // 9) > 0 and len(every) == len(meta_params(cfg))
+    assert [i for i, _, _ in early] == [i for i, _, _ in every[:len(early)]]
+    assert [b for _, *bs in early for b in bs] == pytest.approx([b for _, *bs in every[:len(early)] for b in bs], rel=TOL, abs=1024)

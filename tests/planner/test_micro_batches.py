@@ -15,7 +15,8 @@ FAST = [["+strategy=ddp"]]
 SLOW = [["+strategy=[tp]", "parallel.tp=2", "strategy.tp.sequence_parallel=true"], ["+strategy=[zero2,cpu_offload]"], ["engine=fsdp2", "+strategy=zero3"], ["+strategy=zero1"], ["+strategy=zero3"], ["+strategy=[zero3,cpu_offload]"], ["+strategy=[ckpt,zero2]"],
         ["+strategy=[fp16,zero2]"], ["+strategy=[bf16,ckpt,act_offload]"], ["+strategy=[chunked_loss,zero2]"],
         ["model=moe_tiny", "+strategy=[moe,zero2]", "parallel.ep=2"], ["engine=fsdp2", "+strategy=[bf16,zero2]"]]
-KEYS = ("peaks", "traffic", "flops", "comm_per_step", "backward_nonmodel", "backward_with_grads", "data")
+KEYS = ("peaks", "traffic", "flops", "comm_per_step", "backward_nonmodel", "backward_with_grads", "data",
+        "grad_arrivals")  # (the first backward's)
 MOMENTS = ("grad_ready_nonmodel", "recompute_nonmodel")  # a list per step, an entry per gradient or recomputation
 
 

@@ -22,9 +22,11 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             so 2 x 25 MiB dominate a small model), and that once per communication dtype: under bf16
             autocast (torch_autocast) Linear parameters' gradients communicate in bf16 and the rest in
             fp32, each in buckets of their own (fp32 buffers, the parameters' dtype), so twice the
-            buckets; the gradient partition part x b. The total is the larger of the backward (its
-            compute bytes; stage 1 beside every param.grad so far, which it keeps to its reductions)
-            and the reductions after it (``_reductions``), each beside the states and the data
+            buckets; the gradient partition: the parameters with elements in the rank's share, whole
+            (``in_partition``). The total is the largest of the backward (its compute bytes; stage 1
+            beside every param.grad so far, which it keeps to its reductions; stage 2's reductions in
+            it at their moments, ``backward_reductions``), the reductions after it (``_reductions``)
+            and, without offload, the optimizer step, each beside the states and the data
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
             stage 3's buckets are in their communication dtype); activations (the fake step runs
@@ -132,9 +134,10 @@ def _largest_param(cfg) -> int:
     return max((n for n, _, _ in _meta_params(cfg)), default=0)
 
 
-def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[str, dict[str, int]]:
+def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int | None = None) -> dict[str, dict[str, int]]:
     """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers
-    (``params``: the rank's parameters, when not the whole model's: DeepSpeed-MoE's local experts)."""
+    (``params``: the rank's parameters, when not the whole model's: DeepSpeed-MoE's local experts; ``rank``:
+    stage 1/2's gradient partition is that rank's, ``in_partition``)."""
     from memopt import compose
     from memopt.strategies.precision import Precision
     from memopt.strategies.zero import selected_stage
@@ -172,8 +175,14 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None) -> dict[s
             host["params"] = part * b
             host["grads"] += largest * b
             dev["grads"] += largest * b
-        reduce = _reductions(cfg, P, bucket, b, stage, gip=0 if offload else part * b)
+        mine = in_partition(cfg, W, rank) if rank is not None and params is None else None
+        gip = 0 if offload else part * b if mine is None else b * sum(_meta_params(cfg)[i][0] for i in mine)
+        reduce = {**_reductions(cfg, P, bucket, b, stage, gip=gip), "mine": mine}
         dev["grads"] += reduce["gip"]
+        if not offload and cfg.strategy.moe is None:  # its step, one group at a time, the buckets let go at the
+            # backward's end: the gradient partition, the group's fp32 copy of its share and the foreach AdamW's
+            # sqrt of its moments (d_model 256, zero2, 2 ranks: 52,442,489 B measured, 3.5% under without)
+            after = P * b + dev["optim"] + reduce["gip"] + 8 * math.ceil(_largest_group(cfg) / W)
     else:
         block = _block_numel(cfg)
         live = (2 if scfg.prefetch else 1) * block * b  # stage3_max_live_parameters
@@ -255,7 +264,61 @@ def _reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
     # which it adds the next one's into); with offload it accumulates on the host instead. (Stage 1 keeps every
     # param.grad to the last micro-batch, as memopt's zero1 in the fake step: ``backward_with_grads``.)
     kept = gip if stage == 2 and cfg.trainer.grad_accum > 1 else 0
-    return {"gip": gip, "flat": flat, "many": any(round(g * scale) > bucket for g in groups), "kept": kept}
+    return {"gip": gip, "flat": flat, "many": any(round(g * scale) > bucket for g in groups), "kept": kept,
+            "bucket": bucket, "offload": cfg.strategy.cpu_offload is not None}
+
+
+def in_partition(cfg, W: int, rank: int) -> dict[int, int]:
+    """{index (the model's distinct parameters, in order): its elements in ``rank``'s partition} of the
+    parameters with elements there: DeepSpeed flattens each of the translation's optimizer groups (``ndim >=
+    2``, then the rest, each in the model's order) and gives rank r its r-th W-th. Its gradient partition holds
+    these parameters whole (stage_1_and_2.py's ``grads_in_partition``: gpt_tiny d_model 256, 2 ranks:
+    6,646,784 and 7,367,680 B), made when the first of them is reduced."""
+    params, out = _meta_params(cfg), {}
+    for decay in (True, False):
+        members = [(i, n) for i, (n, ndim, _) in enumerate(params) if (ndim >= 2) == decay]
+        part, start = math.ceil(sum(n for _, n in members) / W), 0
+        lo, hi = rank * part, (rank + 1) * part
+        for i, n in members:
+            if start < hi and start + n > lo:
+                out[i] = min(hi, start + n) - max(lo, start)
+            start += n
+    return out
+
+
+def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
+    """Stage 2's peak bytes outside the states over its reductions in the backward, replayed over the fake
+    step's gradient arrivals (``grad_arrivals``: each parameter's index, the compute bytes then, their peak
+    until the next). DeepSpeed reduces a communication dtype's bucket when the next gradient would overflow it
+    (stage_1_and_2.py, ``reduce_independent_p_g_buckets_and_remove_grads``), holding the bucket's flat copy
+    (and its bf16 cast) beside that moment's compute bytes; the gradient partition (``red["gip"]``) from the
+    first reduction of a parameter in it (``red["mine"]``; None: any) on. With offload, the flat copy freed,
+    each of its parameters' share of the partition is copied to fp64 for its norm (``set_norm_for_param_grad_in_gpu``:
+    d_model 256, 1 MiB buckets, one rank: 31,671,169 B measured, 1.7% under without). Adding the last bucket's flat copy
+    and the partition to the backward's compute peak instead was 6.7% over (gpt_small bf16 + ZeRO-2-Offload,
+    1 rank: the first reduction comes a quarter of the way into the backward, its activations partly freed).
+    None where the arrivals do not name each parameter once (a depth extrapolated from shallower steps keeps
+    the first blocks' entries) or with MoE (DeepSpeed-MoE's parameters are not memopt's): the rules then take
+    the backward's compute peak."""
+    params = _meta_params(cfg)
+    if cfg.strategy.moe is not None or sorted(i for i, _, _ in arrivals) != list(range(len(params))):
+        return None
+    autocast, b, gip, mine = _autocast(cfg), _param_bytes(cfg), red["gip"], red.get("mine")
+    norm = 8 if red["offload"] else 0  # bytes per element of a norm's copy (get_norm_dtype: fp64)
+    filled, held, peak = [0, 0], [[], []], 0
+    made = False  # the gradient partition
+    for i, at, until_next in arrivals:
+        n, _, safe = params[i]
+        g = int(safe and autocast)  # its bucket: bf16 for torch_autocast's safe modules, else its own dtype
+        if filled[g] and filled[g] + n > red["bucket"]:
+            norms = max((mine.get(j, 0) if mine is not None else params[j][0] for j in held[g]), default=0) * norm
+            peak = max(peak, at + max(filled[g] * (b + 2 * g), norms) + (gip if made else 0))
+            made = made or mine is None or any(j in mine for j in held[g])
+            filled[g], held[g] = 0, []
+        filled[g] += n
+        held[g].append(i)
+        peak = max(peak, until_next + (gip if made else 0))
+    return peak
 
 
 def _partitioned_as_made(cfg, W: int, b: int, on_host: bool) -> dict[str, int]:
@@ -335,7 +398,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         states = deepspeed_moe_rules.model_states(cfg, world, ep, _param_bytes(cfg),
                                                   lambda p, w: deepspeed_model_states(cfg, w, p))
     else:
-        states = deepspeed_model_states(cfg, world)
+        states = deepspeed_model_states(cfg, world, rank=rank)
     # the fake step: memopt's own, zero1 for a stage-2 run (``fake_step_cfg``: memopt's zero2 holds its own
     # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
     mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
@@ -394,8 +457,12 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
                 else:  # accumulating, the previous micro-batches' partition is kept (DeepSpeed's all_grad_tensors
                     # view it) while this one's reductions fill a new one, added into it at the epilogue
                     # (moe_small, zero2 at 8 x 2, 2 ranks: 161.3 MiB more than at 8 x 1, measured)
-                    backward += red["kept"] + (red["gip"] + red["flat"] if red["many"] else 0)
-                after = states["device_total"] + red["flat"] + (red["gip"] if red["many"] else 0) + red["kept"]
+                    replayed = backward_reductions(cfg, sim.get("grad_arrivals") or [], red) if red["many"] else None
+                    if replayed is not None:
+                        backward = max(backward, replayed) + red["kept"]
+                    else:
+                        backward += red["kept"] + (red["gip"] + red["flat"] if red["many"] else 0)
+                after = max(after, states["device_total"] + red["flat"] + (red["gip"] if red["many"] else 0) + red["kept"])
             cats["total"] = max(states["device_total"] + backward, after) + data
         if mem == "device" and stage == 3 and "device" in one.get("backward_nonmodel", {}):
             # stage 3 peaks when the backward starts: the partitions and buffers, no block in flight, what
