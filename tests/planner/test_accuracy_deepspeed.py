@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.planner.test_accuracy import FLOOR, TOL, measured, planned
+from tests.conftest import typed
+from tests.planner.test_accuracy import COMMON, FLOOR, TOL, measured, planned
 
 COMPARED = ("params", "optim", "activations", "total")
 MODELS = [["model=gpt_tiny"], ["model=gpt_tiny", "model.n_layer=3", "model.d_model=96", "model.n_head=4"]]
@@ -103,7 +104,15 @@ def compare_deepspeed(plan: dict, real: dict, slack: dict | None = None) -> list
 
 def check_deepspeed(world: int, ov: list[str], tmp_path) -> None:
     ov, slack = ["engine=deepspeed", *ov], {}
-    bad = compare_deepspeed(planned(ov, world), measured(ov, world, tmp_path, slack), slack)
+    real = measured(ov, world, tmp_path, slack)
+    if world > 1 and any("zero3" in o for o in ov):  # gloo's late release (test_accuracy.LATE_RELEASE) of a whole
+        # parameter ZeRO-3's build broadcast (test_deepspeed_engine.test_zero3_never_holds_the_whole_model): d_model
+        # 96, zero3 + ckpt, rank 0, 1 run in 3: params 953,472 B measured, 879,744 planned
+        from memopt.planner.engines.deepspeed.rules import _largest_param, _param_bytes
+
+        cfg = typed([*COMMON, *ov])
+        slack["params"] = _largest_param(cfg) * _param_bytes(cfg)
+    bad = compare_deepspeed(planned(ov, world), real, slack)
     assert not bad, f"{ov} on {world} rank(s):\n" + "\n".join(bad)
 
 
