@@ -108,10 +108,10 @@ def check_deepspeed(world: int, ov: list[str], tmp_path) -> None:
     if world > 1 and any("zero3" in o for o in ov):  # gloo's late release (test_accuracy.LATE_RELEASE) of a whole
         # parameter ZeRO-3's build broadcast (test_deepspeed_engine.test_zero3_never_holds_the_whole_model): d_model
         # 96, zero3 + ckpt, rank 0, 1 run in 3: params 953,472 B measured, 879,744 planned
-        from memopt.planner.engines.deepspeed.rules import _largest_param, _param_bytes
+        from memopt.planner.engines.deepspeed.params import largest_param, param_bytes
 
         cfg = typed([*COMMON, *ov])
-        slack["params"] = _largest_param(cfg) * _param_bytes(cfg)
+        slack["params"] = largest_param(cfg) * param_bytes(cfg)
     bad = compare_deepspeed(planned(ov, world), real, slack)
     assert not bad, f"{ov} on {world} rank(s):\n" + "\n".join(bad)
 
@@ -201,12 +201,11 @@ SMALL_BUCKETS = [(1, ["+strategy=[zero2,bf16,cpu_offload]"]), (2, ["+strategy=ze
 @pytest.mark.parametrize("world,overrides", SMALL_BUCKETS, ids=[f"{w}rank-{'+'.join(o)}" for w, o in SMALL_BUCKETS])
 def test_stage2_reductions_in_the_backward_d256(world, overrides, tmp_path):
     """1 MiB buckets (d_model 256) fill many times in the backward: each reduction is planned at its moment,
-    replayed over the fake step's gradient arrivals (rules.backward_reductions), and each rank's gradient
+    replayed over the fake step's gradient arrivals (reductions.backward_reductions), and each rank's gradient
     partition holds the parameters with elements in its share, made at the first of them reduced
-    (rules.in_partition). Measured per rank, within 1% (the first two within 100 B here). Before, the last
+    (reductions.in_partition). Measured per rank, within 1% (the first two within 100 B here). Before, the last
     bucket's flat copy and the partition were added to the backward's compute peak: one rank bf16 + offload
-    31,671,169 B measured, 32,719,213 planned (+3.3%, the first reduction a quarter into the backward; the
-    copy's fp64 norm, 2 MiB, was not planned); 2 ranks fp32 52,442,489 / 53,163,385 measured, the peak its
+    31,671,169 B measured, 32,719,213 planned (+3.3%; and the copy's fp64 norm, 2 MiB, was not planned); 2 ranks fp32 52,442,489 / 53,163,385 measured, the peak its
     optimizer step (the partition, a group's fp32 gradient share and AdamW's sqrt, not planned for stages 1/2:
     3.5% under); bf16 at 8 x 2 71,608,705 / 78,386,049 measured (rank 1's parameters arrive first, so its
     partition is made early in the backward, rank 0's late), 79,635,305 planned for both (+11.2% on rank 0)."""

@@ -239,7 +239,7 @@ def test_extrapolated_step_carries_its_early_gradient_moments(monkeypatch):
     of different lengths were dropped and gpt_10b's DeepSpeed ZeRO-3-Offload plan (ckpt) fell to 1.9 GiB
     a device where its step holds 7.6."""
     from memopt.planner import extrapolate
-    from memopt.planner.engines.deepspeed.rules import _meta_params as meta_params
+    from memopt.planner.engines.deepspeed.params import meta_params
 
     cfg = typed([*COMMON, "+strategy=zero3", "model.n_layer=9"])
     got = extrapolate.simulate(cfg, 0, 1, None, windows=[(3, 4, 5)])

@@ -25,7 +25,7 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             buckets; the gradient partition: the parameters with elements in the rank's share, whole
             (``in_partition``). The total is the largest of the backward (its compute bytes; stage 1
             beside every param.grad so far, which it keeps to its reductions; stage 2's reductions in
-            it at their moments, ``backward_reductions``), the reductions after it (``_reductions``)
+            it at their moments, ``backward_reductions``), the reductions after it (``reductions``)
             and, without offload, the optimizer step, each beside the states and the data
   stage 3   params part b (host with offload_param); optim 12 part; the gradient partition part x b;
             one reduce bucket (one block's elements x b; under bf16 autocast a bf16 one too, x 2:
@@ -74,64 +74,23 @@ import math
 import warnings
 from dataclasses import replace
 
-
-def _param_bytes(cfg) -> int:
-    """Bytes of DeepSpeed's parameters: the precision's weights (fp16 keeps fp16: params=fp32 is refused;
-    fp32 under bf16 autocast), as the engine builds them."""
-    from memopt.strategies.precision import Precision
-
-    return Precision.of(cfg).param_dtype.itemsize
+from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, comm_dtypes, largest_group, largest_param,
+                                                     meta_params, param_bytes)
+from memopt.planner.engines.deepspeed.reductions import backward_reductions, in_partition, reductions
 
 
-def _autocast(cfg) -> bool:
-    """bf16 over fp32 weights: the translation's ``torch_autocast`` (engines/deepspeed.py)."""
-    return cfg.strategy.bf16 is not None and cfg.strategy.bf16.params != "bf16"
 
 
-def _meta_params(cfg) -> list[tuple[int, int, bool]]:
-    """(numel, ndim, lower-precision safe) of each distinct parameter of the model built on meta; safe:
-    its module's exact class is one DeepSpeed's torch_autocast communicates in bf16 (Linear, Conv)."""
-    import torch
-    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from memopt.models import model_class
-
-    with _disable_current_modes(), torch.device("meta"):
-        model = model_class(cfg.model)(cfg.model)
-    safe = {id(p) for m in model.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES for p in m.parameters(recurse=False)}
-    return [(p.numel(), p.ndim, id(p) in safe) for p in model.parameters()]
 
 
-def comm_dtypes(cfg) -> int:
-    """How many reduction buckets DeepSpeed keeps per bucket slot: one per communication dtype. Under
-    ``torch_autocast`` the gradients of lower-precision safe modules' parameters communicate in bf16 and
-    every other one in its own dtype, each kind in buckets of its own; otherwise one dtype."""
-    return len({safe for _, _, safe in _meta_params(cfg)}) if _autocast(cfg) else 1
 
 
-def _largest_group(cfg) -> int:
-    """Elements of the larger of the translation's two optimizer groups (weight decay on ndim >= 2)."""
-    sizes = [0, 0]
-    for n, ndim, _ in _meta_params(cfg):
-        sizes[ndim >= 2] += n
-    return max(sizes)
 
 
-def _block_numel(cfg) -> int:
-    """memopt's zero3 unit as the translation computes it: one block, or the root group (embeddings,
-    final LayerNorm, untied head) when that is larger."""
-    from memopt import compose
-
-    mc = cfg.model
-    ln = mc.d_model * (2 if mc.bias else 1)
-    root = mc.vocab_size * mc.d_model * (1 if mc.tie_embeddings else 2) + ln
-    root += mc.seq_len * mc.d_model if mc.pos_emb == "learned" else 0
-    return max((compose.num_params(cfg) - root) // max(1, mc.n_layer), root, 1)
 
 
-def _largest_param(cfg) -> int:
-    return max((n for n, _, _ in _meta_params(cfg)), default=0)
+
+
 
 
 def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int | None = None) -> dict[str, dict[str, int]]:
@@ -142,7 +101,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
     from memopt.strategies.precision import Precision
     from memopt.strategies.zero import selected_stage
 
-    P, W, b = params or compose.num_params(cfg), max(1, world), _param_bytes(cfg)
+    P, W, b = params or compose.num_params(cfg), max(1, world), param_bytes(cfg)
     part = math.ceil(P / W)
     _, stage, scfg = selected_stage(cfg)
     offload = cfg.strategy.cpu_offload is not None
@@ -156,7 +115,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         # the all-reduce runs after the backward (the activations gone): its peak is every param.grad and the
         # flat copy beside params and optim; or the step: param.grad, (bf16 weights: DeepSpeed's unfused
         # optimizer's fp32 copy of every gradient) and the foreach AdamW's sqrt of the larger group's moments
-        step = P * b + (4 * P if b == 2 else 0) + 4 * _largest_group(cfg)
+        step = P * b + (4 * P if b == 2 else 0) + 4 * largest_group(cfg)
         after = P * b + dev["optim"] + max(2 * P * b, step)
     elif stage in (1, 2):
         bucket = max(1, int(scfg.bucket_mb * 2**20 / b))  # reduce_bucket_size, elements of the parameter dtype
@@ -171,20 +130,20 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
                 host["grads"] += part * b  # partition, in its dtype (async_accumulate_grad_in_cpu_via_gpu)
             # the host staging (a b-byte copy of the partition for the updated weights, one gradient of the
             # largest parameter) and that gradient's device twin (temp_grad_buffer_for_{cpu,gpu}_offload)
-            largest = _largest_param(cfg)
+            largest = largest_param(cfg)
             host["params"] = part * b
             host["grads"] += largest * b
             dev["grads"] += largest * b
         mine = in_partition(cfg, W, rank) if rank is not None and params is None else None
-        gip = 0 if offload else part * b if mine is None else b * sum(_meta_params(cfg)[i][0] for i in mine)
-        reduce = {**_reductions(cfg, P, bucket, b, stage, gip=gip), "mine": mine}
+        gip = 0 if offload else part * b if mine is None else b * sum(meta_params(cfg)[i][0] for i in mine)
+        reduce = {**reductions(cfg, P, bucket, b, stage, gip=gip), "mine": mine}
         dev["grads"] += reduce["gip"]
         if not offload and cfg.strategy.moe is None:  # its step, one group at a time, the buckets let go at the
             # backward's end: the gradient partition, the group's fp32 copy of its share and the foreach AdamW's
             # sqrt of its moments (d_model 256, zero2, 2 ranks: 52,442,489 B measured, 3.5% under without)
-            after = P * b + dev["optim"] + reduce["gip"] + 8 * math.ceil(_largest_group(cfg) / W)
+            after = P * b + dev["optim"] + reduce["gip"] + 8 * math.ceil(largest_group(cfg) / W)
     else:
-        block = _block_numel(cfg)
+        block = block_numel(cfg)
         live = (2 if scfg.prefetch else 1) * block * b  # stage3_max_live_parameters
         offload_param = offload and cfg.strategy.cpu_offload.offload_param
         (host if offload_param else dev)["params"] = part * b
@@ -196,13 +155,13 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         (host if offload else dev)["grads"] += part * b  # grad_partitions_flat_buffer
         if offload:
             host["grads"] += 4 * part  # the fp32 master partitions' .grad buffers, allocated up front
-    # stage 1/2: the partitions' reduced gradients are counted at their moments (``_reductions``)
+    # stage 1/2: the partitions' reduced gradients are counted at their moments (``reductions``)
     in_total = sum(dev.values()) - (reduce["gip"] if stage in (1, 2) else 0)
     if stage == 0:  # in the backward: the compute bytes (deepspeed_sim adds them) beside params and optim
         in_total = dev["params"] + dev["optim"]
     if stage == 3 and not offload:  # its step, one optimizer group at a time: DeepSpeed's fp32 copy of the group's
         # gradient partition beside the foreach AdamW's temporaries, no parameter gathered (gpt_tiny, 1 rank: the peak)
-        after = in_total - live + 8 * math.ceil(_largest_group(cfg) / W)
+        after = in_total - live + 8 * math.ceil(largest_group(cfg) / W)
     moments = {"held_after_forward": 0, "activations_held": 0, "grads": [], "recomputed": False, "recomputations": []}
     if stage == 3:  # what DeepSpeed's coordinator holds gathered (fetch.py) and its reduce bucket's
         # flat copy at the first reduce-scatter (on one rank nothing is gathered: a parameter's data is its
@@ -210,10 +169,10 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         # on the host: d_model 256, 16,776,058 B measured, 15,061,917 planned before)
         from memopt.planner.engines.deepspeed.fetch import stage3_moments
 
-        block = _block_numel(cfg)
+        block = block_numel(cfg)
         # a fetch's flat buffers are in the communication dtype: bf16 for Linear weights under torch_autocast
         # (partition_parameters.py's get_allgather_dtype), the gathered parameters in their own
-        ratio = [2 / b if safe and _autocast(cfg) else 1 for _, _, safe in _meta_params(cfg)]
+        ratio = [2 / b if safe and autocast_bf16(cfg) else 1 for _, _, safe in meta_params(cfg)]
         args = (W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block, ratio)
         moments = _last(_MOMENTS, repr((cfg, args)), lambda: stage3_moments(cfg, *args))
         g = b if W > 1 else 0  # bytes per gathered element
@@ -236,89 +195,17 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
     else:  # memopt.compose materialises the whole fp32 model on every rank before DeepSpeed casts it, each
         # parameter's values drawn in fp32 and scaled (two copies of the largest)
         dev["params"] = max(dev["params"], 4 * P)
-        init = 4 * compose.num_params(cfg) + 2 * 4 * _largest_param(cfg)
+        init = 4 * compose.num_params(cfg) + 2 * 4 * largest_param(cfg)
     return {"device": dev, "host": host, "device_total": in_total, "init": init, **moments,
             "init_host_scratch": init_host_scratch if stage == 3 and offload else 0,
             "live_gathered": live if stage == 3 else 0, "after_backward": after,
             "reductions": reduce if stage in (1, 2) else None}
 
 
-def _reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
-    """Stage 1/2's reductions (stage_1_and_2.py, contiguous gradients): each gradient is copied into its
-    communication dtype's bucket when reduced; a reduction flattens the bucket's gradients into a new tensor
-    (cast to bf16 for torch_autocast's safe modules: one more copy), then copies this rank's share into the
-    gradient partition (``gip``: allocated at the first reduction, then kept). Stage 2 reduces as a bucket
-    fills; stage 1 keeps every param.grad to its reductions after the backward. ``flat``: what a reduction
-    holds beside the states (stage 1: every gradient, in buckets, flattened or not, and the cast copy);
-    ``many``: a bucket fills before the last reduction, which then holds ``gip`` too (``deepspeed_sim``)."""
-    autocast = _autocast(cfg)
-    groups = [0, 0]  # elements per communication dtype: its own, and bf16 for torch_autocast's safe modules
-    for n, _, safe in _meta_params(cfg):
-        groups[safe and autocast] += n
-    scale = P / max(1, sum(groups))  # DeepSpeed-MoE passes the rank's own parameters
-    first = [min(round(g * scale), bucket) for g in groups]  # elements of each dtype's first reduction
-    cast = first[1] * 2
-    flat = P * b + cast if stage == 1 else max(first[0] * b, first[1] * b + cast)
-    # accumulating over micro-batches, what stage 2's second one holds beside its own reductions: the previous
-    # gradient partition (each micro-batch's epilogue lets go of the buffer, not of the partition's gradients,
-    # which it adds the next one's into); with offload it accumulates on the host instead. (Stage 1 keeps every
-    # param.grad to the last micro-batch, as memopt's zero1 in the fake step: ``backward_with_grads``.)
-    kept = gip if stage == 2 and cfg.trainer.grad_accum > 1 else 0
-    return {"gip": gip, "flat": flat, "many": any(round(g * scale) > bucket for g in groups), "kept": kept,
-            "bucket": bucket, "offload": cfg.strategy.cpu_offload is not None}
 
 
-def in_partition(cfg, W: int, rank: int) -> dict[int, int]:
-    """{index (the model's distinct parameters, in order): its elements in ``rank``'s partition} of the
-    parameters with elements there: DeepSpeed flattens each of the translation's optimizer groups (``ndim >=
-    2``, then the rest, each in the model's order) and gives rank r its r-th W-th. Its gradient partition holds
-    these parameters whole (stage_1_and_2.py's ``grads_in_partition``: gpt_tiny d_model 256, 2 ranks:
-    6,646,784 and 7,367,680 B), made when the first of them is reduced."""
-    params, out = _meta_params(cfg), {}
-    for decay in (True, False):
-        members = [(i, n) for i, (n, ndim, _) in enumerate(params) if (ndim >= 2) == decay]
-        part, start = math.ceil(sum(n for _, n in members) / W), 0
-        lo, hi = rank * part, (rank + 1) * part
-        for i, n in members:
-            if start < hi and start + n > lo:
-                out[i] = min(hi, start + n) - max(lo, start)
-            start += n
-    return out
 
 
-def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
-    """Stage 2's peak bytes outside the states over its reductions in the backward, replayed over the fake
-    step's gradient arrivals (``grad_arrivals``: each parameter's index, the compute bytes then, their peak
-    until the next). DeepSpeed reduces a communication dtype's bucket when the next gradient would overflow it
-    (stage_1_and_2.py, ``reduce_independent_p_g_buckets_and_remove_grads``), holding the bucket's flat copy
-    (and its bf16 cast) beside that moment's compute bytes; the gradient partition (``red["gip"]``) from the
-    first reduction of a parameter in it (``red["mine"]``; None: any) on. With offload, the flat copy freed,
-    each of its parameters' share of the partition is copied to fp64 for its norm (``set_norm_for_param_grad_in_gpu``:
-    d_model 256, 1 MiB buckets, one rank: 31,671,169 B measured, 1.7% under without). Adding the last bucket's flat copy
-    and the partition to the backward's compute peak instead was 6.7% over (gpt_small bf16 + ZeRO-2-Offload,
-    1 rank: the first reduction comes a quarter of the way into the backward, its activations partly freed).
-    None where the arrivals do not name each parameter once (a depth extrapolated from shallower steps keeps
-    the first blocks' entries) or with MoE (DeepSpeed-MoE's parameters are not memopt's): the rules then take
-    the backward's compute peak."""
-    params = _meta_params(cfg)
-    if cfg.strategy.moe is not None or sorted(i for i, _, _ in arrivals) != list(range(len(params))):
-        return None
-    autocast, b, gip, mine = _autocast(cfg), _param_bytes(cfg), red["gip"], red.get("mine")
-    norm = 8 if red["offload"] else 0  # bytes per element of a norm's copy (get_norm_dtype: fp64)
-    filled, held, peak = [0, 0], [[], []], 0
-    made = False  # the gradient partition
-    for i, at, until_next in arrivals:
-        n, _, safe = params[i]
-        g = int(safe and autocast)  # its bucket: bf16 for torch_autocast's safe modules, else its own dtype
-        if filled[g] and filled[g] + n > red["bucket"]:
-            norms = max((mine.get(j, 0) if mine is not None else params[j][0] for j in held[g]), default=0) * norm
-            peak = max(peak, at + max(filled[g] * (b + 2 * g), norms) + (gip if made else 0))
-            made = made or mine is None or any(j in mine for j in held[g])
-            filled[g], held[g] = 0, []
-        filled[g] += n
-        held[g].append(i)
-        peak = max(peak, until_next + (gip if made else 0))
-    return peak
 
 
 def _partitioned_as_made(cfg, W: int, b: int, on_host: bool) -> dict[str, int]:
@@ -328,7 +215,7 @@ def _partitioned_as_made(cfg, W: int, b: int, on_host: bool) -> dict[str, int]:
     ``params`` on each memory and of the device's total (the parameters and the draws)."""
     kept = 0  # partitions made so far
     out = {"device": 0, "host": 0, "init": 0}
-    for n, _, _ in _meta_params(cfg):  # distinct parameters, in the order the engine makes them
+    for n, _, _ in meta_params(cfg):  # distinct parameters, in the order the engine makes them
         part = math.ceil(n / W) * b
         on_dev = 0 if on_host else kept
         out["device"] = max(out["device"], on_dev + n * b + (0 if on_host else part))
@@ -367,7 +254,7 @@ def _one_rank(mcfg, backend: str, depths: dict) -> dict:
 def fake_step_cfg(mcfg):
     """The memopt config whose fake step gives a DeepSpeed stage-2 run's compute bytes: memopt's zero1.
     memopt's zero2 reduces each group from a flat temporary copy of its gradients (``temp``, at its
-    backward's peak), where DeepSpeed reduces through its buckets (``_reductions``); memopt's zero1 reduces
+    backward's peak), where DeepSpeed reduces through its buckets (``reductions``); memopt's zero1 reduces
     in its gradient buffer (``grads``, not compute bytes)."""
     from memopt.strategies.zero import Zero1Config
 
@@ -395,12 +282,12 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
 
         ep = resolve_sizes(cfg.parallel, world)["ep"]
         moe = deepspeed_moe_rules.deepspeed_moe_layers(ep)
-        states = deepspeed_moe_rules.model_states(cfg, world, ep, _param_bytes(cfg),
+        states = deepspeed_moe_rules.model_states(cfg, world, ep, param_bytes(cfg),
                                                   lambda p, w: deepspeed_model_states(cfg, w, p))
     else:
         states = deepspeed_model_states(cfg, world, rank=rank)
     # the fake step: memopt's own, zero1 for a stage-2 run (``fake_step_cfg``: memopt's zero2 holds its own
-    # reduction's flat copies at its compute peak; DeepSpeed's are in ``_reductions``)
+    # reduction's flat copies at its compute peak; DeepSpeed's are in ``reductions``)
     mcfg = fake_step_cfg(replace(cfg, engine=replace(cfg.engine, name="memopt")))
     # the fake step stops at its first op whose activations are over what the device leaves them: a DeepSpeed run
     # holds them on its device (the same model code: planned activations equal the measured ones), and the rules'

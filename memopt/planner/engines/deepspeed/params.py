@@ -1,0 +1,62 @@
+"""The model's parameters as DeepSpeed's translation holds, groups and communicates them (``engines/deepspeed.py``),
+read from the model built on meta: what DeepSpeed's rules (``rules.py``, ``reductions.py``) size their buffers by."""
+from __future__ import annotations
+
+
+def param_bytes(cfg) -> int:
+    """Bytes of DeepSpeed's parameters: the precision's weights (fp16 keeps fp16: params=fp32 is refused;
+    fp32 under bf16 autocast), as the engine builds them."""
+    from memopt.strategies.precision import Precision
+
+    return Precision.of(cfg).param_dtype.itemsize
+
+
+def autocast_bf16(cfg) -> bool:
+    """bf16 over fp32 weights: the translation's ``torch_autocast`` (engines/deepspeed.py)."""
+    return cfg.strategy.bf16 is not None and cfg.strategy.bf16.params != "bf16"
+
+
+def meta_params(cfg) -> list[tuple[int, int, bool]]:
+    """(numel, ndim, lower-precision safe) of each distinct parameter of the model built on meta; safe:
+    its module's exact class is one DeepSpeed's torch_autocast communicates in bf16 (Linear, Conv)."""
+    import torch
+    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt.models import model_class
+
+    with _disable_current_modes(), torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+    safe = {id(p) for m in model.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES for p in m.parameters(recurse=False)}
+    return [(p.numel(), p.ndim, id(p) in safe) for p in model.parameters()]
+
+
+def comm_dtypes(cfg) -> int:
+    """How many reduction buckets DeepSpeed keeps per bucket slot: one per communication dtype. Under
+    ``torch_autocast`` the gradients of lower-precision safe modules' parameters communicate in bf16 and
+    every other one in its own dtype, each kind in buckets of its own; otherwise one dtype."""
+    return len({safe for _, _, safe in meta_params(cfg)}) if autocast_bf16(cfg) else 1
+
+
+def largest_group(cfg) -> int:
+    """Elements of the larger of the translation's two optimizer groups (weight decay on ndim >= 2)."""
+    sizes = [0, 0]
+    for n, ndim, _ in meta_params(cfg):
+        sizes[ndim >= 2] += n
+    return max(sizes)
+
+
+def block_numel(cfg) -> int:
+    """memopt's zero3 unit as the translation computes it: one block, or the root group (embeddings,
+    final LayerNorm, untied head) when that is larger."""
+    from memopt import compose
+
+    mc = cfg.model
+    ln = mc.d_model * (2 if mc.bias else 1)
+    root = mc.vocab_size * mc.d_model * (1 if mc.tie_embeddings else 2) + ln
+    root += mc.seq_len * mc.d_model if mc.pos_emb == "learned" else 0
+    return max((compose.num_params(cfg) - root) // max(1, mc.n_layer), root, 1)
+
+
+def largest_param(cfg) -> int:
+    return max((n for n, _, _ in meta_params(cfg)), default=0)

@@ -1,0 +1,86 @@
+"""ZeRO stage 1/2's gradient reductions under DeepSpeed's rules (stage_1_and_2.py, contiguous gradients): what
+a reduction holds beside the states, each rank's gradient partition, and, replayed over the fake step's gradient
+arrivals, the moments stage 2's reductions in the backward hold most."""
+from __future__ import annotations
+
+import math
+
+from memopt.planner.engines.deepspeed.params import autocast_bf16, meta_params, param_bytes
+
+
+def reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
+    """Stage 1/2's reductions (stage_1_and_2.py, contiguous gradients): each gradient is copied into its
+    communication dtype's bucket when reduced; a reduction flattens the bucket's gradients into a new tensor
+    (cast to bf16 for torch_autocast's safe modules: one more copy), then copies this rank's share into the
+    gradient partition (``gip``: allocated at the first reduction, then kept). Stage 2 reduces as a bucket
+    fills; stage 1 keeps every param.grad to its reductions after the backward. ``flat``: what a reduction
+    holds beside the states (stage 1: every gradient, in buckets, flattened or not, and the cast copy);
+    ``many``: a bucket fills before the last reduction, which then holds ``gip`` too (``deepspeed_sim``)."""
+    autocast = autocast_bf16(cfg)
+    groups = [0, 0]  # elements per communication dtype: its own, and bf16 for torch_autocast's safe modules
+    for n, _, safe in meta_params(cfg):
+        groups[safe and autocast] += n
+    scale = P / max(1, sum(groups))  # DeepSpeed-MoE passes the rank's own parameters
+    first = [min(round(g * scale), bucket) for g in groups]  # elements of each dtype's first reduction
+    cast = first[1] * 2
+    flat = P * b + cast if stage == 1 else max(first[0] * b, first[1] * b + cast)
+    # accumulating over micro-batches, what stage 2's second one holds beside its own reductions: the previous
+    # gradient partition (each micro-batch's epilogue lets go of the buffer, not of the partition's gradients,
+    # which it adds the next one's into); with offload it accumulates on the host instead. (Stage 1 keeps every
+    # param.grad to the last micro-batch, as memopt's zero1 in the fake step: ``backward_with_grads``.)
+    kept = gip if stage == 2 and cfg.trainer.grad_accum > 1 else 0
+    return {"gip": gip, "flat": flat, "many": any(round(g * scale) > bucket for g in groups), "kept": kept,
+            "bucket": bucket, "offload": cfg.strategy.cpu_offload is not None}
+
+
+def in_partition(cfg, W: int, rank: int) -> dict[int, int]:
+    """{index (the model's distinct parameters, in order): its elements in ``rank``'s partition} of the
+    parameters with elements there: DeepSpeed flattens each of the translation's optimizer groups (``ndim >=
+    2``, then the rest, each in the model's order) and gives rank r its r-th W-th. Its gradient partition holds
+    these parameters whole (stage_1_and_2.py's ``grads_in_partition``: gpt_tiny d_model 256, 2 ranks:
+    6,646,784 and 7,367,680 B), made when the first of them is reduced."""
+    params, out = meta_params(cfg), {}
+    for decay in (True, False):
+        members = [(i, n) for i, (n, ndim, _) in enumerate(params) if (ndim >= 2) == decay]
+        part, start = math.ceil(sum(n for _, n in members) / W), 0
+        lo, hi = rank * part, (rank + 1) * part
+        for i, n in members:
+            if start < hi and start + n > lo:
+                out[i] = min(hi, start + n) - max(lo, start)
+            start += n
+    return out
+
+
+def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
+    """Stage 2's peak bytes outside the states over its reductions in the backward, replayed over the fake
+    step's gradient arrivals (``grad_arrivals``: each parameter's index, the compute bytes then, their peak
+    until the next). DeepSpeed reduces a communication dtype's bucket when the next gradient would overflow it
+    (stage_1_and_2.py, ``reduce_independent_p_g_buckets_and_remove_grads``), holding the bucket's flat copy
+    (and its bf16 cast) beside that moment's compute bytes; the gradient partition (``red["gip"]``) from the
+    first reduction of a parameter in it (``red["mine"]``; None: any) on. With offload, the flat copy freed,
+    each of its parameters' share of the partition is copied to fp64 for its norm (``set_norm_for_param_grad_in_gpu``:
+    d_model 256, 1 MiB buckets, one rank: 31,671,169 B measured, 1.7% under without). Adding the last bucket's flat copy
+    and the partition to the backward's compute peak instead was 6.7% over (gpt_small bf16 + ZeRO-2-Offload,
+    1 rank: the first reduction comes a quarter of the way into the backward, its activations partly freed).
+    None where the arrivals do not name each parameter once (a depth extrapolated from shallower steps keeps
+    the first blocks' entries) or with MoE (DeepSpeed-MoE's parameters are not memopt's): the rules then take
+    the backward's compute peak."""
+    params = meta_params(cfg)
+    if cfg.strategy.moe is not None or sorted(i for i, _, _ in arrivals) != list(range(len(params))):
+        return None
+    autocast, b, gip, mine = autocast_bf16(cfg), param_bytes(cfg), red["gip"], red.get("mine")
+    norm = 8 if red["offload"] else 0  # bytes per element of a norm's copy (get_norm_dtype: fp64)
+    filled, held, peak = [0, 0], [[], []], 0
+    made = False  # the gradient partition
+    for i, at, until_next in arrivals:
+        n, _, safe = params[i]
+        g = int(safe and autocast)  # its bucket: bf16 for torch_autocast's safe modules, else its own dtype
+        if filled[g] and filled[g] + n > red["bucket"]:
+            norms = max((mine.get(j, 0) if mine is not None else params[j][0] for j in held[g]), default=0) * norm
+            peak = max(peak, at + max(filled[g] * (b + 2 * g), norms) + (gip if made else 0))
+            made = made or mine is None or any(j in mine for j in held[g])
+            filled[g], held[g] = 0, []
+        filled[g] += n
+        held[g].append(i)
+        peak = max(peak, until_next + (gip if made else 0))
+    return peak
