@@ -4,7 +4,8 @@ A run directory holds one run's records (``metrics.jsonl``, ``summary.json``, ``
 ``checkpoints/``). Starting a second run into it would interleave the metrics and silently replace
 the summary and the weights, so it is refused unless the new run resumes the old one
 (``trainer.resume``: its records are appended, each carrying the new attempt's ``run_id``) or is told
-to start over (``trainer.overwrite=true``: the old records are removed first).
+to start over (``trainer.overwrite=true``: the old records are removed first). A summary alone of a job
+that trained nothing (refused at the gate, or plan mode) is no run: the next command replaces it.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def claim_run_dir(run_dir: str, resume: str | None, overwrite: bool) -> None:
     """Refuse a directory that already holds a run, unless this run resumes it or overwrites it
     (then the old records are removed here, before anything is written)."""
     prior = prior_records(run_dir)
+    if prior == ["summary.json"] and _trained_nothing(run_dir):  # a refusal's or a plan's record alone: the
+        os.remove(os.path.join(run_dir, "summary.json"))  # command that replaces it owns the directory
+        prior = []
     if not prior:
         _keep_hydra_record(run_dir)
         return
@@ -63,6 +67,17 @@ def claim_run_dir(run_dir: str, resume: str | None, overwrite: bool) -> None:
     raise RunDirInUse(
         f"run directory {run_dir} already holds a run ({', '.join(prior)}); resume it with trainer.resume=auto, "
         "replace it with trainer.overwrite=true, or give another directory (hydra.run.dir=...)")
+
+
+def _trained_nothing(run_dir: str) -> bool:
+    """The directory's summary records a job that trained nothing: refused before its ranks started, or plan
+    mode. A user who fixes the refused command (or trains what was planned) and runs it again into the same
+    ``hydra.run.dir`` was told the directory "already holds a run" and to resume it, which has nothing to
+    resume; a failed or stopped run (``oom`` at build included) keeps its record."""
+    from memopt.outcome import read
+
+    summary = read(run_dir) or {}
+    return summary.get("status") == "refused" and "previous" not in summary or summary.get("mode") == "plan"
 
 
 def _keep_hydra_record(run_dir: str) -> None:

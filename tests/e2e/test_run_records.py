@@ -60,6 +60,28 @@ def test_reused_run_dir_is_refused_unless_overwritten(tmp_path, capsys):
     assert second["run_id"] != first["run_id"] and {r["run_id"] for r in lines(d)} == {second["run_id"]}
 
 
+def test_a_refused_or_planned_command_leaves_its_directory_to_the_next(tmp_path, capsys):
+    """A command refused at the gate, or run in plan mode, trains nothing and leaves only its summary: the
+    user who fixes the command (or trains what was planned) into the same directory runs there, its records
+    replacing that summary. Before, the directory "already held a run" (exit 2) and resuming it was
+    suggested, with nothing to resume. A directory whose run trained is still refused (the test above)."""
+    d = tmp_path / "run"
+    assert cli_run(d, ["trainer.max_steps=1", "model.dropout=1.5"]) == EXIT_CODES["refused"]
+    assert json.loads((d / "summary.json").read_text())["status"] == "refused"
+    assert cli_run(d, ["trainer.max_steps=1"]) == 0, capsys.readouterr().err
+    ran = json.loads((d / "summary.json").read_text())
+    assert ran["status"] == "ok" and {r["run_id"] for r in lines(d)} == {ran["run_id"]}
+
+    p = tmp_path / "planned"
+    assert cli_run(p, ["trainer.mode=plan", "hardware=a100_80g"]) == 0
+    assert json.loads((p / "summary.json").read_text())["mode"] == "plan"
+    assert cli_run(p, ["trainer.max_steps=1"]) == 0, capsys.readouterr().err
+    ran = json.loads((p / "summary.json").read_text())
+    assert ran["status"] == "ok" and "mode" not in ran and len(lines(p)) == 1
+    assert cli_run(p, ["trainer.max_steps=1", "optim.lr=3e-3"]) == EXIT_CODES["refused"]  # now it holds a run
+    assert "already holds a run" in capsys.readouterr().err
+
+
 def test_divergence_stops_the_run_and_keeps_no_bad_weights(tmp_path):
     """optim.lr=1e4 gives non-finite losses within a few steps: the run stops with status diverged
     (exit 4) after trainer.divergence_steps of them, writes no model.pt, and every checkpoint it kept
