@@ -143,8 +143,9 @@ class PlanTracker(MemoryTracker):
         super().__init__(compute_device)
         self.limits = dict(limits or {})
         self.counting = False
-        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes, host_optim_params, ops, op_bytes,
-        # dtensor_ops, collectives (counting windows only; what the step time's terms divide)
+        self.traffic: dict[str, int] = defaultdict(int)  # comm_bytes, offload_bytes, host_optim_params, ops, op_bytes
+        # (grad_op_bytes of them written into kept gradients), dtensor_ops, collectives (counting windows only; what
+        # the step time's terms divide)
         self.comm_ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0, "bus_bytes": 0})
         self._healthy: dict[int, tuple] = {}  # bool results of all/any: the value a healthy step reads
         self.backward_nonmodel: dict[str, int] | None = None  # set to {}: the peak of the bytes outside the model
@@ -278,6 +279,8 @@ class PlanTracker(MemoryTracker):
                 self.traffic["op_bytes"] += moved // split
                 if func._overloadpacket in ACTIVATION_FNS:
                     self.traffic["activation_bytes"] += moved // split
+                if moved and self._writes_grads(out):  # the engine's own gradient handling (DeepSpeed's rules
+                    self.traffic["grad_op_bytes"] += moved // split  # replace memopt's with DeepSpeed's)
             if _on_dtensors(args):
                 self.traffic["dtensor_ops"] += 1
             if src is not None and self._device_of(args[0]) not in (None, src):
@@ -287,6 +290,13 @@ class PlanTracker(MemoryTracker):
                 if a is not None and b is not None and a != b:
                     self.traffic["offload_bytes"] += out.nbytes
         return out
+
+    def _writes_grads(self, out) -> bool:
+        """The op's output is a gradient the engine keeps (its storage counted as ``grads``)."""
+        if not isinstance(out, torch.Tensor):
+            return False
+        info = self._info.get(id(out.untyped_storage()))
+        return info is not None and info.category == "grads"
 
     def _run(self, func, args, kwargs):
         if func is _PIN:  # NYI for fake tensors in torch: pinning copies into new (host) memory

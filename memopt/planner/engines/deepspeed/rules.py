@@ -76,7 +76,7 @@ from dataclasses import replace
 
 from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, comm_dtypes, largest_group, largest_param,
                                                      meta_params, param_bytes)
-from memopt.planner.engines.deepspeed.reductions import backward_reductions, in_partition, reductions
+from memopt.planner.engines.deepspeed.reductions import backward_reductions, in_partition, reduction_bytes, reductions
 
 
 
@@ -373,5 +373,10 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
+    if stage in (1, 2) and cfg.strategy.moe is None:  # DeepSpeed's gradient handling in place of memopt's zero1's
+        traffic = sim["traffic"]
+        ds = sum(reduction_bytes(cfg, world, rank).values())
+        sim["traffic"] = {**traffic, "op_bytes": traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds,
+                          "grad_op_bytes": ds}
     sim["rules"] = "DeepSpeed's buffers for the translated config (model states) + memopt fake step (activations, temp)"
     return sim
