@@ -3,7 +3,7 @@
     rules.py      model states and buffers from the buffers its ZeRO optimizers allocate, beside memopt's
                   fake step of the same model for activations and temporaries
     params.py     the model's parameters as the translation groups and communicates them (built on meta)
-    reductions.py ZeRO-1/2's gradient reductions: their buffers, each rank's partition, stage 2's moments
+    reductions.py ZeRO-1/2's gradient reductions: buffers, each rank's partition, stage 2's moments, bytes moved
     fetch.py      its ZeRO-3 prefetch and release replayed over the training step
     linear.py     its ZeRO-3 linear Function in the fake step
     moe_rules.py  DeepSpeed-MoE: the expert groups' states, its layer code on fake tensors

@@ -1,6 +1,7 @@
 """ZeRO stage 1/2's gradient reductions under DeepSpeed's rules (stage_1_and_2.py, contiguous gradients): what
-a reduction holds beside the states, each rank's gradient partition, and, replayed over the fake step's gradient
-arrivals, the moments stage 2's reductions in the backward hold most."""
+a reduction holds beside the states, each rank's gradient partition, the moments stage 2's reductions in the
+backward hold most (replayed over the fake step's gradient arrivals), and the bytes its gradient handling moves
+(the step time's memory term)."""
 from __future__ import annotations
 
 import math

@@ -79,20 +79,6 @@ from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel,
 from memopt.planner.engines.deepspeed.reductions import backward_reductions, in_partition, reduction_bytes, reductions
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int | None = None) -> dict[str, dict[str, int]]:
     """{"device": {...}, "host": {...}} bytes of one rank's model states and DeepSpeed's buffers
     (``params``: the rank's parameters, when not the whole model's: DeepSpeed-MoE's local experts; ``rank``:
@@ -200,12 +186,6 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
             "init_host_scratch": init_host_scratch if stage == 3 and offload else 0,
             "live_gathered": live if stage == 3 else 0, "after_backward": after,
             "reductions": reduce if stage in (1, 2) else None}
-
-
-
-
-
-
 
 
 def _partitioned_as_made(cfg, W: int, b: int, on_host: bool) -> dict[str, int]:
