@@ -53,8 +53,9 @@ CASES = {  # id -> (ranks, overrides)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matrix_deepspeed_moe(case, tmp_path):
     world, ov = CASES[case]
-    ov = ["engine=deepspeed", *MOE, *ov]
-    bad = compare_deepspeed(planned(ov, world), measured(ov, world, tmp_path))
+    ov, slack = ["engine=deepspeed", *MOE, *ov], {}
+    real = measured(ov, world, tmp_path, slack)  # of gloo's late releases, only the all-to-all's (activations)
+    bad = compare_deepspeed(planned(ov, world), real, {"activations": slack.get("activations", 0)})
     assert not bad, f"{ov} on {world} rank(s):\n" + "\n".join(bad)
 
 
