@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memopt.errors import ConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -134,7 +136,14 @@ class Model(nn.Module):
 
     @classmethod
     def validate(cls, cfg: ModelConfig) -> None:
-        """Shape rules; raise ConfigError naming the fields."""
+        """Shape rules; raise ConfigError naming the fields. These hold for every model; a model adds its own
+        after calling this."""
+        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")
+        if not 0 <= cfg.dropout < 1:
+            raise ConfigError(f"model.dropout={cfg.dropout} must be in [0, 1) (the probability an activation is zeroed; "
+                              "0 turns dropout off, GPT-2 trained with 0.1)")
 
     # ---- initialisation ----------------------------------------------------------------------
     def init_tensor(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

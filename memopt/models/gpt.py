@@ -207,12 +207,7 @@ class GPT(Model):
 
     @classmethod
     def validate(cls, cfg: GPTConfig) -> None:
-        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
-            if getattr(cfg, name) < 1:
-                raise ConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")
-        if not 0 <= cfg.dropout < 1:
-            raise ConfigError(f"model.dropout={cfg.dropout} must be in [0, 1) (the probability an activation is zeroed; "
-                              "0 turns dropout off, GPT-2 trained with 0.1)")
+        super().validate(cfg)
         if cfg.d_model % cfg.n_head:
             raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.n_head={cfg.n_head}")
         if cfg.pos_emb not in ("learned", "rope"):

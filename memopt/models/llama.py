@@ -269,12 +269,7 @@ class Llama(Model):
     @classmethod
     def validate(cls, cfg: ModelConfig) -> None:
         """Shape rules, checked before anything is allocated; each names the field, its value and what works."""
-        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
-            if getattr(cfg, name) < 1:
-                raise ConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")
-        if not 0 <= cfg.dropout < 1:
-            raise ConfigError(f"model.dropout={cfg.dropout} must be in [0, 1) (the probability an activation is zeroed; "
-                              "0 turns dropout off, GPT-2 trained with 0.1)")
+        super().validate(cfg)
         if cfg.d_ff is not None and cfg.d_ff < 1:
             raise ConfigError(f"model.d_ff={cfg.d_ff} must be >= 1 (the SwiGLU hidden width; Llama 3 8B: 14336)")
         if cfg.d_model % cfg.n_head:
