@@ -121,7 +121,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
             host["grads"] += largest * b
             dev["grads"] += largest * b
         mine = in_partition(cfg, W, rank) if rank is not None and params is None else None
-        gip = 0 if offload else part * b if mine is None else b * sum(meta_params(cfg)[i][0] for i in mine)
+        gip = 0 if offload else part * b if mine is None else b * sum(n for i, (n, _, _) in enumerate(meta_params(cfg)) if i in mine)
         reduce = {**reductions(cfg, P, bucket, b, stage, gip=gip), "mine": mine}
         dev["grads"] += reduce["gip"]
         if not offload and cfg.strategy.moe is None:  # its step, one group at a time, the buckets let go at the
