@@ -136,15 +136,12 @@ class MemoryTracker(TorchDispatchMode):
             self._window = events = []
         try:
             yield
-        except BaseException:
+        finally:
             with self._lock:
                 self._window = None
-                self._replay(events, live0, peak0)
-            raise
-        with self._lock:
-            self._window = None
-            crossed = self._replay(events, live0, peak0)
-        if crossed is not None:  # the device budget is judged on the replay: where each storage ended, not its birth
+                crossed = self._replay(events, live0, peak0)
+        # judged on the replay, where each storage ended, not at its birth (on a normal exit: an exception propagates)
+        if crossed is not None:
             self._over_budget(*crossed)
 
     def _replay(self, events: list, live0: dict, peak0: dict) -> tuple | None:
