@@ -59,14 +59,12 @@ def _message(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-
-
 def _nearest_key(job: list[str]) -> str:
     """'did you mean K?' for the first ``key=value`` whose key the default config lacks (what another framework calls
     it, ``FOREIGN_KEYS``, before the nearest spelling)."""
     from omegaconf import OmegaConf
 
-    from memopt.config import compose_config
+    from memopt.config import FOREIGN_KEYS, compose_config
 
     try:
         keys = _dotted(OmegaConf.to_container(compose_config([a for a in job if a.startswith("+strategy=")])))
@@ -78,8 +76,6 @@ def _nearest_key(job: list[str]) -> str:
         key = a.split("=", 1)[0]
         if "/" in key or key in keys or any(k.startswith(key + ".") for k in keys):
             continue
-        from memopt.config import FOREIGN_KEYS
-
         foreign = FOREIGN_KEYS.get(key.rsplit(".", 1)[-1])
         if foreign:
             return f"memopt's name for it: {foreign}"

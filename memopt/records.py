@@ -77,7 +77,7 @@ def _trained_nothing(run_dir: str) -> bool:
     from memopt.outcome import read
 
     summary = read(run_dir) or {}
-    return summary.get("status") == "refused" and "previous" not in summary or summary.get("mode") == "plan"
+    return (summary.get("status") == "refused" and "previous" not in summary) or summary.get("mode") == "plan"
 
 
 def _keep_hydra_record(run_dir: str) -> None:
