@@ -105,7 +105,7 @@ def lerp_nested(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     return out
 
 
-def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
+def _moments(a: dict, b: dict, n1: int, n2: int, n: int, layout: tuple[int, int, int] | None = None) -> dict:
     """The compute bytes a step records at its moments (``simulate_rank``: at the backward's start, at
     each early gradient's arrival, in each early recomputation, at each parameter's first gradient with its
     index; DeepSpeed's rules read them), at depth n:
@@ -113,16 +113,89 @@ def _moments(a: dict, b: dict, n1: int, n2: int, n: int) -> dict:
     recomputation in the backward's order, the same number per block: its first entries (the blocks
     both depths have, the last ones first) are extrapolated; those of the root group after them are
     left out, as is a list whose length does not grow by whole blocks (the rules then take the step's
-    compute peak instead)."""
+    compute peak instead). ``grad_arrivals`` is rebuilt whole where the model's ``layout`` is known
+    (``_whole_arrivals``)."""
     out = {k: lerp_nested(a.get(k) or {}, b.get(k) or {}, n1, n2, n) for k in ("backward_nonmodel", "backward_with_grads")}
     out["data"] = max(0, round(lerp(a.get("data", 0), b.get("data", 0), n1, n2, n)))
     for key in ("grad_ready_nonmodel", "recompute_nonmodel", "grad_arrivals"):
         x, y = a.get(key) or [], b.get(key) or []
+        if key == "grad_arrivals" and layout is not None:
+            whole = _whole_arrivals(x, y, n1, n2, n, *layout)
+            if whole is not None:
+                out[key] = whole
+                continue
         per, rest = divmod(len(y) - len(x), n2 - n1)  # entries per block
         if x and not rest and per >= 0:
             k = min(len(x), per * n1) if per else len(x)
             out[key] = [_lerp_entry(u, v, n1, n2, n) for u, v in zip(x[:k], y[:k])]
     return out
+
+
+def block_layout(cfg) -> tuple[int, int, int] | None:
+    """(parameters before the first block, parameters per block, the structure's period) of the model built on
+    meta, in ``model.parameters()``'s order (the arrivals' indices); None unless the blocks' parameters are
+    contiguous and of one count."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memopt.models import model_class
+
+    with _disable_current_modes(), torch.device("meta"):
+        model = model_class(cfg.model)(cfg.model)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    blocks = [[index[id(p)] for p in b.parameters()] for b in model.blocks]
+    q = len(blocks[0]) if blocks else 0
+    if not q or any(b != list(range(blocks[0][0] + j * q, blocks[0][0] + (j + 1) * q)) for j, b in enumerate(blocks)):
+        return None
+    return blocks[0][0], q, period(cfg)
+
+
+def _whole_arrivals(x: list, y: list, n1: int, n2: int, n: int, s: int, q: int, p: int) -> list | None:
+    """Each parameter's first gradient at depth n ([index, compute bytes then, their peak until the next]) from
+    depths n1 < n2, every block's: the roots before the blocks (the head's), the blocks from the last, each in
+    the same order, the roots after (the embeddings'). The last n1 blocks' entries are lerped by their place
+    from the last block and the first n1's by their place from the first (a block's moments hold the
+    activations of the blocks below it, its own and the head's fixed); a block between takes the line of its
+    phase (``period``) between the nearest of each. None where the lists are not of that shape (the rules then
+    take the step's compute peak)."""
+    def split(arr: list, d: int):
+        head, blocks, tail = [], [[] for _ in range(d)], []
+        for i, at, until in arr:
+            if s <= i < s + d * q:
+                if tail:
+                    return None
+                blocks[(i - s) // q].append(((i - s) % q, at, until))
+            else:
+                (tail if any(blocks) else head).append((i if i < s else i + (n - d) * q, at, until))
+        body = [i for i, _, _ in arr[len(head):len(arr) - len(tail)]]  # from the last block, each in one order
+        if body != [s + j * q + o for j in reversed(range(d)) for o, _, _ in blocks[0]]:
+            return None
+        return head, blocks, tail
+
+    sx, sy = split(x, n1), split(y, n2)
+    m = n1 - 1  # the shallower depth's blocks not next to its other end (the embeddings' backward, the head's)
+    if sx is None or sy is None or p > m:
+        return None
+    (hx, bx, tx), (hy, by, ty) = sx, sy
+    if [e[0] for e in hx] != [e[0] for e in hy] or [e[0] for e in tx] != [e[0] for e in ty] or \
+            [e[0] for e in bx[0]] != [e[0] for e in by[0]]:
+        return None
+
+    def lerped(u: list, v: list) -> list:
+        return [[i, *(_lerp_entry(a, b, n1, n2, n) for a, b in zip(us, vs))] for (i, *us), (_, *vs) in zip(u, v)]
+
+    blocks: list = [None] * n
+    for j in range(m):
+        blocks[j] = lerped(bx[j], by[j])  # the first blocks, by their place from the first
+    for j in range(m):
+        blocks[n - 1 - j] = lerped(bx[n1 - 1 - j], by[n2 - 1 - j])  # the last, by their place from the last
+    for j in range(m, n - m):
+        lo = m - p + (j - m) % p  # the nearest of its phase among the first, and among the last
+        hi = n - m + (j - (n - m)) % p
+        blocks[j] = [[o, *(round(a + (b - a) * (j - lo) / (hi - lo)) for a, b in zip(us, vs))]
+                     for (o, *us), (_, *vs) in zip(blocks[lo], blocks[hi])]
+    body = [[s + j * q + o, at, until] for j in reversed(range(n)) for o, at, until in blocks[j]]
+    return [*lerped(hx, hy), *body, *lerped(tx, ty)]
 
 
 def _lerp_entry(u, v, n1: int, n2: int, n: int):
@@ -194,7 +267,7 @@ def simulate(cfg, rank: int, world: int, limits: dict | None = None, backend: st
                "seconds": sum(x["seconds"] for x in sims.values()),
                "engine_metrics": {}, "window": (a, b, c),
                "method": f"extrapolated from n_layer={b},{c}" + (f" (checked at {a})" if verify else ""),
-               **_moments(sa, sb, b, c, n)}
+               **_moments(sa, sb, b, c, n, block_layout(base))}
         _check_limits(peaks, limits)
         return out
     sim = simulate_rank(cfg, rank, world, limits, backend=backend)

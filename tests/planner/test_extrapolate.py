@@ -249,9 +249,30 @@ def test_extrapolated_step_carries_its_early_gradient_moments(monkeypatch):
     early = got["grad_ready_nonmodel"]
     assert len(early) >= 3 * (len(full["grad_ready_nonmodel"]) // 9) > 0
     assert early == pytest.approx(full["grad_ready_nonmodel"][:len(early)], rel=TOL, abs=1024)
-    # each parameter's first gradient (DeepSpeed's stage-2 rules replay their reductions over them): its index in
-    # the model, which moves by a block's parameters per block, and the compute bytes then and until the next
-    early, every = got["grad_arrivals"], full["grad_arrivals"]
-    assert len(early) >= 3 * (len(every) // 9) > 0 and len(every) == len(meta_params(cfg))
-    assert [i for i, _, _ in early] == [i for i, _, _ in every[:len(early)]]
-    assert [b for _, *bs in early for b in bs] == pytest.approx([b for _, *bs in every[:len(early)] for b in bs], rel=TOL, abs=1024)
+    # each parameter's first gradient (DeepSpeed's stage-2 rules replay their reductions over them), every block's:
+    # its index in the model and the compute bytes then and until the next
+    whole, every = got["grad_arrivals"], full["grad_arrivals"]
+    assert len(every) == len(meta_params(cfg))
+    assert [i for i, _, _ in whole] == [i for i, _, _ in every]
+    assert [b for _, *bs in whole for b in bs] == pytest.approx([b for _, *bs in every for b in bs], rel=TOL, abs=1024)
+
+
+@pytest.mark.parametrize("overrides", [["+strategy=[zero2,bf16]", "trainer.grad_accum=2"],
+                                       pytest.param(["+strategy=[zero2,bf16,cpu_offload]"], marks=pytest.mark.slow)])
+def test_deepspeed_stage2_reductions_replayed_at_an_extrapolated_depth(overrides):
+    """DeepSpeed's stage-2 rules replay its reductions over every parameter's first gradient (planner/engines/
+    deepspeed/reductions.py). A deep model's extrapolated step rebuilds that list for every block
+    (``extrapolate._whole_arrivals``), so its plan is the block-by-block one; before, the list held only the
+    sampled depths' blocks and the rules fell back to adding the last bucket and the partition to the
+    backward's compute peak: 1 MiB buckets, d_model 256, 9 blocks, bf16 8 x 2, rank 0 planned 12.5% over."""
+    from memopt.planner import extrapolate
+    from memopt.planner.engines.deepspeed import rules as deepspeed_rules
+
+    cfg = typed([*COMMON, "engine=deepspeed", "model.d_model=256", "model.n_head=4", "model.n_layer=9",
+                 "strategy.zero2.bucket_mb=1", *overrides])
+    for rank in (0, 1):
+        got = deepspeed_rules.deepspeed_sim(cfg, rank, 2, None, "gloo", 2, windows=[(3, 4, 5)])
+        assert got["method"].startswith("extrapolated from n_layer="), got["method"]
+        full = deepspeed_rules.deepspeed_sim(cfg, rank, 2, None, "gloo", 2, windows=[])
+        assert full["method"] == "exact"
+        assert got["peaks"]["device"]["total"] == pytest.approx(full["peaks"]["device"]["total"], rel=1e-3), rank

@@ -63,8 +63,8 @@ def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
     d_model 256, 1 MiB buckets, one rank: 31,671,169 B measured, 1.7% under without). Adding the last bucket's flat copy
     and the partition to the backward's compute peak instead was 6.7% over (gpt_small bf16 + ZeRO-2-Offload,
     1 rank: the first reduction comes a quarter of the way into the backward, its activations partly freed).
-    None where the arrivals do not name each parameter once (a depth extrapolated from shallower steps keeps
-    the first blocks' entries) or with MoE (DeepSpeed-MoE's parameters are not memopt's): the rules then take
+    None where the arrivals do not name each parameter once (a depth extrapolated from shallower steps whose
+    blocks differ: ``extrapolate._whole_arrivals``) or with MoE (DeepSpeed-MoE's parameters are not memopt's): the rules then take
     the backward's compute peak."""
     params = meta_params(cfg)
     if cfg.strategy.moe is not None or sorted(i for i, _, _ in arrivals) != list(range(len(params))):
