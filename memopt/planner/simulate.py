@@ -538,8 +538,11 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     with_grads, tracker.backward_with_grads = tracker.backward_with_grads or {}, None
                     grad_ready, tracker.grad_ready_nonmodel = tracker.grad_ready_nonmodel or [], None
                     recompute, tracker.recompute_nonmodel = tracker.recompute_nonmodel or [], None
+                    moved = tracker.traffic["op_bytes"] - tracker.traffic["grad_op_bytes"]
                     with tracker.category("temp"):
                         engine.step(1e-3)
+                    if last:  # the engine's step but for its gradients' (DeepSpeed's rules replace memopt's with DeepSpeed's)
+                        tracker.traffic["step_op_bytes"] += tracker.traffic["op_bytes"] - tracker.traffic["grad_op_bytes"] - moved
                     tracker.counting = False
                 metrics = engine.step_metrics() if hasattr(engine, "step_metrics") else {}
                 if t.eval_every and len(data.val) > cfg.model.seq_len:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from memopt.planner.engines.deepspeed.params import autocast_bf16, meta_params, param_bytes
+from memopt.planner.engines.deepspeed.params import autocast_bf16, comm_dtypes, meta_params, param_bytes
 
 
 def reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
@@ -88,23 +88,55 @@ def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
 
 
 
-def reduction_bytes(cfg, W: int, rank: int = 0) -> dict[str, int]:
+def spanning_elements(cfg, W: int, bucket: int, order: list[int] | None = None) -> int:
+    """Elements of a reduction pass's buckets whose gradients go to more than one rank's partition: DeepSpeed
+    (``average_tensor``, ``use_multi_rank_bucket_allreduce``) all-reduces such a bucket's slices as one flat
+    copy (``allreduce_bucket``'s flatten, a cat; one slice is reduced in place). The buckets are filled per
+    communication dtype in ``order`` (the parameters' first gradients: ``grad_arrivals``; else the model's
+    order reversed), each parameter's elements going to the ranks its flat group's shares give it."""
+    params, autocast = meta_params(cfg), autocast_bf16(cfg)
+    start, sizes = [], [0, 0]
+    for n, ndim, _ in params:
+        start.append(sizes[ndim >= 2])
+        sizes[ndim >= 2] += n
+    part = [max(1, math.ceil(n / W)) for n in sizes]
+    filled, dests, out = [0, 0], [[], []], 0
+
+    def spans(g: int) -> int:  # the bucket's elements if its consecutive slices name more than one rank
+        return filled[g] if any(a != b for a, b in zip(dests[g], dests[g][1:])) else 0
+
+    for i in (order if order is not None else reversed(range(len(params)))):
+        n, ndim, safe = params[i]
+        g = int(safe and autocast)
+        if filled[g] and filled[g] + n > bucket:
+            out += spans(g)
+            filled[g], dests[g] = 0, []
+        p, lo = part[ndim >= 2], start[i]
+        filled[g] += n
+        dests[g].extend(range(lo // p, (lo + max(n, 1) - 1) // p + 1))
+    return out + spans(0) + spans(1)
+
+
+def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) -> dict[str, int]:
     """Bytes one rank's stage 1/2 gradient handling moves in a step through memory-bound ops, counted by the
     planner's rule (``simulate.op_work``: an op's tensor arguments and outputs, a copy_ 3x its destination):
     DeepSpeed's, in place of memopt's zero1 of the fake step (its ``grad_op_bytes``). A reduction pass (stage 2:
     every micro-batch; stage 1: the last, autograd adding the others into param.grad) copies each gradient into
     its bucket, averages it in place, casts a safe module's to bf16 under torch_autocast and back into the bucket,
-    and copies the rank's share (1 / W) back. The gradient partition (the parameters with elements in it, whole:
+    and copies the rank's share (1 / W) back; a bucket reduced to several ranks is flattened first
+    (``spanning_elements``; ``order``: the gradients' arrivals). The gradient partition (the parameters with elements in it, whole:
     ``in_partition``), without offload: made and copied into each pass, later micro-batches' added at the
     epilogue; with offload, each micro-batch of several staged through the host buffer (copied out, copied back
     and added from the second on), and at the last the share's fp64 norm, its inf/nan check and its copy into the
-    fp32 host gradient. {"deepspeed": those, "autograd": stage 1's adds}; DeepSpeed's gradient path's ops
+    fp32 host gradient. Each micro-batch's buckets are made anew (``setup_buckets``). {"deepspeed": those,
+    "autograd": stage 1's adds}; DeepSpeed's gradient path's ops
     counted in real runs: tests/planner/test_deepspeed_reduction_bytes.py.
     On gpt_small bf16 ZeRO-2-Offload at 4 x 4, one rank: 0.25 s a micro-batch at one thread measured in its hooks,
     none planned before."""
     from memopt.strategies.zero import selected_stage
 
-    stage, b, m = selected_stage(cfg)[1], param_bytes(cfg), max(1, cfg.trainer.grad_accum)
+    _, stage, scfg = selected_stage(cfg)
+    b, m = param_bytes(cfg), max(1, cfg.trainer.grad_accum)
     passes = m if stage == 2 else 1
     params = meta_params(cfg)
     E = sum(n for n, _, _ in params)
@@ -113,6 +145,9 @@ def reduction_bytes(cfg, W: int, rank: int = 0) -> dict[str, int]:
     whole = sum(params[i][0] for i in in_partition(cfg, W, rank))  # its partition's parameters, whole
     reduce = 5 * b * E + (b + 2) * C + (2 * b + 2) * C  # bucket copy, averaging; the cast and back into the bucket
     reduce += share / E * ((2 * b + 2) * C + 3 * b * (E - C))  # the share copied back
+    bucket = max(1, int(scfg.bucket_mb * 2**20 / b))  # reduce_bucket_size, elements
+    if W > 1:  # the buckets reduced to several ranks: a flat copy of their slices
+        reduce += 2 * b * spanning_elements(cfg, W, bucket, order)
     if cfg.strategy.cpu_offload is not None:
         partition = 0
         if stage == 2 and m > 1:  # staged through the host: out every micro-batch, back in and added from the second
@@ -122,4 +157,6 @@ def reduction_bytes(cfg, W: int, rank: int = 0) -> dict[str, int]:
     else:
         partition = passes * 4 * b * whole + (3 * b * whole * (m - 1) if stage == 2 else 0)  # made, copied; added
     accumulated = 3 * b * E * (m - 1) if stage == 1 else 0  # autograd's adds into param.grad
-    return {"deepspeed": round(passes * reduce + partition), "autograd": accumulated}
+    # each micro-batch's buckets made anew (``setup_buckets``: torch.empty, counted by the rule as written)
+    buckets = m * (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg) * bucket * b
+    return {"deepspeed": round(passes * reduce + partition + buckets), "autograd": accumulated}

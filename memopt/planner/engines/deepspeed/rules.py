@@ -77,6 +77,7 @@ from dataclasses import replace
 from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, comm_dtypes, largest_group, largest_param,
                                                      meta_params, param_bytes)
 from memopt.planner.engines.deepspeed.reductions import backward_reductions, in_partition, reduction_bytes, reductions
+from memopt.planner.engines.deepspeed.zero_step import step_bytes
 
 
 def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int | None = None) -> dict[str, dict[str, int]]:
@@ -353,10 +354,15 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
-    if stage in (1, 2) and cfg.strategy.moe is None:  # DeepSpeed's gradient handling in place of memopt's zero1's
-        traffic = sim["traffic"]
-        ds = sum(reduction_bytes(cfg, world, rank).values())
-        sim["traffic"] = {**traffic, "op_bytes": traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds,
-                          "grad_op_bytes": ds}
+    if stage in (1, 2) and cfg.strategy.moe is None:  # DeepSpeed's gradient handling in place of memopt's zero1's,
+        traffic = sim["traffic"]  # and without offload its step in place of memopt's (with it, the host Adam's term)
+        order = [i for i, _, _ in sim.get("grad_arrivals") or []]
+        order = order if sorted(order) == list(range(len(meta_params(cfg)))) else None
+        ds = sum(reduction_bytes(cfg, world, rank, order).values())
+        moved = traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds
+        step = traffic.get("step_op_bytes", 0)
+        if cfg.strategy.cpu_offload is None:
+            moved, step = moved - step + step_bytes(cfg, world), step_bytes(cfg, world)
+        sim["traffic"] = {**traffic, "op_bytes": moved, "grad_op_bytes": ds, "step_op_bytes": step}
     sim["rules"] = "DeepSpeed's buffers for the translated config (model states) + memopt fake step (activations, temp)"
     return sim
