@@ -263,6 +263,8 @@ class PlanTracker(MemoryTracker):
             ref, healthy = self._healthy.get(id(args[0]), (None, None))
             return healthy if ref is not None and ref() is args[0] else _scalar(args[0])
         src = self._device_of(args[1]) if self.counting and func is torch.ops.aten.copy_.default else None
+        if src is not None and self._device_of(args[0]) in (None, src):  # a copy on one memory: a memory-bound op
+            src = None
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.counting and func.namespace in ("c10d", "_c10d_functional"):
             self._count_collective(func, args, kwargs or {}, out)
@@ -270,7 +272,7 @@ class PlanTracker(MemoryTracker):
             self._healthy[id(out)] = (weakref.ref(out), _HEALTHY[func._overloadpacket])  # isfinite(g).all() holds, isinf(g).any() does not
         if self.counting:
             self.traffic["ops"] += 1
-            flops, moved = op_work(func, args, kwargs, out, moves=src is None)  # a copy_ is counted as offload below
+            flops, moved = op_work(func, args, kwargs, out, moves=src is None)  # a copy_ between memories: offload, below
             if flops or moved:
                 split = _split_over_mesh(out)
                 self.traffic["flops"] += flops // split
@@ -283,7 +285,7 @@ class PlanTracker(MemoryTracker):
                     self.traffic["grad_op_bytes"] += moved // split  # replace memopt's with DeepSpeed's)
             if _on_dtensors(args):
                 self.traffic["dtensor_ops"] += 1
-            if src is not None and self._device_of(args[0]) not in (None, src):
+            if src is not None:
                 self.traffic["offload_bytes"] += args[1].nbytes
             elif func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
                 a, b = self._device_of(args[0]), self._device_of(out)
