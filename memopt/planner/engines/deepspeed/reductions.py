@@ -1,7 +1,7 @@
 """ZeRO stage 1/2's gradient reductions under DeepSpeed's rules (stage_1_and_2.py, contiguous gradients): what
 a reduction holds beside the states, each rank's gradient partition, the moments stage 2's reductions in the
 backward hold most (replayed over the fake step's gradient arrivals), and the bytes its gradient handling moves
-(the step time's memory term)."""
+(the step time's memory term; stage 0's all-reduce too)."""
 from __future__ import annotations
 
 import math
@@ -160,3 +160,14 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
     # each micro-batch's buckets made anew (``setup_buckets``: torch.empty, counted by the rule as written)
     buckets = m * (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg) * bucket * b
     return {"deepspeed": round(passes * reduce + partition + buckets), "autograd": accumulated}
+
+
+def allreduce_bytes(cfg) -> dict[str, int]:
+    """Bytes one rank's stage 0 gradient all-reduce moves in a step (``engine.allreduce_gradients`` after the last
+    micro-batch: every gradient flattened (2b), averaged in place (2b), copied back into each param.grad (a copy_,
+    3b)), counted by the planner's rule, in place of memopt's DDP of the fake step (its ``grad_op_bytes``);
+    "autograd": the adds of later micro-batches into param.grad (3b). Checked against DeepSpeed's own ops in
+    real runs: tests/planner/test_deepspeed_reduction_bytes.py."""
+    b, m = param_bytes(cfg), max(1, cfg.trainer.grad_accum)
+    E = sum(n for n, _, _ in meta_params(cfg))
+    return {"deepspeed": 7 * b * E, "autograd": 3 * b * E * (m - 1)}

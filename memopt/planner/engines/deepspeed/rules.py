@@ -76,7 +76,8 @@ from dataclasses import replace
 
 from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, comm_dtypes, largest_group, largest_param,
                                                      meta_params, param_bytes)
-from memopt.planner.engines.deepspeed.reductions import backward_reductions, in_partition, reduction_bytes, reductions
+from memopt.planner.engines.deepspeed.reductions import (allreduce_bytes, backward_reductions, in_partition, reduction_bytes,
+                                                         reductions)
 from memopt.planner.engines.deepspeed.zero_step import step_bytes
 
 
@@ -246,6 +247,25 @@ def fake_step_cfg(mcfg):
                                           zero1=Zero1Config(bucket_mb=z.bucket_mb, overlap_comm=z.overlap_comm)))
 
 
+def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict) -> dict:
+    """The fake step's traffic with DeepSpeed's own bytes where the rules know them (the step time's memory
+    term): stage 1/2's gradient handling in place of memopt's zero1's (``reduction_bytes``, the buckets filled in
+    the step's gradient arrivals), stage 0's all-reduce in place of memopt's DDP's (``allreduce_bytes``), and without offload DeepSpeed's optimizer step in place of memopt's fused one
+    (``zero_step.step_bytes``; with offload the host Adam has a term of its own)."""
+    traffic = dict(sim["traffic"])
+    if stage < 3:
+        order = [i for i, _, _ in sim.get("grad_arrivals") or []]
+        order = order if sorted(order) == list(range(len(meta_params(cfg)))) else None
+        ds = sum((reduction_bytes(cfg, world, rank, order) if stage else allreduce_bytes(cfg)).values())
+        traffic["op_bytes"] = traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds
+        traffic["grad_op_bytes"] = ds
+    step = step_bytes(cfg, world) if cfg.strategy.cpu_offload is None else None
+    if step is not None:
+        traffic["op_bytes"] = traffic.get("op_bytes", 0) - traffic.get("step_op_bytes", 0) + step
+        traffic["step_op_bytes"] = step
+    return traffic
+
+
 def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: int, **depths) -> dict:
     """A simulate_rank-shaped result: activations/temp/other from memopt's fake step, model states and
     buffers from DeepSpeed's rules (the device total: the states + the fake step's non-model peak)."""
@@ -354,15 +374,7 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
-    if stage in (1, 2) and cfg.strategy.moe is None:  # DeepSpeed's gradient handling in place of memopt's zero1's,
-        traffic = sim["traffic"]  # and without offload its step in place of memopt's (with it, the host Adam's term)
-        order = [i for i, _, _ in sim.get("grad_arrivals") or []]
-        order = order if sorted(order) == list(range(len(meta_params(cfg)))) else None
-        ds = sum(reduction_bytes(cfg, world, rank, order).values())
-        moved = traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds
-        step = traffic.get("step_op_bytes", 0)
-        if cfg.strategy.cpu_offload is None:
-            moved, step = moved - step + step_bytes(cfg, world), step_bytes(cfg, world)
-        sim["traffic"] = {**traffic, "op_bytes": moved, "grad_op_bytes": ds, "step_op_bytes": step}
+    if cfg.strategy.moe is None:  # DeepSpeed's bytes in place of the fake step's (memopt's translation)
+        sim["traffic"] = deepspeed_traffic(cfg, world, rank, stage, sim)
     sim["rules"] = "DeepSpeed's buffers for the translated config (model states) + memopt fake step (activations, temp)"
     return sim

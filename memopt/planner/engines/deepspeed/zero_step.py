@@ -1,6 +1,6 @@
-"""The bytes DeepSpeed's ZeRO-1/2 optimizer step moves without offload (stage_1_and_2.py, ``step``), counted by
-the planner's rule (``simulate.op_work``): the step time's memory term of a DeepSpeed stage 1/2 plan, in place of
-memopt's zero1 step of the fake step (its ``step_op_bytes``). memopt's fused AdamW moves ~44 B a partition element;
+"""The bytes DeepSpeed's optimizer step moves without offload (stage_1_and_2.py's and stage3.py's ``step``, the
+engine's ``_take_model_step`` at stage 0), counted by the planner's rule (``simulate.op_work``): the step time's
+memory term of a DeepSpeed plan, in place of the fake step's (memopt's translation: its ``step_op_bytes``). memopt's fused AdamW moves ~44 B a partition element;
 DeepSpeed's step moves ~104 (gpt_small bf16 zero2, 2 ranks: 1.32 GB a step against 0.56 planned before)."""
 from __future__ import annotations
 
@@ -39,20 +39,31 @@ def adamw_bytes_per_element(weight_decay: bool) -> float:
     return Count.moved / n
 
 
-def step_bytes(cfg, W: int) -> int:
-    """One rank's bytes through DeepSpeed's stage 1/2 step without offload, per optimizer group (weight decay on
-    ndim >= 2, then the rest; each rank's share of a group, ``ceil(elements / W)``), per share element of b-byte
-    gradients: the overflow check of 16-bit weights (``amax`` and ``amin``, 2b); the fp64 norm (``to`` b + 8,
+def step_bytes(cfg, W: int) -> int | None:
+    """One rank's bytes through DeepSpeed's optimizer step without offload. ZeRO stages 1-3 step each optimizer
+    group's share (weight decay on ndim >= 2, then the rest; ``ceil(elements / W)`` a rank), per share element of
+    b-byte gradients: the overflow check of 16-bit weights (``amax`` and ``amin``, 2b); the fp64 norm (``to`` b + 8,
     ``vector_norm`` 8); the share flattened (2b) and cast to fp32 (b + 4 where b != 4); unscaling and clipping in
-    place (8, with a clip or fp16's loss scale); ``torch.optim.AdamW``'s step (``adamw_bytes_per_element``); the updated fp32 share
-    copied into the b-byte weights (a copy_: 2b + 4)."""
-    b, o = param_bytes(cfg), cfg.optim
+    place (8, with a clip or fp16's loss scale); ``torch.optim.AdamW``'s step (``adamw_bytes_per_element``); the
+    updated fp32 share copied into the b-byte weights (a copy_: 2b + 4). Stage 0 (fp32 weights) steps every
+    element: its clip (``runtime/utils.clip_grad_norm_``: the norm 4, the scaling 8), AdamW's step and, in fp32, the
+    norm memopt's translation computes for the log (``engines/deepspeed._own_grad_norm``: DeepSpeed keeps none). None for
+    stage 0 with 16-bit weights (DeepSpeed's own unfused optimizer: the fake step's bytes stay)."""
+    from memopt.strategies.zero import selected_stage
+
+    b, o, stage = param_bytes(cfg), cfg.optim, selected_stage(cfg)[1]
     groups = [0, 0]
     for n, ndim, _ in meta_params(cfg):
         groups[ndim >= 2] += n
-    half = b == 2  # fp16, or bf16 weights (``bf16: enabled``): DeepSpeed checks for overflow; fp16 unscales
-    unscale = o.grad_clip > 0 or cfg.strategy.fp16 is not None
-    per = (2 * b if half else 0) + (b + 16) + 2 * b + (b + 4 if b != 4 else 0) + (8 if unscale else 0) + 2 * b + 4
+    if stage == 0:
+        if b != 4:
+            return None
+        W, per = 1, (12 if o.grad_clip > 0 else 0)
+        per += 12 if cfg.strategy.bf16 is None else 0  # the translation's own norm for the log (pow 8, sum 4)
+    else:
+        half = b == 2  # fp16, or bf16 weights (``bf16: enabled``): DeepSpeed checks for overflow; fp16 unscales
+        unscale = o.grad_clip > 0 or cfg.strategy.fp16 is not None
+        per = (2 * b if half else 0) + (b + 16) + 2 * b + (b + 4 if b != 4 else 0) + (8 if unscale else 0) + 2 * b + 4
     total = 0.0
     for decay, n in ((False, groups[0]), (True, groups[1])):
         if n:
