@@ -153,9 +153,10 @@ def block_layout(cfg) -> tuple[int, int, int] | None:
 def _whole_arrivals(x: list, y: list, n1: int, n2: int, n: int, s: int, q: int, p: int) -> list | None:
     """Each parameter's first gradient at depth n ([index, compute bytes then, their peak until the next]) from
     depths n1 < n2, every block's: the roots before the blocks (the head's), the blocks from the last, each in
-    the same order, the roots after (the embeddings'). The last n1 blocks' entries are lerped by their place
-    from the last block and the first n1's by their place from the first (a block's moments hold the
-    activations of the blocks below it, its own and the head's fixed); a block between takes the line of its
+    the same order, the roots after (the embeddings'). The last n1 - 1 blocks' entries are lerped by their place
+    from the last block and the first n1 - 1's by their place from the first (a block's moments hold the
+    activations of the blocks below it, its own and the head's fixed; the shallower depth's block at the other end
+    is left out: the embeddings' or the head's backward follows it there); a block between takes the line of its
     phase (``period``) between the nearest of each. None where the lists are not of that shape (the rules then
     take the step's compute peak)."""
     def split(arr: list, d: int):

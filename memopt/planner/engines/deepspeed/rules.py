@@ -250,8 +250,9 @@ def fake_step_cfg(mcfg):
 def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict) -> dict:
     """The fake step's traffic with DeepSpeed's own bytes where the rules know them (the step time's memory
     term): stage 1/2's gradient handling in place of memopt's zero1's (``reduction_bytes``, the buckets filled in
-    the step's gradient arrivals), stage 0's all-reduce in place of memopt's DDP's (``allreduce_bytes``), and without offload DeepSpeed's optimizer step in place of memopt's fused one
-    (``zero_step.step_bytes``; with offload the host Adam has a term of its own)."""
+    the step's gradient arrivals), stage 0's all-reduce in place of memopt's DDP's (``allreduce_bytes``), and
+    without offload DeepSpeed's optimizer step in place of memopt's fused one (``zero_step.step_bytes``; with
+    offload the host Adam has a term of its own). Stage 3's fetches and reduce-scatters stay memopt's zero3's."""
     traffic = dict(sim["traffic"])
     if stage < 3:
         order = [i for i, _, _ in sim.get("grad_arrivals") or []]
