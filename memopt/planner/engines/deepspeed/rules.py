@@ -254,7 +254,7 @@ def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict) -> dict
     without offload DeepSpeed's optimizer step in place of memopt's fused one (``zero_step.step_bytes``; with
     offload the host Adam has a term of its own). Stage 3's fetches and reduce-scatters stay memopt's zero3's."""
     traffic = dict(sim["traffic"])
-    if stage < 3:
+    if stage < 3 and cfg.strategy.moe is None:  # (DeepSpeed-MoE's reductions: memopt's zero1's bytes stay)
         order = [i for i, _, _ in sim.get("grad_arrivals") or []]
         order = order if sorted(order) == list(range(len(meta_params(cfg)))) else None
         ds = sum((reduction_bytes(cfg, world, rank, order) if stage else allreduce_bytes(cfg)).values())
@@ -375,7 +375,6 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
-    if cfg.strategy.moe is None:  # DeepSpeed's bytes in place of the fake step's (memopt's translation)
-        sim["traffic"] = deepspeed_traffic(cfg, world, rank, stage, sim)
+    sim["traffic"] = deepspeed_traffic(cfg, world, rank, stage, sim)  # DeepSpeed's bytes in place of the fake step's
     sim["rules"] = "DeepSpeed's buffers for the translated config (model states) + memopt fake step (activations, temp)"
     return sim

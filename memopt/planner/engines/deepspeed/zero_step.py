@@ -48,24 +48,33 @@ def step_bytes(cfg, W: int) -> int | None:
     updated fp32 share copied into the b-byte weights (a copy_: 2b + 4). Stage 0 (fp32 weights) steps every
     element: its clip (``runtime/utils.clip_grad_norm_``: the norm 4, the scaling 8), AdamW's step and, in fp32, the
     norm memopt's translation computes for the log (``engines/deepspeed._own_grad_norm``: DeepSpeed keeps none). None for
-    stage 0 with 16-bit weights (DeepSpeed's own unfused optimizer: the fake step's bytes stay)."""
+    stage 0 with 16-bit weights (DeepSpeed's own unfused optimizer: the fake step's bytes stay) or with MoE.
+    DeepSpeed-MoE's expert groups are each rank's experts shared over the W / ep ranks that hold them
+    (``moe_rules.group_sizes``)."""
     from memopt.strategies.zero import selected_stage
 
     b, o, stage = param_bytes(cfg), cfg.optim, selected_stage(cfg)[1]
     groups = [0, 0]
     for n, ndim, _ in meta_params(cfg):
         groups[ndim >= 2] += n
+    shares = [(False, math.ceil(groups[0] / W)), (True, math.ceil(groups[1] / W))]
+    if cfg.strategy.moe is not None:  # DeepSpeed-MoE: the expert groups split over the W / ep ranks holding them
+        from memopt.parallel.dims import resolve_sizes
+        from memopt.planner.engines.deepspeed.moe_rules import group_sizes
+
+        ep = resolve_sizes(cfg.parallel, W)["ep"]
+        dense_no, dense, expert_no, expert = group_sizes(cfg, ep)
+        shares = [(False, math.ceil(dense_no / W)), (True, math.ceil(dense / W)),
+                  (False, math.ceil(expert_no / max(1, W // ep))), (True, math.ceil(expert / max(1, W // ep)))]
     if stage == 0:
         if b != 4:
             return None
-        W, per = 1, (12 if o.grad_clip > 0 else 0)
+        if cfg.strategy.moe is not None:
+            return None
+        shares, per = [(False, groups[0]), (True, groups[1])], (12 if o.grad_clip > 0 else 0)
         per += 12 if cfg.strategy.bf16 is None else 0  # the translation's own norm for the log (pow 8, sum 4)
     else:
         half = b == 2  # fp16, or bf16 weights (``bf16: enabled``): DeepSpeed checks for overflow; fp16 unscales
         unscale = o.grad_clip > 0 or cfg.strategy.fp16 is not None
         per = (2 * b if half else 0) + (b + 16) + 2 * b + (b + 4 if b != 4 else 0) + (8 if unscale else 0) + 2 * b + 4
-    total = 0.0
-    for decay, n in ((False, groups[0]), (True, groups[1])):
-        if n:
-            total += math.ceil(n / W) * (per + adamw_bytes_per_element(decay and o.weight_decay > 0))
-    return round(total)
+    return round(sum(n * (per + adamw_bytes_per_element(decay and o.weight_decay > 0)) for decay, n in shares if n))
