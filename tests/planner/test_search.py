@@ -652,7 +652,8 @@ def test_deepspeed_search_stopped_at_activations_keeps_every_row(monkeypatch):
     full = search(cfg, hw, workers=1, prune=False)
     by_label = {r["label"]: r for r in full}
     early = [r for r in stopped if r.get("why") and not by_label[r["label"]].get("why")]
-    assert early and all(not by_label[r["label"]]["fits"] for r in early) and any(r["fits"] for r in stopped)
+    rows = [(r["label"], r["fits"], r.get("why"), r.get("peak")) for r in stopped]
+    assert early and all(not by_label[r["label"]]["fits"] for r in early) and any(r["fits"] for r in stopped), rows
     keys = ("label", "fits", "step_s", "peak")
     assert [tuple(map(r.get, keys)) for r in stopped if r["fits"]] == [tuple(map(r.get, keys)) for r in full if r["fits"]]
 
