@@ -642,7 +642,9 @@ def test_deepspeed_search_stopped_at_activations_keeps_every_row(monkeypatch):
                  "trainer.nproc_per_node=2", "trainer.eval_every=0", "trainer.save_checkpoint=false", "logger=none",
                  "+strategy=auto", "strategy.auto.precision=[fp32]", "strategy.auto.micro_batch_size=[8,2]",
                  "strategy.auto.ckpt=[none]"])
-    hw = replace(small_hw(512), device_is_host=False, device_memory_gb=12 / 1024)
+    # the device's stops are under test: a host that holds both ranks whatever this process's resident set (with
+    # small_hw's, the runtime plus 512 MiB, nothing fitted after the CLI tests above had grown it)
+    hw = replace(small_hw(512), device_is_host=False, device_memory_gb=12 / 1024, host_memory_gb=64.0)
     stopped = search(cfg, hw, workers=1, prune=False)
     import memopt.planner.engines.deepspeed as wing_module  # the reference: the rules without a limit, as before
 
