@@ -64,8 +64,8 @@ def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
     and the partition to the backward's compute peak instead was 6.7% over (gpt_small bf16 + ZeRO-2-Offload,
     1 rank: the first reduction comes a quarter of the way into the backward, its activations partly freed).
     None where the arrivals do not name each parameter once (a depth extrapolated from shallower steps whose
-    blocks differ: ``extrapolate._whole_arrivals``) or with MoE (DeepSpeed-MoE's parameters are not memopt's): the rules then take
-    the backward's compute peak."""
+    blocks differ: ``extrapolate._whole_arrivals``) or with MoE (DeepSpeed-MoE's parameters are not memopt's):
+    the rules then take the backward's compute peak."""
     params = meta_params(cfg)
     if cfg.strategy.moe is not None or sorted(i for i, _, _ in arrivals) != list(range(len(params))):
         return None
@@ -124,8 +124,8 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
     every micro-batch; stage 1: the last, autograd adding the others into param.grad) copies each gradient into
     its bucket, averages it in place, casts a safe module's to bf16 under torch_autocast and back into the bucket,
     and copies the rank's share (1 / W) back; a bucket reduced to several ranks is flattened first
-    (``spanning_elements``; ``order``: the gradients' arrivals). The gradient partition (the parameters with elements in it, whole:
-    ``in_partition``), without offload: made and copied into each pass, later micro-batches' added at the
+    (``spanning_elements``; ``order``: the gradients' arrivals). The gradient partition (the parameters with
+    elements in it, whole: ``in_partition``), without offload: made and copied into each pass, later micro-batches' added at the
     epilogue; with offload, each micro-batch of several staged through the host buffer (copied out, copied back
     and added from the second on), and at the last the share's fp64 norm, its inf/nan check and its copy into the
     fp32 host gradient. Each micro-batch's buckets are made anew (``setup_buckets``). {"deepspeed": those,

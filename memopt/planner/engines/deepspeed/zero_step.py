@@ -1,7 +1,8 @@
 """The bytes DeepSpeed's optimizer step moves without offload (stage_1_and_2.py's and stage3.py's ``step``, the
 engine's ``_take_model_step`` at stage 0), counted by the planner's rule (``simulate.op_work``): the step time's
-memory term of a DeepSpeed plan, in place of the fake step's (memopt's translation: its ``step_op_bytes``). memopt's fused AdamW moves ~44 B a partition element;
-DeepSpeed's step moves ~104 (gpt_small bf16 zero2, 2 ranks: 1.32 GB a step against 0.56 planned before)."""
+memory term of a DeepSpeed plan, in place of the fake step's (memopt's translation: its ``step_op_bytes``).
+memopt's fused AdamW moves ~44 B a partition element; DeepSpeed's step moves ~104 (gpt_small bf16 zero2, 2 ranks:
+1.32 GB a step against 0.56 planned before)."""
 from __future__ import annotations
 
 import functools
