@@ -4,6 +4,7 @@
                   fake step of the same model for activations and temporaries
     params.py     the model's parameters as the translation groups and communicates them (built on meta)
     reductions.py ZeRO-1/2's gradient reductions: buffers, each rank's partition, stage 2's moments, bytes moved
+    zero_step.py  the bytes its optimizer step moves (the step time's memory term)
     fetch.py      its ZeRO-3 prefetch and release replayed over the training step
     linear.py     its ZeRO-3 linear Function in the fake step
     moe_rules.py  DeepSpeed-MoE: the expert groups' states, its layer code on fake tensors

@@ -16,19 +16,50 @@ def autocast_bf16(cfg) -> bool:
     return cfg.strategy.bf16 is not None and cfg.strategy.bf16.params != "bf16"
 
 
-def meta_params(cfg) -> list[tuple[int, int, bool]]:
+def last_value(cache: dict, key: str, make):
+    """``make()``, or its value for the same key as the last call."""
+    if key not in cache:
+        cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
+_META: dict[str, tuple] = {}
+
+
+def meta_params(cfg) -> tuple[tuple[int, int, bool], ...]:
     """(numel, ndim, lower-precision safe) of each distinct parameter of the model built on meta; safe:
-    its module's exact class is one DeepSpeed's torch_autocast communicates in bf16 (Linear, Conv)."""
-    import torch
-    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
-    from torch.utils._python_dispatch import _disable_current_modes
+    its module's exact class is one DeepSpeed's torch_autocast communicates in bf16 (Linear, Conv). The rules
+    read it a dozen times a plan (a build of gpt_10b on meta: ~75 ms): kept for the last model asked."""
+    def build() -> tuple:
+        import torch
+        from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
+        from torch.utils._python_dispatch import _disable_current_modes
 
-    from memopt.models import model_class
+        from memopt.models import model_class
 
-    with _disable_current_modes(), torch.device("meta"):
-        model = model_class(cfg.model)(cfg.model)
-    safe = {id(p) for m in model.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES for p in m.parameters(recurse=False)}
-    return [(p.numel(), p.ndim, id(p) in safe) for p in model.parameters()]
+        with _disable_current_modes(), torch.device("meta"):
+            model = model_class(cfg.model)(cfg.model)
+        safe = {id(p) for m in model.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES
+                for p in m.parameters(recurse=False)}
+        return tuple((p.numel(), p.ndim, id(p) in safe) for p in model.parameters())
+
+    return last_value(_META, repr(cfg.model), build)
+
+
+def group_sizes(cfg) -> list[int]:
+    """Elements of the translation's two optimizer groups: [no weight decay, weight decay (ndim >= 2)]."""
+    sizes = [0, 0]
+    for n, ndim, _ in meta_params(cfg):
+        sizes[ndim >= 2] += n
+    return sizes
+
+
+def bucket_elements(cfg) -> int:
+    """ZeRO-1/2's reduce_bucket_size in elements of the parameter dtype (``bucket_mb`` as the translation sets it)."""
+    from memopt.strategies.zero import selected_stage
+
+    return max(1, int(selected_stage(cfg)[2].bucket_mb * 2**20 / param_bytes(cfg)))
 
 
 def comm_dtypes(cfg) -> int:
@@ -40,10 +71,7 @@ def comm_dtypes(cfg) -> int:
 
 def largest_group(cfg) -> int:
     """Elements of the larger of the translation's two optimizer groups (weight decay on ndim >= 2)."""
-    sizes = [0, 0]
-    for n, ndim, _ in meta_params(cfg):
-        sizes[ndim >= 2] += n
-    return max(sizes)
+    return max(group_sizes(cfg))
 
 
 def block_numel(cfg) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from memopt.planner.engines.deepspeed.params import autocast_bf16, comm_dtypes, meta_params, param_bytes
+from memopt.planner.engines.deepspeed.params import autocast_bf16, bucket_elements, comm_dtypes, meta_params, param_bytes
 
 
 def reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
@@ -52,6 +52,13 @@ def in_partition(cfg, W: int, rank: int) -> dict[int, int]:
     return out
 
 
+def arrival_order(cfg, arrivals: list) -> list[int] | None:
+    """The parameters' indices in the order of their first gradients (``grad_arrivals``), where they name each
+    parameter once; else None."""
+    order = [i for i, _, _ in arrivals]
+    return order if sorted(order) == list(range(len(meta_params(cfg)))) else None
+
+
 def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
     """Stage 2's peak bytes outside the states over its reductions in the backward, replayed over the fake
     step's gradient arrivals (``grad_arrivals``: each parameter's index, the compute bytes then, their peak
@@ -67,7 +74,7 @@ def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
     blocks differ: ``extrapolate._whole_arrivals``) or with MoE (DeepSpeed-MoE's parameters are not memopt's):
     the rules then take the backward's compute peak."""
     params = meta_params(cfg)
-    if cfg.strategy.moe is not None or sorted(i for i, _, _ in arrivals) != list(range(len(params))):
+    if cfg.strategy.moe is not None or arrival_order(cfg, arrivals) is None:
         return None
     autocast, b, gip, mine = autocast_bf16(cfg), param_bytes(cfg), red["gip"], red.get("mine")
     norm = 8 if red["offload"] else 0  # bytes per element of a norm's copy (get_norm_dtype: fp64)
@@ -145,7 +152,7 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
     whole = sum(params[i][0] for i in in_partition(cfg, W, rank))  # its partition's parameters, whole
     reduce = 5 * b * E + (b + 2) * C + (2 * b + 2) * C  # bucket copy, averaging; the cast and back into the bucket
     reduce += share / E * ((2 * b + 2) * C + 3 * b * (E - C))  # the share copied back
-    bucket = max(1, int(scfg.bucket_mb * 2**20 / b))  # reduce_bucket_size, elements
+    bucket = bucket_elements(cfg)
     if W > 1:  # the buckets reduced to several ranks: a flat copy of their slices
         reduce += 2 * b * spanning_elements(cfg, W, bucket, order)
     if cfg.strategy.cpu_offload is not None:

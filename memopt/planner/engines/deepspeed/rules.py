@@ -74,10 +74,10 @@ import math
 import warnings
 from dataclasses import replace
 
-from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, comm_dtypes, largest_group, largest_param,
-                                                     meta_params, param_bytes)
-from memopt.planner.engines.deepspeed.reductions import (allreduce_bytes, backward_reductions, in_partition, reduction_bytes,
-                                                         reductions)
+from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, bucket_elements, comm_dtypes, largest_group,
+                                                     largest_param, last_value, meta_params, param_bytes)
+from memopt.planner.engines.deepspeed.reductions import (allreduce_bytes, arrival_order, backward_reductions, in_partition,
+                                                         reduction_bytes, reductions)
 from memopt.planner.engines.deepspeed.zero_step import step_bytes
 
 
@@ -106,7 +106,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         step = P * b + (4 * P if b == 2 else 0) + 4 * largest_group(cfg)
         after = P * b + dev["optim"] + max(2 * P * b, step)
     elif stage in (1, 2):
-        bucket = max(1, int(scfg.bucket_mb * 2**20 / b))  # reduce_bucket_size, elements of the parameter dtype
+        bucket = bucket_elements(cfg)
         # per communication dtype (``comm_dtypes``), in the parameters' dtype whatever the communication dtype
         buffers = (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg)
         dev["params"] = P * b
@@ -162,7 +162,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         # (partition_parameters.py's get_allgather_dtype), the gathered parameters in their own
         ratio = [2 / b if safe and autocast_bf16(cfg) else 1 for _, _, safe in meta_params(cfg)]
         args = (W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block, ratio)
-        moments = _last(_MOMENTS, repr((cfg, args)), lambda: stage3_moments(cfg, *args))
+        moments = last_value(_MOMENTS, repr((cfg, args)), lambda: stage3_moments(cfg, *args))
         g = b if W > 1 else 0  # bytes per gathered element
         moments = {**moments, "held_after_forward": round(g * moments["held_after_forward"]),
                    "activations_held": round(g * moments["activations_held"]),
@@ -213,14 +213,6 @@ _ONE_RANK: dict[str, dict] = {}
 _MOMENTS: dict[str, dict] = {}
 
 
-def _last(cache: dict, key: str, make):
-    """``make()``, or its value for the same key as the last call."""
-    if key not in cache:
-        cache.clear()
-        cache[key] = make()
-    return cache[key]
-
-
 def _one_rank(mcfg, backend: str, depths: dict) -> dict:
     """memopt's step of ``mcfg`` on one rank: its compute bytes (a W-rank run's activations are the same)."""
     from memopt.planner.extrapolate import simulate
@@ -230,7 +222,7 @@ def _one_rank(mcfg, backend: str, depths: dict) -> dict:
             warnings.filterwarnings("ignore", message=".*on one rank partitions nothing")  # W-rank run planned
             return simulate(mcfg, 0, 1, None, backend=backend, **depths)
 
-    return _last(_ONE_RANK, repr((mcfg, backend)), one)
+    return last_value(_ONE_RANK, repr((mcfg, backend)), one)
 
 
 def fake_step_cfg(mcfg):
@@ -255,8 +247,7 @@ def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict) -> dict
     offload the host Adam has a term of its own). Stage 3's fetches and reduce-scatters stay memopt's zero3's."""
     traffic = dict(sim["traffic"])
     if stage < 3 and cfg.strategy.moe is None:  # (DeepSpeed-MoE's reductions: memopt's zero1's bytes stay)
-        order = [i for i, _, _ in sim.get("grad_arrivals") or []]
-        order = order if sorted(order) == list(range(len(meta_params(cfg)))) else None
+        order = arrival_order(cfg, sim.get("grad_arrivals") or [])
         ds = sum((reduction_bytes(cfg, world, rank, order) if stage else allreduce_bytes(cfg)).values())
         traffic["op_bytes"] = traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds
         traffic["grad_op_bytes"] = ds

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
-from memopt.planner.engines.deepspeed.params import meta_params, param_bytes
+from memopt.planner.engines.deepspeed.params import group_sizes, param_bytes
 
 
 @functools.cache
@@ -55,16 +55,14 @@ def step_bytes(cfg, W: int) -> int | None:
     from memopt.strategies.zero import selected_stage
 
     b, o, stage = param_bytes(cfg), cfg.optim, selected_stage(cfg)[1]
-    groups = [0, 0]
-    for n, ndim, _ in meta_params(cfg):
-        groups[ndim >= 2] += n
+    groups = group_sizes(cfg)
     shares = [(False, math.ceil(groups[0] / W)), (True, math.ceil(groups[1] / W))]
     if cfg.strategy.moe is not None:  # DeepSpeed-MoE: the expert groups split over the W / ep ranks holding them
         from memopt.parallel.dims import resolve_sizes
-        from memopt.planner.engines.deepspeed.moe_rules import group_sizes
+        from memopt.planner.engines.deepspeed import moe_rules
 
         ep = resolve_sizes(cfg.parallel, W)["ep"]
-        dense_no, dense, expert_no, expert = group_sizes(cfg, ep)
+        dense_no, dense, expert_no, expert = moe_rules.group_sizes(cfg, ep)
         shares = [(False, math.ceil(dense_no / W)), (True, math.ceil(dense / W)),
                   (False, math.ceil(expert_no / max(1, W // ep))), (True, math.ceil(expert / max(1, W // ep)))]
     if stage == 0:
