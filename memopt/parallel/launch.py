@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from datetime import timedelta
 
@@ -49,7 +51,9 @@ def teardown() -> None:
 def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, object]:
     """Run ``entrypoint(*args)`` in ``nproc`` local worker processes; returns {rank: return value}.
 
-    Raises ``RankFailure`` naming the first failed rank and its error when any worker fails.
+    Raises ``RankFailure`` naming the failed rank and its error when any worker fails: a rank that crashed in
+    native code (``RecordsCrash``) before the one torch's agent recorded, often a peer failing on the connection
+    the crashed rank closed.
     ``preloaded``: fork the workers from a server that has imported torch and the trainer once per
     process (``forkserver``), for callers that launch many times (``api.run_jobs_on_ranks``); each worker
     takes the caller's environment, working directory and import path of the moment, as spawned ones do.
@@ -60,6 +64,8 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
     if preloaded:
         preload_forkserver()
         entrypoint = InCallersState(entrypoint)
+    crash_dir = tempfile.mkdtemp(prefix="memopt-ranks-")
+    entrypoint = RecordsCrash(entrypoint, crash_dir)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memopt-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
@@ -81,6 +87,12 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
         raise Interrupted(f"{signal.Signals(e.sigval).name} received by the launcher; its ranks were stopped") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        crashed = _crashed(crash_dir)
+        if crashed is not None:  # a peer that failed on the connection it closed may be the one recorded
+            crank, sig, dump = crashed
+            print(f"rank {crank}:\n{dump.rstrip()}", file=sys.stderr)
+            then = f" (rank {rank} then: {_message(failure)})" if crank != rank and _message(failure) else ""
+            raise RankFailure(crank, f"died of {sig}, a crash in native code{then}", signal=sig) from None
         msg = failure.message
         if isinstance(msg, dict):
             stack = (msg.get("extraInfo") or {}).get("py_callstack")
@@ -94,6 +106,49 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
     finally:
         for log, level in zip(agent_logs, levels):
             log.setLevel(level)
+        shutil.rmtree(crash_dir, ignore_errors=True)
+
+
+# faulthandler's first line for each fatal signal it handles
+FATAL = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT", "Illegal instruction": "SIGILL",
+         "Floating-point exception": "SIGFPE"}
+
+
+class RecordsCrash:
+    """A worker's entry point that has ``faulthandler`` write this rank's fatal signal and every thread's stack
+    into ``<crash_dir>/rank<r>.txt``: the launcher reads it when the launch fails, since the torch agent records
+    only one failed rank, often the peer that failed on the connection the crashed rank closed."""
+
+    def __init__(self, fn, crash_dir: str):
+        functools.update_wrapper(self, fn)
+        self.fn, self.crash_dir = fn, crash_dir
+
+    def __call__(self, *args):
+        import faulthandler
+
+        path = os.path.join(self.crash_dir, f"rank{os.environ.get('RANK', '0')}.txt")
+        self._file = open(path, "w")  # kept open: faulthandler writes to its descriptor
+        faulthandler.enable(file=self._file, all_threads=True)
+        return self.fn(*args)
+
+
+def _crashed(crash_dir: str) -> tuple[int, str, str] | None:
+    """The lowest rank that died of a fatal signal: (rank, signal name, faulthandler's dump in ``crash_dir``)."""
+    for name in sorted(os.listdir(crash_dir), key=lambda n: int(n[4:-4])):
+        with open(os.path.join(crash_dir, name)) as f:
+            dump = f.read()
+        first = dump.strip().splitlines()[0] if dump.strip() else ""
+        sig = next((v for k, v in FATAL.items() if k in first), None)
+        if sig:
+            return int(name[4:-4]), sig, dump
+    return None
+
+
+def _message(failure) -> str:
+    """A failure's last line of message (its error file's, where it raised)."""
+    msg = failure.message
+    msg = str((msg.get("message") if isinstance(msg, dict) else msg) or "").strip()
+    return msg.splitlines()[-1] if msg else ""
 
 
 # Why a forkserver: a spawned worker imports torch and the trainer again (~5 s of a 2-rank launch on a 2-core CPU,
@@ -139,8 +194,9 @@ class InCallersState:
 
 class RankFailure(RuntimeError):
     """A rank ended the launch. ``clean``: it exited with a status code of its own after rank 0 recorded
-    the outcome (worker._exit_if_recorded), not with a crash or a signal."""
+    the outcome (worker._exit_if_recorded), not with a crash or a signal; ``signal``: the crash signal that
+    killed it (``FATAL``), None otherwise."""
 
-    def __init__(self, rank: int, cause: str, clean: bool = False):
-        super().__init__(f"rank {rank} failed: {cause}")
-        self.rank, self.cause, self.clean = rank, cause, clean
+    def __init__(self, rank: int, cause: str, clean: bool = False, signal: str | None = None):
+        super().__init__(f"rank {rank} {cause}" if signal else f"rank {rank} failed: {cause}")
+        self.rank, self.cause, self.clean, self.signal = rank, cause, clean, signal

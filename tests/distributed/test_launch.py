@@ -104,3 +104,28 @@ def test_preloaded_workers_take_the_callers_environment_and_directory(tmp_path, 
     assert got == {0: ("caller", str(tmp_path), "0"), 1: ("caller", str(tmp_path), "1")}
     assert set(launch(2, _rank_state, "MEMOPT_LAUNCH_GONE", preloaded=True).values()) == \
         {(None, str(tmp_path), "0"), (None, str(tmp_path), "1")}
+
+
+def _segfault_on_rank1() -> None:
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.all_reduce(torch.ones(1))  # rank 0: its peer's connection closes under it
+
+
+@pytest.mark.parametrize("preloaded", [True, False], ids=["forked", "spawned"])
+def test_a_rank_that_crashes_in_native_code_is_named_before_the_peer_it_broke(preloaded):
+    """A segfault in a rank (torch's or gloo's native code) leaves its peer failing on a closed connection,
+    often recorded earlier than the crash: the launch names the crashed rank and its signal, and the error
+    says it (the test suite reruns a test once on such a crash, ``make test``)."""
+    from memopt.parallel import RankFailure, launch
+
+    with pytest.raises(RankFailure) as e:
+        launch(2, _segfault_on_rank1, preloaded=preloaded)
+    assert e.value.rank == 1 and e.value.signal == "SIGSEGV", str(e.value)
+    assert str(e.value).startswith("rank 1 died of SIGSEGV, a crash in native code"), str(e.value)
