@@ -86,6 +86,18 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self._category.pop()
 
+    grad_path_depth = 0  # inside ``grad_path``
+
+    @contextlib.contextmanager
+    def grad_path(self):
+        """The engine's own gradient handling (a reduction's copies into a flat buffer): the planner counts the
+        bytes of its ops apart (``grad_op_bytes``), where DeepSpeed's rules put DeepSpeed's in their place."""
+        self.grad_path_depth += 1
+        try:
+            yield
+        finally:
+            self.grad_path_depth -= 1
+
     @contextlib.contextmanager
     def retained(self, name: str = "activations", transient: str = "_forward"):
         """New storages count as ``transient`` while the block runs; those still alive when it
@@ -380,6 +392,9 @@ class NullTracker:
         return contextlib.nullcontext()
 
     def retained(self, name: str = "activations", transient: str = "_forward"):
+        return contextlib.nullcontext()
+
+    def grad_path(self):
         return contextlib.nullcontext()
 
     def host_scope(self):

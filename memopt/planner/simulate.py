@@ -294,7 +294,10 @@ class PlanTracker(MemoryTracker):
         return out
 
     def _writes_grads(self, out) -> bool:
-        """The op's output is a gradient the engine keeps (its storage counted as ``grads``)."""
+        """The op's output is a gradient the engine keeps (its storage counted as ``grads``), or the op is part of
+        the engine's gradient handling (``grad_path``: a reduction's flat copies)."""
+        if self.grad_path_depth:
+            return True
         if not isinstance(out, torch.Tensor):
             return False
         info = self._info.get(id(out.untyped_storage()))

@@ -181,7 +181,12 @@ class FlatGroup:
 
     # ---- gradient synchronisation -----------------------------------------------------------
     def sync_grads(self, async_op: bool) -> None:
-        """Reduce this group's gradients into the owned fp32 range (see the module docstring)."""
+        """Reduce this group's gradients into the owned fp32 range (see the module docstring); the planner counts
+        its ops' bytes as the gradient path's (``tracker.grad_path``)."""
+        with self.tracker.grad_path():
+            self._sync_grads(async_op)
+
+    def _sync_grads(self, async_op: bool) -> None:
         if self.stage <= 1:
             self.ensure_grad_buffer()  # (a group that got no gradient still takes part in the collective)
             flat = self.flat_grad

@@ -106,12 +106,12 @@ def module_trace(cfg) -> tuple[list[list[int]], list[int], list[tuple]]:
 
 
 def replay(trace: list[list[int]], numel: list[int], events: list[tuple], world: int, max_live: int,
-           prefetch: int, flat_ratio: list[float] | None = None) -> list[tuple[float, float]]:
+           prefetch: int, flat_ratio: list[float] | None = None, gathers: list | None = None) -> list[tuple[float, float]]:
     """Elements DeepSpeed's coordinator holds gathered (parameters + live flat buffers) after each
     event of a step with a complete trace: (all, those gathered by a forward fetch: a run counts them as
     activations, in the forward or a recomputation; a backward fetch's are temporaries). ``flat_ratio``:
     per parameter, its communication dtype's size over its own (the flat buffers are in the
-    communication dtype); 1 when not given."""
+    communication dtype); 1 when not given. ``gathers``: appended each all-gather's parameters, in order."""
     W = max(1, world)
     ratio = flat_ratio or [1] * len(numel)
     queue = deque((p, step) for step, ps in enumerate(trace) for p in ps)
@@ -127,6 +127,8 @@ def replay(trace: list[list[int]], numel: list[int], events: list[tuple], world:
         ps = [p for p in ps if status[p] == "none"]
         if not ps:
             return
+        if gathers is not None:
+            gathers.append(ps)
         live[0] += sum(numel[p] for p in ps)
         h = len(handles) + 1
         handles[h] = [sum(math.ceil(numel[p] / W) * W * ratio[p] for p in ps), set(ps), forward]
@@ -186,7 +188,8 @@ def stage3_moments(cfg, world: int, max_live: int, prefetch: int, bucket: int,
     most held from its first fetch to the next gradient's arrival (its block's backward), in order."""
     trace, numel, events = module_trace(cfg)
     ratio = flat_ratio or [1] * len(numel)
-    held = replay(trace, numel, events, world, max_live, prefetch, ratio)
+    gathers: list[list[int]] = []
+    held = replay(trace, numel, events, world, max_live, prefetch, ratio, gathers)
     kinds = [e[0] for e in events]
     end = kinds.index("forward_end")
     act = end
@@ -213,4 +216,27 @@ def stage3_moments(cfg, world: int, max_live: int, prefetch: int, bucket: int,
         recomputations.append(max(h for h, _ in held[k:arrival + 1]))
         k = next(i for i in range(k, len(events)) if kinds[i] in ("backward_fetch", "grad"))
     return {"held_after_forward": held[end][0], "activations_held": held[act][1], "grads": grads,
-            "recomputed": act != end, "recomputations": recomputations}
+            "recomputed": act != end, "recomputations": recomputations, "gathers": gathers, "numel": numel}
+
+
+def fetch_bytes(gathers: list[list[int]], numel: list[int], world: int, own: int, comm: list[int]) -> int:
+    """Bytes one micro-batch's parameter fetches move through memory-bound ops (``partition_parameters.py``),
+    counted by the planner's rule (``simulate.op_work``: an op's tensor arguments and outputs), from the replay's
+    all-gathers (``gathers``); ``own``: bytes per element of the parameters, ``comm``: of each one's all-gather
+    dtype. A parameter of n elements, s = ceil(n / W) a rank, is gathered into a flat buffer of W s (made:
+    torch.empty, counted as written) after its shard is cast to the all-gather dtype where that differs (s (own +
+    a)). Alone in its all-gather it is then a view of that buffer (cast back, n (a + own), where the dtypes
+    differ); with others, every shard is concatenated into the buffer first (cat.out: 3 s a) and each parameter
+    copied out of it after the wait (cat: 2 n a), then cast back where the dtypes differ. One rank gathers nothing."""
+    if world <= 1:
+        return 0
+    total = 0
+    for ps in gathers:
+        for p in ps:
+            n, a = numel[p], comm[p]
+            s = math.ceil(n / world)
+            cast = a != own
+            total += world * s * a + (s * (own + a) + n * (a + own) if cast else 0)
+            if len(ps) > 1:
+                total += 3 * s * a + 2 * n * a
+    return total

@@ -178,3 +178,48 @@ def allreduce_bytes(cfg) -> dict[str, int]:
     b, m = param_bytes(cfg), max(1, cfg.trainer.grad_accum)
     E = sum(n for n, _, _ in meta_params(cfg))
     return {"deepspeed": 7 * b * E, "autograd": 3 * b * E * (m - 1)}
+
+
+def stage3_reduction_bytes(cfg, W: int, order: list[int] | None = None, gloo: bool = True) -> int:
+    """Bytes one rank's ZeRO-3 gradient handling moves in a step (stage3.py: contiguous gradients,
+    reduce_scatter), counted by the planner's rule, in place of memopt's zero3 of the fake step (its
+    ``grad_op_bytes``). Each micro-batch, every gradient (b bytes an element) is copied into its communication
+    dtype's bucket (c: bf16 for torch_autocast's safe modules, else b; n (2c + b)); a bucket is reduced when the
+    next gradient would overflow it (``reduce_bucket_size``: one block, as the translation sets it; filled in
+    ``order``, the gradients' arrivals) and at the backward's end: its gradients' rank slices interleaved with
+    padding into one flat copy (``reduce_scatter_coalesced``: the padding made, a cat of 2 W s c; none for a lone
+    gradient that W divides), averaged in place (2 W s c), reduce-scattered (gloo copies the result out of its
+    all-reduced input: 3 s c), cast to b where c differs (s (c + b)) and copied into the gradient partition at the
+    first micro-batch, added into it at the later ones (3 s b). With offload, at the last micro-batch each
+    partition's fp64 norm (s (b + 8) + 8 s) and its copy into the fp32 host gradient (s (b + 4) where b != 4, 12 s)."""
+    from memopt.planner.engines.deepspeed.params import block_numel
+
+    params, b, m = meta_params(cfg), param_bytes(cfg), max(1, cfg.trainer.grad_accum)
+    autocast, bucket = autocast_bf16(cfg), block_numel(cfg)
+    filled, held, total = [0, 0], [[], []], 0
+
+    def reduce(g: int) -> int:
+        c, ns = (2 if g else b), [params[i][0] for i in held[g]]
+        out = 0
+        for n in ns:
+            s = math.ceil(n / W)
+            flat = len(ns) > 1 or n % W  # interleaved into a flat copy: its padding made, the cat
+            out += ((W * s - n) * c + 2 * W * s * c if flat else 0) + 2 * W * s * c  # + the averaging
+            out += 3 * s * c * gloo + (s * (c + b) if c != b else 0) + 3 * s * b  # gloo's copy, the cast, the partition
+        return out
+
+    for i in (order if order is not None else reversed(range(len(params)))):
+        n, _, safe = params[i]
+        g = int(safe and autocast)
+        if filled[g] and filled[g] + n > bucket:
+            total += reduce(g)
+            filled[g], held[g] = 0, []
+        filled[g] += n
+        held[g].append(i)
+        total += n * (2 * (2 if g else b) + b)
+    total += reduce(0) + reduce(1)
+    boundary = 0
+    if cfg.strategy.cpu_offload is not None:
+        share = sum(math.ceil(n / W) for n, _, _ in params)
+        boundary = share * ((b + 8) + 8 + (b + 4 if b != 4 else 0) + 12)
+    return m * total + boundary

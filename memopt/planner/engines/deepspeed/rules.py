@@ -77,8 +77,8 @@ from dataclasses import replace
 from memopt.planner.engines.deepspeed.params import (autocast_bf16, block_numel, bucket_elements, comm_dtypes, largest_group,
                                                      largest_param, last_value, meta_params, param_bytes)
 from memopt.planner.engines.deepspeed.reductions import (allreduce_bytes, arrival_order, backward_reductions, in_partition,
-                                                         reduction_bytes, reductions)
-from memopt.planner.engines.deepspeed.zero_step import step_bytes
+                                                         reduction_bytes, reductions, stage3_reduction_bytes)
+from memopt.planner.engines.deepspeed.zero_step import offload_step_bytes, step_bytes
 
 
 def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int | None = None) -> dict[str, dict[str, int]]:
@@ -155,7 +155,7 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         # flat copy at the first reduce-scatter (on one rank nothing is gathered: a parameter's data is its
         # partition; the flat copy remains, and dominates a wide model's one-rank offload run, whose step is
         # on the host: d_model 256, 16,776,058 B measured, 15,061,917 planned before)
-        from memopt.planner.engines.deepspeed.fetch import stage3_moments
+        from memopt.planner.engines.deepspeed.fetch import fetch_bytes, stage3_moments
 
         block = block_numel(cfg)
         # a fetch's flat buffers are in the communication dtype: bf16 for Linear weights under torch_autocast
@@ -164,7 +164,9 @@ def deepspeed_model_states(cfg, world: int, params: int | None = None, rank: int
         args = (W, (2 if scfg.prefetch else 1) * block, block if scfg.prefetch else 0, block, ratio)
         moments = last_value(_MOMENTS, repr((cfg, args)), lambda: stage3_moments(cfg, *args))
         g = b if W > 1 else 0  # bytes per gathered element
-        moments = {**moments, "held_after_forward": round(g * moments["held_after_forward"]),
+        fetched = fetch_bytes(moments["gathers"], moments["numel"], W, b, [round(b * r) for r in ratio])
+        moments = {**moments, "fetch_bytes": max(1, cfg.trainer.grad_accum) * fetched,  # the step time's, a step's
+                   "held_after_forward": round(g * moments["held_after_forward"]),
                    "activations_held": round(g * moments["activations_held"]),
                    "grads": [(round(g * held), round(b * flat)) for held, flat in moments["grads"]],
                    "recomputations": [round(g * held) for held in moments["recomputations"]]}
@@ -239,19 +241,28 @@ def fake_step_cfg(mcfg):
                                           zero1=Zero1Config(bucket_mb=z.bucket_mb, overlap_comm=z.overlap_comm)))
 
 
-def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict) -> dict:
+def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict, states: dict, backend: str) -> dict:
     """The fake step's traffic with DeepSpeed's own bytes where the rules know them (the step time's memory
     term): stage 1/2's gradient handling in place of memopt's zero1's (``reduction_bytes``, the buckets filled in
-    the step's gradient arrivals), stage 0's all-reduce in place of memopt's DDP's (``allreduce_bytes``), and
-    without offload DeepSpeed's optimizer step in place of memopt's fused one (``zero_step.step_bytes``; with
-    offload the host Adam has a term of its own). Stage 3's fetches and reduce-scatters stay memopt's zero3's."""
+    the step's gradient arrivals), stage 0's all-reduce in place of memopt's DDP's (``allreduce_bytes``), stage 3's
+    reduce-scatters in place of memopt's zero3's (``stage3_reduction_bytes``) and its parameter fetches
+    (``fetch.fetch_bytes``: memopt's all-gather writes in place, DeepSpeed's copies), and DeepSpeed's optimizer
+    step in place of memopt's fused one (``zero_step.step_bytes``; with offload, stage 3's device-side ops,
+    ``offload_step_bytes``: the host Adam has a term of its own)."""
     traffic = dict(sim["traffic"])
+    order = arrival_order(cfg, sim.get("grad_arrivals") or [])
+    ds = None
     if stage < 3 and cfg.strategy.moe is None:  # (DeepSpeed-MoE's reductions: memopt's zero1's bytes stay)
-        order = arrival_order(cfg, sim.get("grad_arrivals") or [])
         ds = sum((reduction_bytes(cfg, world, rank, order) if stage else allreduce_bytes(cfg)).values())
+    elif stage == 3 and cfg.strategy.moe is None:
+        ds = stage3_reduction_bytes(cfg, world, order, gloo=backend == "gloo")
+    if ds is not None:
         traffic["op_bytes"] = traffic.get("op_bytes", 0) - traffic.get("grad_op_bytes", 0) + ds
         traffic["grad_op_bytes"] = ds
-    step = step_bytes(cfg, world) if cfg.strategy.cpu_offload is None else None
+    if states.get("fetch_bytes"):
+        traffic["op_bytes"] = traffic.get("op_bytes", 0) + states["fetch_bytes"]
+        traffic["fetch_op_bytes"] = states["fetch_bytes"]
+    step = step_bytes(cfg, world) if cfg.strategy.cpu_offload is None else offload_step_bytes(cfg, world)
     if step is not None:
         traffic["op_bytes"] = traffic.get("op_bytes", 0) - traffic.get("step_op_bytes", 0) + step
         traffic["step_op_bytes"] = step
@@ -366,6 +377,6 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
         if cats["total"]:
             peaks[mem] = cats
     sim["peaks"] = peaks
-    sim["traffic"] = deepspeed_traffic(cfg, world, rank, stage, sim)  # DeepSpeed's bytes in place of the fake step's
+    sim["traffic"] = deepspeed_traffic(cfg, world, rank, stage, sim, states, backend)  # DeepSpeed's bytes in place of the fake step's
     sim["rules"] = "DeepSpeed's buffers for the translated config (model states) + memopt fake step (activations, temp)"
     return sim

@@ -77,3 +77,17 @@ def step_bytes(cfg, W: int) -> int | None:
         unscale = o.grad_clip > 0 or cfg.strategy.fp16 is not None
         per = (2 * b if half else 0) + (b + 16) + 2 * b + (b + 4 if b != 4 else 0) + (8 if unscale else 0) + 2 * b + 4
     return round(sum(n * (per + adamw_bytes_per_element(decay and o.weight_decay > 0)) for decay, n in shares if n))
+
+
+def offload_step_bytes(cfg, W: int) -> int | None:
+    """One rank's bytes through DeepSpeed's ZeRO-3 step with offload outside the host Adam (the optimizer term's):
+    per share element, the fp32 gradient unscaled and clipped in place (8, with a clip or fp16's loss scale) and
+    the updated fp32 share copied into the b-byte weights (a copy_: 2b + 4). None for stages 0-2 (the fake step's
+    bytes stay: ZeRO-Offload's whole step was 1.00x the plan's)."""
+    from memopt.strategies.zero import selected_stage
+
+    if selected_stage(cfg)[1] != 3 or cfg.strategy.moe is not None:
+        return None
+    b, o = param_bytes(cfg), cfg.optim
+    unscale = o.grad_clip > 0 or cfg.strategy.fp16 is not None
+    return math.ceil(sum(group_sizes(cfg)) / W) * ((8 if unscale else 0) + 2 * b + 4)
