@@ -80,6 +80,10 @@ class Trainer:
         self.logger = RunLogger(self.run_dir, cfg, self.resolved_config, run_name, self.group, tags, enabled=self.rank == 0,
                                 run_id=self.run_id)
         tracker = NullTracker()
+        # DeepSpeed's zero.Init (engine=deepspeed, ZeRO-3) replaces torch.nn.functional.linear process-wide with its
+        # ZeRO-3 linear "unless manually reset": every later run of the process (a sweep's, a benchmark's) would
+        # train through it; the run puts it back
+        linear = torch.nn.functional.linear
         try:
             if cfg.trainer.num_threads > 0:
                 torch.set_num_threads(cfg.trainer.num_threads)
@@ -101,6 +105,7 @@ class Trainer:
             self.summary["traceback"] = traceback.format_exc(limit=20)
             raise
         finally:
+            torch.nn.functional.linear = linear
             self._stop_watchdog()
             if previous is not None and self.summary["status"] != "ok" and "steps_done" not in self.summary:
                 self.summary["previous"] = previous  # a resume that ran no step: the run's own record stays

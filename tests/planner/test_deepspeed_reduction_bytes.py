@@ -10,7 +10,9 @@ bytes a gradient element a step, where DeepSpeed moves 40-60 a micro-batch (gpt_
 element where DeepSpeed's moves ~104. The buckets made anew each micro-batch and the flat copy of a bucket reduced
 to several ranks (the whole model's at 25 MiB buckets here: 10.7% of the path) were added after the 25 MiB cases
 read under. Stage 1's adds into param.grad between its reductions are autograd's, not in that path
-(``reduction_bytes(...)["autograd"]``)."""
+(``reduction_bytes(...)["autograd"]``). DeepSpeed-MoE's paths (the rank's dense parameters and its experts, each
+partitioned and reduced over its own data-parallel group; stage 1 reducing in the optimizer groups' order) were
+planned as memopt's zero1's before, 1.33-1.76x under; within 0.1% now."""
 from __future__ import annotations
 
 import sys
@@ -43,9 +45,13 @@ CASES = {
     "zero3_bf16_weights": ["+strategy=[zero3,bf16]", "strategy.bf16.params=bf16"],
     "moe_zero2_ep2": ["+strategy=[moe,zero2]", "strategy.moe.num_experts=4", "strategy.moe.every_k_layers=2", "parallel.ep=2"],
     "moe_zero1_bf16": ["+strategy=[moe,zero1,bf16]", "strategy.moe.num_experts=4", "strategy.moe.every_k_layers=2"],
+    "moe_ddp_ep2": ["+strategy=[moe,ddp]", "strategy.moe.num_experts=4", "strategy.moe.every_k_layers=2", "parallel.ep=2"],
+    "moe_zero1_offload_ep2": ["+strategy=[moe,zero1,cpu_offload]", "strategy.moe.num_experts=4",
+                              "strategy.moe.every_k_layers=2", "parallel.ep=2"],
 }
 STEP_CASES = [name for name, ov in CASES.items() if not any("cpu_offload" in o for o in ov)]  # offload: the host Adam's
-GRAD_CASES = [name for name, ov in CASES.items() if not any("zero3" in o or "moe" in o for o in ov)]  # stages 0-2's paths
+GRAD_CASES = [name for name, ov in CASES.items() if not any("zero3" in o for o in ov)]  # stages 0-2's paths
+# (stage 3's: tests/planner/test_deepspeed_step_bytes.py, with the whole step's)
 
 
 class InDeepSpeed(TorchDispatchMode):
@@ -107,7 +113,7 @@ def test_reduction_bytes_are_deepspeeds(counted):
     for name in GRAD_CASES:
         for rank, (got, _) in counted[name].items():
             cfg = typed(overrides_of(name))
-            planned = STEPS * (reduction_bytes(cfg, 2, rank) if cfg.strategy.ddp is None else allreduce_bytes(cfg))["deepspeed"]
+            planned = STEPS * (reduction_bytes(cfg, 2, rank) if cfg.strategy.ddp is None else allreduce_bytes(cfg, 2))["deepspeed"]
             if abs(planned - got) > 0.05 * got:
                 bad.append(f"{name} rank {rank}: planned {planned:,} B, DeepSpeed's ops moved {got:,}")
     assert not bad, "\n".join(bad)

@@ -47,6 +47,45 @@ def meta_params(cfg) -> tuple[tuple[int, int, bool], ...]:
     return last_value(_META, repr(cfg.model), build)
 
 
+_RANK: dict[str, tuple] = {}
+
+
+def rank_params(cfg, world: int) -> tuple[tuple[int, int, bool, bool, int], ...]:
+    """(numel, ndim, lower-precision safe, an expert's, the size of the data-parallel group it is partitioned and
+    reduced over) of each parameter one rank holds, in the model's order: ``meta_params`` over all W ranks, or
+    under DeepSpeed-MoE the dense parameters (routers included) over W and the rank's 1 / ep of each MoE layer's
+    experts, in optimizer groups of their own, over its expert-data-parallel group of W / ep ranks (DeepSpeed's
+    ``expert_dp_process_group``)."""
+    if cfg.strategy.moe is None:
+        return tuple((n, ndim, safe, False, max(1, world)) for n, ndim, safe in meta_params(cfg))
+
+    def build() -> tuple:
+        import re
+
+        import torch
+        from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from memopt import compose
+        from memopt.model_file import logical_model
+        from memopt.parallel.dims import resolve_sizes
+
+        ep = resolve_sizes(cfg.parallel, world)["ep"]
+        local = cfg.strategy.moe.num_experts // ep
+        with _disable_current_modes(), torch.device("meta"):
+            model = logical_model(compose.model_record(cfg))
+        safe = {id(p) for m in model.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES
+                for p in m.parameters(recurse=False)}
+        out = []
+        for name, p in model.named_parameters():  # distinct parameters (a tied head once)
+            expert = re.search(r"\.experts\.(\d+)\.", f".{name}")
+            if expert is None or int(expert.group(1)) < local:  # the rank's experts: as many as any other's
+                out.append((p.numel(), p.ndim, id(p) in safe, bool(expert), max(1, world // ep if expert else world)))
+        return tuple(out)
+
+    return last_value(_RANK, repr((cfg.model, cfg.strategy.moe, cfg.parallel, world)), build)
+
+
 def group_sizes(cfg) -> list[int]:
     """Elements of the translation's two optimizer groups: [no weight decay, weight decay (ndim >= 2)]."""
     sizes = [0, 0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from memopt.planner.engines.deepspeed.params import autocast_bf16, bucket_elements, comm_dtypes, meta_params, param_bytes
+from memopt.planner.engines.deepspeed.params import autocast_bf16, bucket_elements, meta_params, param_bytes, rank_params
 
 
 def reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
@@ -35,28 +35,34 @@ def reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
 
 
 def in_partition(cfg, W: int, rank: int) -> dict[int, int]:
-    """{index (the model's distinct parameters, in order): its elements in ``rank``'s partition} of the
-    parameters with elements there: DeepSpeed flattens each of the translation's optimizer groups (``ndim >=
-    2``, then the rest, each in the model's order) and gives rank r its r-th W-th. Its gradient partition holds
-    these parameters whole (stage_1_and_2.py's ``grads_in_partition``: gpt_tiny d_model 256, 2 ranks:
-    6,646,784 and 7,367,680 B), made when the first of them is reduced."""
-    params, out = meta_params(cfg), {}
-    for decay in (True, False):
-        members = [(i, n) for i, (n, ndim, _) in enumerate(params) if (ndim >= 2) == decay]
-        part, start = math.ceil(sum(n for _, n in members) / W), 0
-        lo, hi = rank * part, (rank + 1) * part
-        for i, n in members:
-            if start < hi and start + n > lo:
-                out[i] = min(hi, start + n) - max(lo, start)
-            start += n
+    """{index (the rank's parameters, ``rank_params``): its elements in ``rank``'s partition} of the parameters
+    with elements there: DeepSpeed flattens each of the translation's optimizer groups (``ndim >= 2``, then the
+    rest, each in the model's order; DeepSpeed-MoE's expert parameters in groups of their own) and gives the r-th
+    rank of the group's data-parallel ranks its r-th share (an expert group: W / ep ranks, the rank's r = rank //
+    ep). Its gradient partition holds these parameters whole (stage_1_and_2.py's ``grads_in_partition``: gpt_tiny
+    d_model 256, 2 ranks: 6,646,784 and 7,367,680 B), made when the first of them is reduced."""
+    params, out = rank_params(cfg, W), {}
+    for expert in (False, True):
+        for decay in (True, False):
+            members = [(i, n, G) for i, (n, ndim, _, e, G) in enumerate(params) if (ndim >= 2) == decay and e == expert]
+            if not members:
+                continue
+            G = members[0][2]
+            r = rank // max(1, W // G)
+            part, start = math.ceil(sum(n for _, n, _ in members) / G), 0
+            lo, hi = r * part, (r + 1) * part
+            for i, n, _ in members:
+                if start < hi and start + n > lo:
+                    out[i] = min(hi, start + n) - max(lo, start)
+                start += n
     return out
 
 
-def arrival_order(cfg, arrivals: list) -> list[int] | None:
-    """The parameters' indices in the order of their first gradients (``grad_arrivals``), where they name each
-    parameter once; else None."""
+def arrival_order(cfg, arrivals: list, world: int = 1) -> list[int] | None:
+    """The parameters' indices in the order of their first gradients (``grad_arrivals``), where they name each of
+    the rank's parameters (``rank_params``) once; else None."""
     order = [i for i, _, _ in arrivals]
-    return order if sorted(order) == list(range(len(meta_params(cfg)))) else None
+    return order if sorted(order) == list(range(len(rank_params(cfg, world)))) else None
 
 
 def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
@@ -96,31 +102,41 @@ def backward_reductions(cfg, arrivals: list, red: dict) -> int | None:
 
 
 def spanning_elements(cfg, W: int, bucket: int, order: list[int] | None = None) -> int:
-    """Elements of a reduction pass's buckets whose gradients go to more than one rank's partition: DeepSpeed
-    (``average_tensor``, ``use_multi_rank_bucket_allreduce``) all-reduces such a bucket's slices as one flat
-    copy (``allreduce_bucket``'s flatten, a cat; one slice is reduced in place). The buckets are filled per
-    communication dtype in ``order`` (the parameters' first gradients: ``grad_arrivals``; else the model's
-    order reversed), each parameter's elements going to the ranks its flat group's shares give it."""
-    params, autocast = meta_params(cfg), autocast_bf16(cfg)
-    start, sizes = [], [0, 0]
-    for n, ndim, _ in params:
-        start.append(sizes[ndim >= 2])
-        sizes[ndim >= 2] += n
-    part = [max(1, math.ceil(n / W)) for n in sizes]
-    filled, dests, out = [0, 0], [[], []], 0
+    """Elements of a reduction pass's buckets whose gradients go to more than one rank's partition of their
+    data-parallel group: DeepSpeed (``average_tensor``, ``use_multi_rank_bucket_allreduce``) all-reduces such a
+    bucket's slices of one process group as one flat copy (``allreduce_bucket``'s flatten, a cat; a lone slice is
+    reduced in place; consecutive slices to one rank of one group are one slice). The buckets are filled per
+    communication dtype in ``order`` (the parameters' first gradients: ``grad_arrivals``; else the model's order
+    reversed), each parameter's elements going to the ranks its flat group's shares give it (``rank_params``:
+    DeepSpeed-MoE's experts over their expert-data-parallel group)."""
+    params, autocast = rank_params(cfg, W), autocast_bf16(cfg)
+    start, sizes = [], {}
+    for n, ndim, _, expert, _ in params:
+        key = (expert, ndim >= 2)
+        start.append(sizes.get(key, 0))
+        sizes[key] = sizes.get(key, 0) + n
+    filled, slices, out = [0, 0], [[], []], 0  # per communication dtype: elements, (group, rank, elements) merged
 
-    def spans(g: int) -> int:  # the bucket's elements if its consecutive slices name more than one rank
-        return filled[g] if any(a != b for a, b in zip(dests[g], dests[g][1:])) else 0
+    def spans(g: int) -> int:  # the elements of each process group with more than one slice in the bucket
+        per, count = {}, {}
+        for group, _, n in slices[g]:
+            per[group], count[group] = per.get(group, 0) + n, count.get(group, 0) + 1
+        return sum(per[k] for k in per if count[k] > 1)
 
     for i in (order if order is not None else reversed(range(len(params)))):
-        n, ndim, safe = params[i]
+        n, ndim, safe, expert, G = params[i]
         g = int(safe and autocast)
         if filled[g] and filled[g] + n > bucket:
             out += spans(g)
-            filled[g], dests[g] = 0, []
-        p, lo = part[ndim >= 2], start[i]
+            filled[g], slices[g] = 0, []
+        p, lo = max(1, math.ceil(sizes[(expert, ndim >= 2)] / G)), start[i]
         filled[g] += n
-        dests[g].extend(range(lo // p, (lo + max(n, 1) - 1) // p + 1))
+        for r in range(lo // p, (lo + max(n, 1) - 1) // p + 1):
+            part = min(n, (r + 1) * p - lo) - max(0, r * p - lo) if n else 0
+            if slices[g] and slices[g][-1][:2] == (expert, r):
+                slices[g][-1] = (expert, r, slices[g][-1][2] + part)
+            else:
+                slices[g].append((expert, r, part))
     return out + spans(0) + spans(1)
 
 
@@ -130,30 +146,34 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
     DeepSpeed's, in place of memopt's zero1 of the fake step (its ``grad_op_bytes``). A reduction pass (stage 2:
     every micro-batch; stage 1: the last, autograd adding the others into param.grad) copies each gradient into
     its bucket, averages it in place, casts a safe module's to bf16 under torch_autocast and back into the bucket,
-    and copies the rank's share (1 / W) back; a bucket reduced to several ranks is flattened first
-    (``spanning_elements``; ``order``: the gradients' arrivals). The gradient partition (the parameters with
-    elements in it, whole: ``in_partition``), without offload: made and copied into each pass, later micro-batches' added at the
-    epilogue; with offload, each micro-batch of several staged through the host buffer (copied out, copied back
-    and added from the second on), and at the last the share's fp64 norm, its inf/nan check and its copy into the
-    fp32 host gradient. Each micro-batch's buckets are made anew (``setup_buckets``). {"deepspeed": those,
-    "autograd": stage 1's adds}; DeepSpeed's gradient path's ops
-    counted in real runs: tests/planner/test_deepspeed_reduction_bytes.py.
-    On gpt_small bf16 ZeRO-2-Offload at 4 x 4, one rank: 0.25 s a micro-batch at one thread measured in its hooks,
+    and copies the rank's share back (its elements of each group: DeepSpeed-MoE's experts shared over W / ep
+    ranks, ``rank_params``); a bucket reduced to several ranks is flattened first (``spanning_elements``;
+    ``order``: the gradients' arrivals, stage 1's the optimizer groups'). The gradient partition (the parameters
+    with elements in it, whole: ``in_partition``), without offload: made and copied into each pass, later
+    micro-batches' added at the epilogue; with offload, each micro-batch of several staged through the host buffer
+    (copied out, copied back and added from the second on), and at the last the share's fp64 norm, its inf/nan
+    check and its copy into the fp32 host gradient. Each micro-batch's buckets are made anew (``setup_buckets``).
+    {"deepspeed": those, "autograd": stage 1's adds}; DeepSpeed's gradient path's ops counted in real runs:
+    tests/planner/test_deepspeed_reduction_bytes.py. On gpt_small bf16 ZeRO-2-Offload at 4 x 4, one rank: 0.25 s a
+    micro-batch at one thread measured in its hooks,
     none planned before."""
     from memopt.strategies.zero import selected_stage
 
     _, stage, scfg = selected_stage(cfg)
     b, m = param_bytes(cfg), max(1, cfg.trainer.grad_accum)
     passes = m if stage == 2 else 1
-    params = meta_params(cfg)
-    E = sum(n for n, _, _ in params)
-    C = sum(n for n, _, safe in params if safe) if autocast_bf16(cfg) else 0  # communicated in bf16
-    share = E / W  # the rank's elements of each group
+    params, autocast = rank_params(cfg, W), autocast_bf16(cfg)
+    E = sum(p[0] for p in params)
+    C = sum(n for n, _, safe, _, _ in params if safe) if autocast else 0  # communicated in bf16
+    share = sum(n / G for n, _, _, _, G in params)  # the rank's elements of each group
     whole = sum(params[i][0] for i in in_partition(cfg, W, rank))  # its partition's parameters, whole
     reduce = 5 * b * E + (b + 2) * C + (2 * b + 2) * C  # bucket copy, averaging; the cast and back into the bucket
     reduce += share / E * ((2 * b + 2) * C + 3 * b * (E - C))  # the share copied back
     bucket = bucket_elements(cfg)
     if W > 1:  # the buckets reduced to several ranks: a flat copy of their slices
+        if stage == 1:  # reduced after the backward, in the optimizer groups' order (``reduce_gradients``)
+            order = [i for e in (False, True) for d in (True, False)
+                     for i, p in enumerate(params) if p[3] == e and (p[1] >= 2) == d]
         reduce += 2 * b * spanning_elements(cfg, W, bucket, order)
     if cfg.strategy.cpu_offload is not None:
         partition = 0
@@ -165,18 +185,19 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
         partition = passes * 4 * b * whole + (3 * b * whole * (m - 1) if stage == 2 else 0)  # made, copied; added
     accumulated = 3 * b * E * (m - 1) if stage == 1 else 0  # autograd's adds into param.grad
     # each micro-batch's buckets made anew (``setup_buckets``: torch.empty, counted by the rule as written)
-    buckets = m * (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg) * bucket * b
+    dtypes = len({p[2] for p in params}) if autocast else 1  # a bucket per communication dtype
+    buckets = m * (2 if stage == 2 and scfg.overlap_comm else 1) * dtypes * bucket * b
     return {"deepspeed": round(passes * reduce + partition + buckets), "autograd": accumulated}
 
 
-def allreduce_bytes(cfg) -> dict[str, int]:
+def allreduce_bytes(cfg, W: int = 1) -> dict[str, int]:
     """Bytes one rank's stage 0 gradient all-reduce moves in a step (``engine.allreduce_gradients`` after the last
     micro-batch: every gradient flattened (2b), averaged in place (2b), copied back into each param.grad (a copy_,
     3b)), counted by the planner's rule, in place of memopt's DDP of the fake step (its ``grad_op_bytes``);
     "autograd": the adds of later micro-batches into param.grad (3b). Checked against DeepSpeed's own ops in
     real runs: tests/planner/test_deepspeed_reduction_bytes.py."""
     b, m = param_bytes(cfg), max(1, cfg.trainer.grad_accum)
-    E = sum(n for n, _, _ in meta_params(cfg))
+    E = sum(p[0] for p in rank_params(cfg, W))  # the rank's own (DeepSpeed-MoE: its experts all-reduced apart)
     return {"deepspeed": 7 * b * E, "autograd": 3 * b * E * (m - 1)}
 
 

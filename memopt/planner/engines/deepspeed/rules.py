@@ -250,10 +250,10 @@ def deepspeed_traffic(cfg, world: int, rank: int, stage: int, sim: dict, states:
     step in place of memopt's fused one (``zero_step.step_bytes``; with offload, stage 3's device-side ops,
     ``offload_step_bytes``: the host Adam has a term of its own)."""
     traffic = dict(sim["traffic"])
-    order = arrival_order(cfg, sim.get("grad_arrivals") or [])
+    order = arrival_order(cfg, sim.get("grad_arrivals") or [], world)
     ds = None
-    if stage < 3 and cfg.strategy.moe is None:  # (DeepSpeed-MoE's reductions: memopt's zero1's bytes stay)
-        ds = sum((reduction_bytes(cfg, world, rank, order) if stage else allreduce_bytes(cfg)).values())
+    if stage < 3:
+        ds = sum((reduction_bytes(cfg, world, rank, order) if stage else allreduce_bytes(cfg, world)).values())
     elif stage == 3 and cfg.strategy.moe is None:
         ds = stage3_reduction_bytes(cfg, world, order, gloo=backend == "gloo")
     if ds is not None:

@@ -47,9 +47,9 @@ def step_bytes(cfg, W: int) -> int | None:
     ``vector_norm`` 8); the share flattened (2b) and cast to fp32 (b + 4 where b != 4); unscaling and clipping in
     place (8, with a clip or fp16's loss scale); ``torch.optim.AdamW``'s step (``adamw_bytes_per_element``); the
     updated fp32 share copied into the b-byte weights (a copy_: 2b + 4). Stage 0 (fp32 weights) steps every
-    element: its clip (``runtime/utils.clip_grad_norm_``: the norm 4, the scaling 8), AdamW's step and, in fp32, the
-    norm memopt's translation computes for the log (``engines/deepspeed._own_grad_norm``: DeepSpeed keeps none). None for
-    stage 0 with 16-bit weights (DeepSpeed's own unfused optimizer: the fake step's bytes stay) or with MoE.
+    element the rank holds: its clip (``runtime/utils.clip_grad_norm_``: the norm 4, the scaling 8), AdamW's step
+    and, in fp32, the norm memopt's translation computes for the log (``engines/deepspeed._own_grad_norm``: DeepSpeed
+    keeps none). None for stage 0 with 16-bit weights (DeepSpeed's own unfused optimizer: the fake step's bytes stay).
     DeepSpeed-MoE's expert groups are each rank's experts shared over the W / ep ranks that hold them
     (``moe_rules.group_sizes``)."""
     from memopt.strategies.zero import selected_stage
@@ -68,8 +68,8 @@ def step_bytes(cfg, W: int) -> int | None:
     if stage == 0:
         if b != 4:
             return None
-        if cfg.strategy.moe is not None:
-            return None
+        if cfg.strategy.moe is not None:  # the rank's own parameters: dense and its experts, in both groups
+            groups = [dense_no + expert_no, dense + expert]
         shares, per = [(False, groups[0]), (True, groups[1])], (12 if o.grad_clip > 0 else 0)
         per += 12 if cfg.strategy.bf16 is None else 0  # the translation's own norm for the log (pow 8, sum 4)
     else:

@@ -1,10 +1,10 @@
-"""The bytes a DeepSpeed ZeRO-3 plan's step moves through memory-bound ops (the step time's memory term: the fake
-step's model ops, DeepSpeed's parameter fetches ``fetch.fetch_bytes``, its reduce-scatters
-``reductions.stage3_reduction_bytes`` and its step ``zero_step.step_bytes`` / ``offload_step_bytes``) against a
-real step's: rank 0 of real 2-rank runs of 2 and 3 steps, every op counted by the planner's one rule
-(``simulate.op_work``; the CPU probes' ops left out), the difference being one step. Before, the plan kept memopt's
-zero3 fetches (an all-gather written in place: no op) and reduce-scatters: a real step moved 1.57x the plan's bytes,
-2.32x with offload; measured now within 0.01%, ZeRO-3 with bf16 weights 2% under (its step: 4% over)."""
+"""The bytes a DeepSpeed plan's step moves through memory-bound ops (the step time's memory term: the fake step's
+model ops with DeepSpeed's own gradient path, ``reductions``, its ZeRO-3 parameter fetches, ``fetch.fetch_bytes``,
+and its step, ``zero_step``) against a real step's: rank 0 of real 2-rank runs of 2 and 3 steps, every op counted by
+the planner's one rule (``simulate.op_work``; the CPU probes' ops left out), the difference being one step. Before,
+a ZeRO-3 plan kept memopt's zero3 fetches (an all-gather written in place: no op) and reduce-scatters, 1.57x under
+a real step's bytes (2.32x with offload), and a DeepSpeed-MoE plan memopt's zero1 gradient path and (stage 0) step,
+1.37-1.65x; now within 0.01% but ZeRO-3 with bf16 weights, 2% over (its step 4%)."""
 from __future__ import annotations
 
 import sys
@@ -27,6 +27,12 @@ CASES = {
     "zero3_offload": ["+strategy=[zero3,cpu_offload]"],
     "zero3_offload_bf16_weights_accum": ["+strategy=[zero3,bf16,cpu_offload]", "strategy.bf16.params=bf16",
                                          "trainer.grad_accum=2"],
+    "ddp": ["+strategy=ddp"],
+    "zero2_bf16_accum": ["+strategy=[zero2,bf16]", "trainer.grad_accum=2"],
+    "moe_ddp_ep2": ["+strategy=[moe,ddp]", "strategy.moe.num_experts=4", "strategy.moe.every_k_layers=2", "parallel.ep=2"],
+    "moe_zero2_ep2": ["+strategy=[moe,zero2]", "strategy.moe.num_experts=4", "strategy.moe.every_k_layers=2",
+                      "parallel.ep=2"],
+    "moe_zero1_bf16": ["+strategy=[moe,zero1,bf16]", "strategy.moe.num_experts=4", "strategy.moe.every_k_layers=2"],
 }
 
 
@@ -66,7 +72,7 @@ def one_step(tmp_path_factory):
     """{case: rank 0's bytes of one real step} (runs of 3 steps less runs of 2), one launch."""
     from memopt.parallel import launch
 
-    root = tmp_path_factory.mktemp("ds_zero3_bytes")
+    root = tmp_path_factory.mktemp("ds_step_bytes")
     jobs = [([*BASE, *ov, f"trainer.max_steps={s}"], str(root / f"{name}_{s}")) for name, ov in CASES.items() for s in (2, 3)]
     got = launch(2, counted_runs, jobs)[0]
     return {name: got[2 * i + 1] - got[2 * i] for i, name in enumerate(CASES)}
@@ -74,7 +80,7 @@ def one_step(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_zero3_step_bytes_are_deepspeeds(one_step, name):
+def test_step_bytes_are_a_real_steps(one_step, name):
     from memopt.memory.hardware import HardwareConfig
     from memopt.planner.plan import make_plan
 
