@@ -2,6 +2,7 @@
 
     python experiments/step_time/accuracy.py                 # the matrix (~5 min a repeat on 2 AVX2 cores)
     python experiments/step_time/accuracy.py --only ddp,zero3 --steps 3
+    python experiments/step_time/accuracy.py --adjacent      # each row planned right before its run
 
 Each model's rows are planned in a fresh process of their own (``make_plan``, ``hardware=auto`` resolved there
 and completed by ``planner/cpu_rates/``, as a plan-mode command plans them: ``planned_as_the_cli``) and each
@@ -42,6 +43,11 @@ ROWS = {
     "gpt_tiny zero3": [*TINY, "+strategy=[zero3]"],
     "moe_tiny ddp": [*MOE, "+strategy=[ddp]"],
     "moe_tiny ep=2": [*MOE, "+strategy=[zero2]", "parallel.ep=2"],
+    # DeepSpeed's own paths (planner/engines/deepspeed: its reductions, ZeRO-3 fetches, DeepSpeed-MoE groups, step)
+    "deepspeed ddp": [*SMALL, "engine=deepspeed", "+strategy=[ddp]"],
+    "deepspeed zero3": [*SMALL, "engine=deepspeed", "+strategy=[zero3]"],
+    "deepspeed zero3+cpu_offload": [*SMALL, "engine=deepspeed", "+strategy=[zero3,cpu_offload]"],
+    "deepspeed moe_tiny ep=2": [*MOE, "engine=deepspeed", "+strategy=[zero2]", "parallel.ep=2"],
 }
 # the fixed-budget table's shapes (experiments/fixed_budget): gpt_small at its own sequence of 512, micro-batches of 4-16,
 # where the attention's share of the step is twice the 256-token rows' (its own rate: hardware.attention_efficiency)
@@ -111,6 +117,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument("--adjacent", action="store_true",
+                    help="plan each row in a fresh process right before each of its runs, as +strategy=auto plans and then "
+                         "trains: the CPU's rates read in the same minute as the run they predict (a shared machine's "
+                         "speed moves by tens of percent between minutes); the row's plan is its fastest run's")
     args = ap.parse_args()
     rows = dict(ROWS, **(dict(BF16, **BF16_WIDE) if cpu_has_bf16_matmul() else {}))
     if args.only:
@@ -118,7 +128,7 @@ def main() -> None:
     base = ["data=synthetic", "logger=none", f"trainer.max_steps={args.steps}", "trainer.eval_every=0",
             "trainer.progress_bar=false", "trainer.save_checkpoint=false", f"trainer.throughput_warmup_steps={args.warmup}",
             f"trainer.log_every={args.steps}"]
-    plans = planned_as_the_cli({k: [*base, *v] for k, v in rows.items()})
+    plans = {} if args.adjacent else planned_as_the_cli({k: [*base, *v] for k, v in rows.items()})
     tmp = bench_dir("step_time")
     keys, jobs = [], []
     for rep in range(args.repeats):
@@ -126,12 +136,21 @@ def main() -> None:
             keys.append(k)
             jobs.append(([*base, *v], os.path.join(tmp, f"{rep}-{k.replace(' ', '_').replace('=', '')}")))
     load0 = os.getloadavg()[0]
-    results = [run_jobs_on_ranks(2, [job])[0] for job in jobs]  # a launch each: nothing left by one job slows the next
+    results, job_plans = [], []
+    for k, job in zip(keys, jobs):  # a launch each: nothing left by one job slows the next
+        if args.adjacent:
+            job_plans.append(planned_as_the_cli({k: job[0]})[k])
+        results.append(run_jobs_on_ranks(2, [job])[0])
     load1 = os.getloadavg()[0]
     measured: dict[str, float] = {}
-    for k, s in zip(keys, results):
-        if s.get("step_time_s") is not None:  # a failed run leaves its row unmeasured, not the matrix lost
-            measured[k] = min(measured.get(k, float("inf")), s["step_time_s"])
+    for i, (k, s) in enumerate(zip(keys, results)):
+        if s.get("step_time_s") is not None and s["step_time_s"] < measured.get(k, float("inf")):
+            measured[k] = s["step_time_s"]  # (a failed run leaves its row unmeasured, not the matrix lost)
+            if args.adjacent:
+                plans[k] = job_plans[i]
+    for k in rows:
+        if k not in plans:  # adjacent, every run failed: the first plan made for it
+            plans[k] = job_plans[keys.index(k)]
     out, p_list, m_list = [], [], []
     for k in rows:
         st, m = plans[k], measured.get(k)
@@ -148,7 +167,8 @@ def main() -> None:
             p_list.append(p)
             m_list.append(m)
     print(machine_line())
-    print(f"2 ranks, steps={args.steps}, median after {args.warmup}, best of {args.repeats}; 1-min load average "
+    print(f"2 ranks, steps={args.steps}, median after {args.warmup}, best of {args.repeats}"
+          f"{', each planned right before its run' if args.adjacent else ''}; 1-min load average "
           f"{load0:.1f} at start, {load1:.1f} at end\n")
     print(table(["composition", "planned s", "planned terms (s)", "measured s", "planned/measured", "within 25%"], out))
     within = sum(r[-1] == "yes" for r in out)
