@@ -4,7 +4,8 @@ and its step, ``zero_step``) against a real step's: rank 0 of real 2-rank runs o
 the planner's one rule (``simulate.op_work``; the CPU probes' ops left out), the difference being one step. Before,
 a ZeRO-3 plan kept memopt's zero3 fetches (an all-gather written in place: no op) and reduce-scatters, 1.57x under
 a real step's bytes (2.32x with offload), and a DeepSpeed-MoE plan memopt's zero1 gradient path and (stage 0) step,
-1.37-1.65x; now within 0.01% but ZeRO-3 with bf16 weights, 2% over (its step 4%)."""
+1.37-1.65x; now within 0.01% (ZeRO-3 with bf16 weights was 2% over until its step's overflow check, fp16 only
+at stage 3, was left out)."""
 from __future__ import annotations
 
 import sys

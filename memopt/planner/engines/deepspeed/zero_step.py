@@ -43,7 +43,7 @@ def adamw_bytes_per_element(weight_decay: bool) -> float:
 def step_bytes(cfg, W: int) -> int | None:
     """One rank's bytes through DeepSpeed's optimizer step without offload. ZeRO stages 1-3 step each optimizer
     group's share (weight decay on ndim >= 2, then the rest; ``ceil(elements / W)`` a rank), per share element of
-    b-byte gradients: the overflow check of 16-bit weights (``amax`` and ``amin``, 2b); the fp64 norm (``to`` b + 8,
+    b-byte gradients: the overflow check of 16-bit weights (``amax`` and ``amin``, 2b; stage 3 checks fp16 only); the fp64 norm (``to`` b + 8,
     ``vector_norm`` 8); the share flattened (2b) and cast to fp32 (b + 4 where b != 4); unscaling and clipping in
     place (8, with a clip or fp16's loss scale); ``torch.optim.AdamW``'s step (``adamw_bytes_per_element``); the
     updated fp32 share copied into the b-byte weights (a copy_: 2b + 4). Stage 0 (fp32 weights) steps every
@@ -73,7 +73,9 @@ def step_bytes(cfg, W: int) -> int | None:
         shares, per = [(False, groups[0]), (True, groups[1])], (12 if o.grad_clip > 0 else 0)
         per += 12 if cfg.strategy.bf16 is None else 0  # the translation's own norm for the log (pow 8, sum 4)
     else:
-        half = b == 2  # fp16, or bf16 weights (``bf16: enabled``): DeepSpeed checks for overflow; fp16 unscales
+        # fp16, or at stages 1-2 bf16 weights (``bf16: enabled``): DeepSpeed checks for overflow (stage 3 in fp16
+        # only: ``_overflow_check_and_loss_scale_update``); fp16 unscales
+        half = cfg.strategy.fp16 is not None or (b == 2 and stage < 3)
         unscale = o.grad_clip > 0 or cfg.strategy.fp16 is not None
         per = (2 * b if half else 0) + (b + 16) + 2 * b + (b + 4 if b != 4 else 0) + (8 if unscale else 0) + 2 * b + 4
     return round(sum(n * (per + adamw_bytes_per_element(decay and o.weight_decay > 0)) for decay, n in shares if n))
