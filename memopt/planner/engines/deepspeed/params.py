@@ -86,6 +86,15 @@ def rank_params(cfg, world: int) -> tuple[tuple[int, int, bool, bool, int], ...]
     return last_value(_RANK, repr((cfg.model, cfg.strategy.moe, cfg.parallel, world)), build)
 
 
+def optimizer_groups(params: tuple) -> list[list[int]]:
+    """The indices of ``rank_params`` in each of DeepSpeed's optimizer groups, in its order: the translation's weight
+    decay group (ndim >= 2), then the rest, each in the model's order; DeepSpeed-MoE's expert groups after the dense
+    ones (``split_params_into_different_moe_groups_for_optimizer`` appends them). Empty groups left out."""
+    groups = [[i for i, p in enumerate(params) if p[3] == expert and (p[1] >= 2) == decay]
+              for expert in (False, True) for decay in (True, False)]
+    return [g for g in groups if g]
+
+
 def group_sizes(cfg) -> list[int]:
     """Elements of the translation's two optimizer groups: [no weight decay, weight decay (ndim >= 2)]."""
     sizes = [0, 0]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from memopt.planner.engines.deepspeed.params import autocast_bf16, bucket_elements, meta_params, param_bytes, rank_params
+from memopt.planner.engines.deepspeed.params import (autocast_bf16, bucket_elements, comm_dtypes, meta_params,
+                                                     optimizer_groups, param_bytes, rank_params)
 
 
 def reductions(cfg, P: int, bucket: int, b: int, stage: int, gip: int) -> dict:
@@ -42,19 +43,16 @@ def in_partition(cfg, W: int, rank: int) -> dict[int, int]:
     ep). Its gradient partition holds these parameters whole (stage_1_and_2.py's ``grads_in_partition``: gpt_tiny
     d_model 256, 2 ranks: 6,646,784 and 7,367,680 B), made when the first of them is reduced."""
     params, out = rank_params(cfg, W), {}
-    for expert in (False, True):
-        for decay in (True, False):
-            members = [(i, n, G) for i, (n, ndim, _, e, G) in enumerate(params) if (ndim >= 2) == decay and e == expert]
-            if not members:
-                continue
-            G = members[0][2]
-            r = rank // max(1, W // G)
-            part, start = math.ceil(sum(n for _, n, _ in members) / G), 0
-            lo, hi = r * part, (r + 1) * part
-            for i, n, _ in members:
-                if start < hi and start + n > lo:
-                    out[i] = min(hi, start + n) - max(lo, start)
-                start += n
+    for members in optimizer_groups(params):
+        G = params[members[0]][4]
+        r = rank // max(1, W // G)
+        part, start = math.ceil(sum(params[i][0] for i in members) / G), 0
+        lo, hi = r * part, (r + 1) * part
+        for i in members:
+            n = params[i][0]
+            if start < hi and start + n > lo:
+                out[i] = min(hi, start + n) - max(lo, start)
+            start += n
     return out
 
 
@@ -110,12 +108,14 @@ def spanning_elements(cfg, W: int, bucket: int, order: list[int] | None = None) 
     reversed), each parameter's elements going to the ranks its flat group's shares give it (``rank_params``:
     DeepSpeed-MoE's experts over their expert-data-parallel group)."""
     params, autocast = rank_params(cfg, W), autocast_bf16(cfg)
-    start, sizes = [], {}
-    for n, ndim, _, expert, _ in params:
-        key = (expert, ndim >= 2)
-        start.append(sizes.get(key, 0))
-        sizes[key] = sizes.get(key, 0) + n
-    filled, slices, out = [0, 0], [[], []], 0  # per communication dtype: elements, (group, rank, elements) merged
+    start, part = [0] * len(params), [1] * len(params)  # each parameter's offset in its flat group, the group's share
+    for members in optimizer_groups(params):
+        at, share = 0, max(1, math.ceil(sum(params[i][0] for i in members) / params[members[0]][4]))
+        for i in members:
+            start[i], part[i] = at, share
+            at += params[i][0]
+    # per communication dtype: its elements, its slices ((process group: an expert's or not, rank, elements), merged)
+    filled, slices, out = [0, 0], [[], []], 0
 
     def spans(g: int) -> int:  # the elements of each process group with more than one slice in the bucket
         per, count = {}, {}
@@ -124,19 +124,19 @@ def spanning_elements(cfg, W: int, bucket: int, order: list[int] | None = None) 
         return sum(per[k] for k in per if count[k] > 1)
 
     for i in (order if order is not None else reversed(range(len(params)))):
-        n, ndim, safe, expert, G = params[i]
+        n, _, safe, expert, _ = params[i]
         g = int(safe and autocast)
         if filled[g] and filled[g] + n > bucket:
             out += spans(g)
             filled[g], slices[g] = 0, []
-        p, lo = max(1, math.ceil(sizes[(expert, ndim >= 2)] / G)), start[i]
+        p, lo = part[i], start[i]
         filled[g] += n
         for r in range(lo // p, (lo + max(n, 1) - 1) // p + 1):
-            part = min(n, (r + 1) * p - lo) - max(0, r * p - lo) if n else 0
+            elems = min(n, (r + 1) * p - lo) - max(0, r * p - lo) if n else 0
             if slices[g] and slices[g][-1][:2] == (expert, r):
-                slices[g][-1] = (expert, r, slices[g][-1][2] + part)
+                slices[g][-1] = (expert, r, slices[g][-1][2] + elems)
             else:
-                slices[g].append((expert, r, part))
+                slices[g].append((expert, r, elems))
     return out + spans(0) + spans(1)
 
 
@@ -172,8 +172,7 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
     bucket = bucket_elements(cfg)
     if W > 1:  # the buckets reduced to several ranks: a flat copy of their slices
         if stage == 1:  # reduced after the backward, in the optimizer groups' order (``reduce_gradients``)
-            order = [i for e in (False, True) for d in (True, False)
-                     for i, p in enumerate(params) if p[3] == e and (p[1] >= 2) == d]
+            order = [i for members in optimizer_groups(params) for i in members]
         reduce += 2 * b * spanning_elements(cfg, W, bucket, order)
     if cfg.strategy.cpu_offload is not None:
         partition = 0
@@ -185,8 +184,7 @@ def reduction_bytes(cfg, W: int, rank: int = 0, order: list[int] | None = None) 
         partition = passes * 4 * b * whole + (3 * b * whole * (m - 1) if stage == 2 else 0)  # made, copied; added
     accumulated = 3 * b * E * (m - 1) if stage == 1 else 0  # autograd's adds into param.grad
     # each micro-batch's buckets made anew (``setup_buckets``: torch.empty, counted by the rule as written)
-    dtypes = len({p[2] for p in params}) if autocast else 1  # a bucket per communication dtype
-    buckets = m * (2 if stage == 2 and scfg.overlap_comm else 1) * dtypes * bucket * b
+    buckets = m * (2 if stage == 2 and scfg.overlap_comm else 1) * comm_dtypes(cfg) * bucket * b
     return {"deepspeed": round(passes * reduce + partition + buckets), "autograd": accumulated}
 
 
