@@ -100,3 +100,15 @@ def bench_dir(name: str) -> str:
         path = os.path.join(REPO, "outputs", "bench", name, f"{stamp}-{n}")
     os.makedirs(path)
     return path
+
+
+def planned_step_time(overrides: list[str], nproc: int = 2) -> dict:
+    """The plan's ``step_time`` of ``overrides`` on ``nproc`` ranks, as ``trainer.mode=plan`` makes it (this CPU's
+    rates probed once per process and model, then cached: plans made in one process share one probe)."""
+    from memopt.config import compose_config, to_dataclass, validate
+    from memopt.gate import hardware
+    from memopt.planner.plan import make_plan
+
+    cfg = to_dataclass(compose_config([*overrides, f"trainer.nproc_per_node={nproc}", "trainer.mode=plan"]))
+    validate(cfg)
+    return make_plan(cfg, hardware(cfg, step_rates=True))["step_time"]

@@ -13,7 +13,9 @@ activation checkpointing, fp32), and below 100% memopt's own best, its choice at
 of it: running it beside the budget's rows keeps that ratio out of the VM's slow and fast phases). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
 the first rotating per repeat; tokens/s (and MFU, step time) is each run's median step after the warm-up, the
-median over the repeats (worst in parentheses). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
+median over the repeats (worst in parentheses). Each row's planned step time twice: its search's, and every row
+planned again in one process after the runs (one reading of the CPU's rates; Spearman of that order against the
+measured one over all of a budget's measured rows, ``planned_in_one_process``). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
 the global batch: micro-batch x accumulation).
 
 Planned part (``--planned-only`` or after the measured one): the same three searches for gpt_1b and gpt_10b on
@@ -31,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import REPO, bench_dir, machine_line, mib, spearman, table  # noqa: E402
+from experiments.common import REPO, bench_dir, machine_line, mib, planned_step_time, spearman, table  # noqa: E402
 
 ENGINES = ("memopt", "deepspeed", "fsdp2")
 TYPED = ["engine=deepspeed", "+strategy=[zero3,cpu_offload,ckpt]"]  # a DeepSpeed user's ZeRO-3-Offload, no planner
@@ -80,6 +82,27 @@ def own_ratio_line(frac: float, chosen: list[dict], own: list[dict]) -> str:
         return f"budget {frac:.3g}: memopt's choice / its own best (at 100%): no pair of runs that both ended ok"
     return (f"budget {frac:.3g}: memopt's choice / its own best (at 100%), pairs of one rotation: "
             f"{statistics.median(pairs):.2f}x (" + ", ".join(f"{r:.2f}x" for r in pairs) + ")")
+
+
+def planned_in_one_process(rows: dict) -> dict:
+    """Each row's composition (its overrides) planned again, every one in one fresh process: one reading of this
+    CPU's rates for all of them. Why: each search plans in a process of its own, minutes from the others, and a
+    shared machine's rates move between minutes (gpt_small's Hybrid Adam at 8 x 2 planned 6.29 s in one search and
+    8.13 in another an hour later), so the searches' own plans order the rows partly by when they were probed."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:  # one worker: one probe
+        return dict(zip(rows, pool.map(_step_time_or_none, rows.values())))
+
+
+def _step_time_or_none(overrides: list[str]) -> dict | None:
+    """A row's planned step time, or None where planning it failed (said, and the table still printed)."""
+    try:
+        return planned_step_time(overrides)
+    except Exception as e:  # noqa: BLE001 - one row's plan, not the measured table
+        print(f"planning {' '.join(overrides)} again failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def budget_gb(frac: float, peak: int) -> float:
@@ -137,12 +160,13 @@ def measured(args, tmp: str) -> None:
         best: dict = {}
         for key, (ov, run_dir) in zip(keys, jobs):  # each through the CLI, as a user runs it (an oom ends that run only)
             best.setdefault(key, []).append(cli(ov, run_dir) or {"status": "no summary"})
-        out, order = [], {}
+        again = planned_in_one_process(dict(zip(keys, (ov for ov, _ in jobs))))  # (a row's repeats: one composition)
+        out, order, order_again = [], {}, {}
         for (frac, name), (ov, row) in rows.items():
             budget = budget_gb(frac, peak) * 2**30
             runs = best.get((frac, name), [])
             if ov is None:
-                out.append([f"{frac:.3g} ({mib(budget)})", name, f"none fits: {row.get('why', '')[:80]}", "-", "-", "-", "-", "-"])
+                out.append([f"{frac:.3g} ({mib(budget)})", name, f"none fits: {row.get('why', '')[:80]}", "-", "-", "-", "-", "-", "-"])
                 continue
             ok = [s for s in runs if s.get("status") == "ok"]
             top = ok[0] if ok else (runs[0] if runs else {})
@@ -153,15 +177,20 @@ def measured(args, tmp: str) -> None:
             mfu = [s["mfu"] for s in ok if s.get("mfu") is not None]
             if ok and planned and name != OWN:
                 order.setdefault(frac, []).append((planned, med["step_time_s"]))
+            planned_again = (again.get((frac, name)) or {}).get("total_s")
+            if ok and planned_again:
+                order_again.setdefault(frac, []).append((planned_again, med["step_time_s"]))
             held = "(100%)" if name == OWN else f"{'<=' if dev <= budget else 'OVER'} budget"
             out.append([f"{frac:.3g} ({mib(budget)})", name, " ".join(o for o in ov if not o.startswith("parallel.tp=1")),
                         f"{mib(dev)} {held}" if top.get("peak_bytes") else "-",
                         f"{med['tokens_per_s']:,.0f} ({min(s['tokens_per_s'] for s in ok):,.0f})" if ok else top.get("status", "-"),
                         f"{statistics.median(mfu) * 100:.1f}%" if mfu else "-",
                         f"{top['final_loss']:.4f}" if ok else "-",
-                        f"{planned:.3g} / {med['step_time_s']:.3g}" if ok and planned else "-"])
+                        f"{planned:.3g} / {med['step_time_s']:.3g}" if ok and planned else "-",
+                        f"{planned_again:.3g} / {med['step_time_s']:.3g}" if ok and planned_again else "-"])
         print(table(["budget (of DDP's peak)", "row", "composition", "measured peak per rank", "tokens/s median (worst)", "MFU",
-                     f"loss after {args.steps} steps", "planned / measured step s"], out), flush=True)
+                     f"loss after {args.steps} steps", "planned (its search) / measured step s",
+                     "planned (one process) / measured"], out), flush=True)
         for frac in fracs:
             if (frac, OWN) in best and (frac, "memopt auto") in best:
                 print(own_ratio_line(frac, best[(frac, "memopt auto")], best[(frac, OWN)]), flush=True)
@@ -169,6 +198,11 @@ def measured(args, tmp: str) -> None:
             rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
             print(f"budget {frac:.3g}: planned vs measured order of the {len(pairs)} searches' choices, Spearman "
                   f"{rho:.2f}" if len(pairs) > 1 else f"budget {frac:.3g}: one measured choice, no order", flush=True)
+        for frac, pairs in order_again.items():  # every measured row of the budget, planned with one reading of the rates
+            if len(pairs) > 1:
+                rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+                print(f"budget {frac:.3g}: planned in one process vs measured order of its {len(pairs)} measured rows, "
+                      f"Spearman {rho:.2f}", flush=True)
 
 
 def planned(tmp: str, models: tuple[str, ...] = ("gpt_1b", "gpt_10b"), nodes: tuple[str, ...] = tuple(NODES),

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import bench_dir, machine_line, spearman, table  # noqa: E402
+from experiments.common import bench_dir, machine_line, planned_step_time, spearman, table  # noqa: E402
 
 SMALL = ["model=gpt_small", "model.seq_len=256", "trainer.micro_batch_size=2"]
 TINY = ["model=gpt_tiny", "trainer.micro_batch_size=8"]
@@ -77,16 +77,6 @@ BF16 = {"bf16 ddp": [*SMALL, "+strategy=[bf16,ddp]"], "bf16 zero2+cpu_offload": 
         "hybrid_adam_bf16": [*SMALL, "+strategy=[hybrid_adam_bf16]"]}
 
 
-def planned(overrides: list[str]) -> dict:
-    from memopt.config import compose_config, to_dataclass, validate
-    from memopt.gate import hardware
-    from memopt.planner.plan import make_plan
-
-    cfg = to_dataclass(compose_config([*overrides, "trainer.nproc_per_node=2", "trainer.mode=plan"]))
-    validate(cfg)
-    return make_plan(cfg, hardware(cfg, step_rates=True))["step_time"]  # as plan mode
-
-
 def planned_as_the_cli(rows: dict[str, list[str]]) -> dict[str, dict]:
     """Each model's rows planned in a fresh process of their own, one after another, as a plan-mode command plans
     them: this CPU's rates are probed for that model in a process that allocated nothing else before. Planned in
@@ -102,7 +92,7 @@ def planned_as_the_cli(rows: dict[str, list[str]]) -> dict[str, dict]:
     plans = {}
     for keys in models.values():
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            plans.update(zip(keys, pool.map(planned, [rows[k] for k in keys])))
+            plans.update(zip(keys, pool.map(planned_step_time, [rows[k] for k in keys])))
     return plans
 
 
