@@ -92,8 +92,12 @@ def planned_in_one_process(rows: dict) -> dict:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:  # one worker: one probe
-        return dict(zip(rows, pool.map(_step_time_or_none, rows.values())))
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:  # one worker: one probe
+            return dict(zip(rows, pool.map(_step_time_or_none, rows.values())))
+    except Exception as e:  # noqa: BLE001 - its process died: the measured table is still printed, without them
+        print(f"planning the rows again in one process failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return {}
 
 
 def _step_time_or_none(overrides: list[str]) -> dict | None:
