@@ -60,21 +60,15 @@ def param_split(cfg, ep: int) -> tuple[int, int, int]:
     return D, X, o.num_experts * mc.d_model + (o.num_experts // ep) * expert
 
 
-def group_sizes(cfg, ep: int) -> list[int]:
+def group_sizes(cfg, world: int) -> list[int]:
     """Elements per rank of the translation's optimizer groups as DeepSpeed-MoE splits them: weight decay
-    (ndim >= 2) or not, dense or expert (a rank holds 1 / ep of every MoE layer's experts)."""
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from memopt import compose
-    from memopt.model_file import logical_model
+    (ndim >= 2) or not, dense or expert (a rank holds 1 / ep of every MoE layer's experts: ``params.rank_params``)."""
+    from memopt.planner.engines.deepspeed.params import rank_params
 
     sizes = [0, 0, 0, 0]  # dense no decay, dense decay, expert no decay, expert decay
-    with _disable_current_modes(), torch.device("meta"):
-        model = logical_model(compose.model_record(cfg))
-    for name, p in model.named_parameters():  # distinct parameters (a tied head once)
-        sizes[2 * (".experts." in f".{name}") + (p.ndim >= 2)] += p.numel()
-    return [sizes[0], sizes[1], sizes[2] // ep, sizes[3] // ep]
+    for n, ndim, _, expert, _ in rank_params(cfg, world):
+        sizes[2 * expert + (ndim >= 2)] += n
+    return sizes
 
 
 def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> dict:
@@ -99,7 +93,7 @@ def model_states(cfg, world: int, ep: int, param_bytes: int, dense_states) -> di
         out["device_total"] = local * b + dev["optim"]
         # the step with bf16 weights: the unfused optimizer's fp32 copy of every gradient beside the foreach
         # AdamW's sqrt of the largest group's second moments (its constructor's priming step holds the same)
-        step = (4 * local if b == 2 else 0) + 4 * max(group_sizes(cfg, ep))
+        step = (4 * local if b == 2 else 0) + 4 * max(group_sizes(cfg, world))
         out["after_backward"] = out["device_total"] + local * b + max(flat, step)
     else:
         # the dense rules for the rank's own parameters, whose partitions are then corrected: dense ones

@@ -62,7 +62,7 @@ def step_bytes(cfg, W: int) -> int | None:
         from memopt.planner.engines.deepspeed import moe_rules
 
         ep = resolve_sizes(cfg.parallel, W)["ep"]
-        dense_no, dense, expert_no, expert = moe_rules.group_sizes(cfg, ep)
+        dense_no, dense, expert_no, expert = moe_rules.group_sizes(cfg, W)
         shares = [(False, math.ceil(dense_no / W)), (True, math.ceil(dense / W)),
                   (False, math.ceil(expert_no / max(1, W // ep))), (True, math.ceil(expert / max(1, W // ep)))]
     if stage == 0:
