@@ -207,7 +207,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         from memopt.planner.trials import run_trials, trials_table
 
         a = typed.strategy.auto
-        rows = run_trials(rows, base_of(typed), a.trials, a.trial_steps, run_dir, run_preflight, a.trial_margin)
+        rows = run_trials(rows, base_of(typed), a.trials, a.trial_steps, run_dir, run_preflight, a.trial_weight)
         print(trials_table(rows))
         _write_ranking(run_dir, rows)  # with the trials: fastest measured first, unless within the margin of the plan's first
         if "trial" not in rows[0] or rows[0]["trial"]["status"] != "ok":

@@ -1,5 +1,6 @@
-"""``strategy.auto.trials=k``: the search's k fastest predicted candidates train a few steps each, and the
-fastest measured one is run, unless it measured less than ``trial_margin`` faster than the plan's first.
+"""``strategy.auto.trials=k``: the search's k fastest predicted candidates train a few steps each, and the one
+whose plan and trial together say it is fastest runs: ordered by planned^(1-w) x measured^w, ``w`` =
+``strategy.auto.trial_weight`` (0.5: the geometric mean of the two estimates of one step).
 
 Why: on a CPU the step-time model is within ~10% of the measured step (``experiments/step_time``), so
 candidates planned within 10% of each other are not ordered by it (moe_small at half of DDP's peak: the
@@ -28,12 +29,12 @@ def trial_config(chosen, steps: int):
     return replace(chosen, trainer=t, logger=replace(chosen.logger, name="none"))
 
 
-def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflight, margin: float) -> list[dict]:
+def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflight, weight: float) -> list[dict]:
     """Train the first ``k`` fitting rows of ``rows`` (planned order; ``base``: the config candidates compose
     on) for ``steps`` steps each; sets each tried row's ``trial`` ({status, step_s, peak_bytes, dir}) and
     returns the rows reordered: the tried ones that ran, fastest measured first, then the rest as planned.
-    ``margin`` (``strategy.auto.trial_margin``): the first planned of those that ran stays first unless another
-    measured at least that fraction faster (``planned_unless_faster``).
+    ``weight`` (``strategy.auto.trial_weight``): how much the measured step counts against the planned one
+    (``by_plan_and_trial``).
     ``preflight(typed, cfg, run_dir)``: the gate's (a refusal's record, or None with the run's placement set)."""
     shutil.rmtree(os.path.join(run_dir, "trials"), ignore_errors=True)  # an earlier search's trials
     tried = [r for r in rows if r["fits"]][:k]
@@ -47,22 +48,25 @@ def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflig
                       "peak_bytes": peak, "dir": where}
         if r["trial"]["status"] != "ok":
             print(f"memopt auto: trial {i + 1} ended {r['trial']['status']}: {summary.get('error', '')}", file=sys.stderr)
-    ran = planned_unless_faster([r for r in tried if r["trial"]["status"] == "ok" and r["trial"]["step_s"]], margin)
+    ran = by_plan_and_trial([r for r in tried if r["trial"]["status"] == "ok" and r["trial"]["step_s"]], weight)
     first = {id(r) for r in ran}
     return ran + [r for r in rows if id(r) not in first]
 
 
-def planned_unless_faster(ran: list[dict], margin: float) -> list[dict]:
-    """``ran`` (tried rows that ran, in planned order) fastest measured first, except that the first planned stays
-    first unless the fastest measured at least ``margin`` faster than it. Why: a trial is 2-3 steps of one launch,
-    and on a shared VM two launches a minute apart differ by up to 40% (experiments/fixed_budget: moe_small at 25%,
-    the plan's first at 8 x 2 measured 8.1 s in one search's trial and 10.3 s in the next, where 4 x 4 measured
-    11.5 s and 9.7 s; alternating runs, 8 x 2 7.4-8.2 s, 4 x 4 8.5-11.0 s): a measured difference under the
-    plan's own error does not overturn the plan."""
-    by_step = sorted(ran, key=lambda r: r["trial"]["step_s"])
-    if not ran or by_step[0] is ran[0] or by_step[0]["trial"]["step_s"] < (1 - margin) * ran[0]["trial"]["step_s"]:
-        return by_step
-    return [ran[0], *(r for r in by_step if r is not ran[0])]
+def by_plan_and_trial(ran: list[dict], weight: float) -> list[dict]:
+    """``ran`` (tried rows that ran, in planned order) by planned^(1-weight) x measured^weight, fastest first (ties
+    keep the planned order); with a row whose plan is unknown, by the measured step alone. Why both: each estimates
+    the same step with an error of about the same size on a shared CPU, the plan's ~10-30% by engine
+    (experiments/step_time), a trial's few steps up to 40% between launches a minute apart (experiments/fixed_budget),
+    so at 0.5 a trial overturns the plan's order by measuring the other faster by more than the plan put it behind.
+    The measured order alone chose on noise (moe_small at 25%, 2026-11-28: 8 x 2 planned 6.87 s and measured 10.27
+    in its trial, 4 x 4 planned 7.49 and measured 9.73; 8 x 2 was the faster in every alternating run after: the
+    geometric mean keeps it, 8.40 against 8.54). The fixed margin used before (a trial had to measure 10% faster)
+    kept the plan's first however close the plan had them (gpt_small at 50%, 2026-11-29: Hybrid Adam 16 x 1 planned
+    5.49 s and measured 6.62 against bf16 DDP 8 x 2's 6.00, then ran 7.77 s a step against DDP's 6.02)."""
+    if any(r.get("step_s") is None for r in ran):
+        weight = 1.0
+    return sorted(ran, key=lambda r: (r.get("step_s") or 1.0) ** (1 - weight) * r["trial"]["step_s"] ** weight)
 
 
 def _trial(row: dict, base, steps: int, where: str, preflight) -> dict:

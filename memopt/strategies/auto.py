@@ -36,9 +36,9 @@ class AutoConfig:
     # (planner/trials.py: the step-time model cannot order candidates within ~10%). 0: the plan's first runs
     trials: int = 0
     trial_steps: int = 3
-    # the plan's first (of the trials that ran) stays first unless another measured this fraction faster: a trial's
-    # few steps move by more than the plan's error between launches on a shared machine (planner/trials.py)
-    trial_margin: float = 0.1
+    # the trials that ran are ordered by planned^(1-w) x measured^w: both estimate the step, each with an error of
+    # tens of percent on a shared machine (planner/trials.py). 1: the fastest measured; 0: the plan's order
+    trial_weight: float = 0.5
 
 
 @register
@@ -61,9 +61,9 @@ class Auto(Strategy):
         if opts.trials < 0 or opts.trial_steps < 2:
             raise ConfigError(f"strategy.auto.trials={opts.trials}, trial_steps={opts.trial_steps}: trials must be >= 0 "
                               "(0: run the plan's first) and trial_steps >= 2 (the first step is a warm-up, not timed)")
-        if not 0 <= opts.trial_margin < 1:
-            raise ConfigError(f"strategy.auto.trial_margin={opts.trial_margin}: a fraction in [0, 1) (0: the fastest "
-                              "measured trial runs; 0.1: it must measure 10% faster than the plan's first to overturn it)")
+        if not 0 <= opts.trial_weight <= 1:
+            raise ConfigError(f"strategy.auto.trial_weight={opts.trial_weight}: a weight in [0, 1] (1: the fastest measured "
+                              "trial runs; 0: the plan's first of those that ran; 0.5: the geometric mean of plan and trial)")
         if any(e < 1 for e in opts.ep):
             raise ConfigError(f"strategy.auto.ep={list(opts.ep)}: expert-parallel sizes must be >= 1 (empty: every valid one)")
         for name, values, allowed in (("precision", opts.precision, ("fp32", "bf16", "fp16", "half")),

@@ -1,5 +1,5 @@
-"""``strategy.auto.trials``: the search's fastest predicted candidates train a few steps each and the fastest
-measured one runs; a trial that does not end ok drops out with its record (planner/trials.py)."""
+"""``strategy.auto.trials``: the search's fastest predicted candidates train a few steps each and the one fastest
+by plan and measurement together runs; a trial that does not end ok drops out with its record (planner/trials.py)."""
 from __future__ import annotations
 
 import json
@@ -96,22 +96,29 @@ def test_a_trial_that_fails_drops_out_with_its_record(tmp_path, monkeypatch):
     assert refused["status"] == "refused" and "none of the trials" in refused["error"] and "oom, oom" in refused["error"]
 
 
-def test_a_trial_overturns_the_plan_only_by_more_than_the_margin():
-    """Rows in planned order with measured steps: the plan's first stays first while the fastest measured is within
-    ``trial_margin`` of it, and loses once it is further; margin 0 is the fastest measured, whatever the plan."""
-    from memopt.planner.trials import planned_unless_faster
+def test_trials_are_ordered_by_plan_and_measurement_together():
+    """Rows in planned order with planned and measured steps: at weight 0.5 a trial overturns the plan only by
+    measuring the other faster by more than the plan put it behind (products worked by hand); 1 is the measured
+    order, 0 the planned one; a row without a plan leaves the measured order alone."""
+    from memopt.planner.trials import by_plan_and_trial
 
-    def rows(*steps):
-        return [{"label": f"planned {i}", "trial": {"step_s": s}} for i, s in enumerate(steps)]
+    def rows(*pairs):
+        return [{"label": f"planned {i}", "step_s": p, "trial": {"step_s": m}} for i, (p, m) in enumerate(pairs)]
 
     def order(ran):
         return [r["label"] for r in ran]
 
-    assert order(planned_unless_faster(rows(10.3, 9.7, 11.0), 0.1)) == ["planned 0", "planned 1", "planned 2"]
-    assert order(planned_unless_faster(rows(10.3, 8.9, 9.5), 0.1)) == ["planned 1", "planned 2", "planned 0"]
-    assert order(planned_unless_faster(rows(10.3, 9.7, 11.0), 0.0)) == ["planned 1", "planned 0", "planned 2"]
-    assert order(planned_unless_faster(rows(8.0, 9.0), 0.1)) == ["planned 0", "planned 1"]
-    assert planned_unless_faster([], 0.1) == []
+    moe = rows((6.87, 10.27), (7.49, 9.73))  # 70.6 against 72.9: the plan's 9% outweighs the trial's 5%
+    assert order(by_plan_and_trial(moe, 0.5)) == ["planned 0", "planned 1"]
+    assert order(by_plan_and_trial(moe, 1.0)) == ["planned 1", "planned 0"]
+    assert order(by_plan_and_trial(moe, 0.0)) == ["planned 0", "planned 1"]
+    close = rows((5.49, 6.62), (5.52, 6.00), (5.60, 6.70))  # 36.3, 33.1, 37.5: a plan within 1% decided by the trial
+    assert order(by_plan_and_trial(close, 0.5)) == ["planned 1", "planned 0", "planned 2"]
+    far = rows((5.0, 7.0), (6.5, 6.6))  # 35.0 against 42.9: measured 6% faster, planned 30% slower
+    assert order(by_plan_and_trial(far, 0.5)) == ["planned 0", "planned 1"]
+    unknown = rows((None, 9.0), (5.0, 8.0))
+    assert order(by_plan_and_trial(unknown, 0.5)) == ["planned 1", "planned 0"]
+    assert by_plan_and_trial([], 0.5) == []
 
 
 def test_trial_options_are_checked_naming_the_field():
@@ -122,8 +129,8 @@ def test_trial_options_are_checked_naming_the_field():
     for bad in ("strategy.auto.trials=-1", "strategy.auto.trial_steps=1"):
         with pytest.raises(ConfigError, match=r"strategy.auto.trials=.*trial_steps=.*the first step is a warm-up"):
             validate(typed([*TINY, bad]))
-    for bad in ("strategy.auto.trial_margin=-0.1", "strategy.auto.trial_margin=1.0"):
-        with pytest.raises(ConfigError, match=r"strategy.auto.trial_margin=.*a fraction in \[0, 1\)"):
+    for bad in ("strategy.auto.trial_weight=-0.1", "strategy.auto.trial_weight=1.5"):
+        with pytest.raises(ConfigError, match=r"strategy.auto.trial_weight=.*a weight in \[0, 1\]"):
             validate(typed([*TINY, bad]))
 
 
