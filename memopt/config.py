@@ -246,6 +246,8 @@ FOREIGN_KEYS = {
     "batch_size": "trainer.micro_batch_size (per rank; the global batch is it x trainer.grad_accum x the data-parallel ranks)",
     "gradient_checkpointing": "checkpointing is a strategy here: +strategy=ckpt",
     "activation_checkpointing": "checkpointing is a strategy here: +strategy=ckpt",
+    "trial_margin": "strategy.auto.trial_weight (since 2026-11-29 the trials are ordered by planned^(1-w) x measured^w, "
+                    "not by a margin; 1: the fastest measured)",
     "devices": "trainer.nproc_per_node", "num_gpus": "trainer.nproc_per_node", "gpus": "trainer.nproc_per_node",
     "learning_rate": "optim.lr", "lr": "optim.lr", "max_steps": "trainer.max_steps",
     "gradient_clipping": "optim.grad_clip", "max_grad_norm": "optim.grad_clip",

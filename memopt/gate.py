@@ -209,7 +209,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
         a = typed.strategy.auto
         rows = run_trials(rows, base_of(typed), a.trials, a.trial_steps, run_dir, run_preflight, a.trial_weight)
         print(trials_table(rows))
-        _write_ranking(run_dir, rows)  # with the trials: fastest measured first, unless within the margin of the plan's first
+        _write_ranking(run_dir, rows)  # with the trials: fastest by plan and trial together first
         if "trial" not in rows[0] or rows[0]["trial"]["status"] != "ok":
             ended = ", ".join(f"{r['trial']['status']}" for r in rows if "trial" in r)
             refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of the trials of the fastest predicted "

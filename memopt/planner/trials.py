@@ -32,7 +32,7 @@ def trial_config(chosen, steps: int):
 def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflight, weight: float) -> list[dict]:
     """Train the first ``k`` fitting rows of ``rows`` (planned order; ``base``: the config candidates compose
     on) for ``steps`` steps each; sets each tried row's ``trial`` ({status, step_s, peak_bytes, dir}) and
-    returns the rows reordered: the tried ones that ran, fastest measured first, then the rest as planned.
+    returns the rows reordered: the tried ones that ran, fastest by plan and trial first, then the rest as planned.
     ``weight`` (``strategy.auto.trial_weight``): how much the measured step counts against the planned one
     (``by_plan_and_trial``).
     ``preflight(typed, cfg, run_dir)``: the gate's (a refusal's record, or None with the run's placement set)."""

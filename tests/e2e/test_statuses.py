@@ -55,6 +55,8 @@ def test_an_empty_data_file_is_refused(tmp_path):
     # what a Lightning or DeepSpeed user types: memopt's way named, not the nearest spelling (it was trainer.resume)
     (["trainer.precision=bf16"], ["trainer.precision", "+strategy=bf16"]),
     (["trainer.gradient_accumulation_steps=4"], ["trainer.gradient_accumulation_steps", "trainer.grad_accum"]),
+    # a key memopt had and replaced: its successor named, not the nearest spelling (strategy.auto.trials)
+    (["+strategy=auto", "strategy.auto.trial_margin=0.1"], ["strategy.auto.trial_margin", "strategy.auto.trial_weight"]),
     (["model=gpt_huge"], ["model/gpt_huge", "gpt_tiny"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps=abc", "Integer"]),
 ])
