@@ -8,7 +8,7 @@ Measured part (2 ranks of this CPU): the budget B = a fraction of plain fp32 DDP
 (the model's own DDP run, 2 steps). At each budget, four rows: ``+strategy=auto`` under engine=memopt,
 engine=deepspeed and engine=fsdp2 (each search run through the CLI in plan mode, ``auto.json``'s winner
 taken; with ``--trials k`` every engine's search trains its k fastest predicted candidates a few steps and takes
-the fastest measured, ``strategy.auto.trials``), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
+the fastest by plan and trial, ``strategy.auto.trials``), and what a DeepSpeed user types without a planner (ZeRO-3 with optimizer and parameter offload and
 activation checkpointing, fp32), and below 100% memopt's own best, its choice at 100% (the goal there is a fraction
 of it: running it beside the budget's rows keeps that ratio out of the VM's slow and fast phases). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
@@ -232,7 +232,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--trials", type=int, default=0, help="strategy.auto.trials of every engine's search: its k fastest "
-                    "predicted candidates train a few steps each, the fastest measured is chosen")
+                    "predicted candidates train a few steps each, the fastest by plan and trial is chosen")
     ap.add_argument("--planned-only", action="store_true")
     ap.add_argument("--planned-models", default="gpt_1b,gpt_10b", help="the models of the planned node tables")
     ap.add_argument("--planned-nodes", default="a100,v100", help="a100 (8x A100 80G) and/or v100 (PatrickStar's node)")

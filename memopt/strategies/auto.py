@@ -32,7 +32,7 @@ class AutoConfig:
     pp: bool = True  # several ranks, no MoE: also pipeline parallelism (parallel.pp x pp_schedule, planner/search_pp.py)
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved_1f1b"])  # pipeline schedules searched
     top: int = 10  # ranked candidates printed
-    # the k fastest predicted candidates that fit train trial_steps steps each; the fastest measured runs
+    # the k fastest predicted candidates that fit train trial_steps steps each; the fastest of them runs
     # (planner/trials.py: the step-time model cannot order candidates within ~10%). 0: the plan's first runs
     trials: int = 0
     trial_steps: int = 3
