@@ -236,7 +236,8 @@ def to_dataclass(cfg: DictConfig) -> TrainConfig:
     return OmegaConf.to_object(cfg)
 
 
-# what users of DeepSpeed, Lightning and Hugging Face type for a setting memopt names otherwise (the key's last part)
+# what users of DeepSpeed, Lightning and Hugging Face type for a setting memopt names otherwise, and keys memopt
+# itself had and replaced (the key's last part)
 FOREIGN_KEYS = {
     "precision": "precision is a strategy here: +strategy=bf16 or +strategy=fp16",
     "zero_stage": "a ZeRO stage is a strategy here: +strategy=zero1, zero2 or zero3",

@@ -65,8 +65,8 @@ def by_plan_and_trial(ran: list[dict], weight: float) -> list[dict]:
     kept the plan's first however close the plan had them (gpt_small at 50%, 2026-11-29: Hybrid Adam 16 x 1 planned
     5.49 s and measured 6.62 against bf16 DDP 8 x 2's 6.00, then ran 7.77 s a step against DDP's 6.02)."""
     if any(r.get("step_s") is None for r in ran):
-        weight = 1.0
-    return sorted(ran, key=lambda r: (r.get("step_s") or 1.0) ** (1 - weight) * r["trial"]["step_s"] ** weight)
+        return sorted(ran, key=lambda r: r["trial"]["step_s"])
+    return sorted(ran, key=lambda r: r["step_s"] ** (1 - weight) * r["trial"]["step_s"] ** weight)
 
 
 def _trial(row: dict, base, steps: int, where: str, preflight) -> dict:
