@@ -159,7 +159,8 @@ def test_matrix_deepspeed_zero3_cpu_offload_d256(world, batch, tmp_path):
     check_deepspeed(world, [*WIDE256, *batch, "+strategy=[zero3,cpu_offload]"], tmp_path)
 
 
-ACCUM = [(2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,cpu_offload]"]), (2, ["+strategy=[zero1,cpu_offload]"])]
+ACCUM = [(2, ["+strategy=zero2"]), (2, ["+strategy=[zero2,cpu_offload]"]), (2, ["+strategy=[zero1,cpu_offload]"]),
+         (2, ["+strategy=ddp"]), (2, ["+strategy=[ddp,bf16]"])]
 
 
 @pytest.mark.slow
@@ -172,7 +173,10 @@ def test_matrix_deepspeed_accumulation_d256(world, overrides, tmp_path):
     device before (moe_small bf16 + ckpt + offload at 8 x 2: 896.0 MiB measured on the device for 771.7
     planned; now 734.2 on the device, the host 970.9 measured for 970.1 planned). Stage 1 with offload reduces
     only at the last micro-batch and makes no accumulation buffer on the host that outlives it: its host peak
-    (the step's) is the plan's without one (33,463,296 B measured and planned, d_model 256 at 8 x 2)."""
+    (the step's) is the plan's without one (33,463,296 B measured and planned, d_model 256 at 8 x 2). Stage 0
+    keeps every param.grad to its all-reduce at the last micro-batch, so the second backward holds them all:
+    fp32 89,916,481 B measured, 76,950,381 planned before (-14.4%), 89,916,269 now; bf16 autocast 80,369,725,
+    67,385,193 before, 80,351,081 now."""
     # no late-release slack (a reduce bucket, 26 MB: it would hide the 6.5 MB partition the rule adds); d_model
     # 256 at 8 x 2 on 2 ranks: 129,543,041 / 130,263,937 B measured, 129,379,181 planned, 122,896,237 without it
     ov = ["engine=deepspeed", *WIDE256, *overrides, "trainer.grad_accum=2", "trainer.micro_batch_size=8"]
@@ -191,6 +195,24 @@ def test_zero1_accumulation_is_planned_at_its_peak(tmp_path):
     for rank, devs in real.items():
         got, want = plan[rank]["device"]["total"], devs["device"]["total"]
         assert abs(got - want) <= 0.01 * want, (rank, got, want)
+
+
+def test_stage0_accumulation_plans_every_gradient_beside_the_activations():
+    """DeepSpeed's stage 0 all-reduces at a step's last micro-batch, each param.grad kept until then: the second
+    micro-batch's backward starts with the forward's activations beside the fp32 weights (4 P), Adam's moments
+    (8 P) and every gradient (4 P), P from GPT's architecture written out. The plan left the gradients out until
+    2026-11-29 (d_model 256, 8 x 2, 2 ranks: 76.95 MB planned, 89.92 MB measured; the slow matrix above)."""
+    ov = ["engine=deepspeed", *WIDE256, "+strategy=ddp", "trainer.grad_accum=2", "trainer.micro_batch_size=8"]
+    mc = typed([*COMMON, *ov]).model
+    C, V, T, L, F = mc.d_model, mc.vocab_size, mc.seq_len, mc.n_layer, mc.ff
+    assert mc.bias and mc.tie_embeddings and mc.pos_emb == "learned"
+    attn = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C  # ln_1, qkv, proj, ln_2
+    P = V * C + T * C + L * (attn + C * F + F + F * C + C) + 2 * C  # embeddings, blocks, ln_f
+    plan = planned(ov, 2)
+    for rank in ("0", "1"):
+        dev = plan[rank]["device"]
+        assert dev["params"] >= 4 * P and dev["optim"] == 8 * P, dev
+        assert dev["total"] >= 16 * P + dev["activations"], (dev["total"], 16 * P + dev["activations"])
 
 
 SMALL_BUCKETS = [(1, ["+strategy=[zero2,bf16,cpu_offload]"]), (2, ["+strategy=zero2"]),

@@ -14,8 +14,8 @@ parameters (X: all experts of all layers), so per rank, b bytes per parameter:
   stage 0 params and param.grad of the rank's own D + X / ep, and one flat all-reduce copy of the dense
           or of the expert gradients (DeepSpeed flattens them apart), the larger; optim 8 per parameter
           (fp32 Adam moments, the weights are the masters; 12 with bf16 weights: fp32 masters too). The
-          peak is either the backward's compute bytes and the data beside the states without gradients
-          (moe_tiny ep=2: 21.04 MB planned, 21.03 measured), or after it,
+          peak is either the backward's compute bytes and the data beside the states and the gradients
+          so far (moe_tiny ep=2: 21.04 MB planned, 21.03 measured; accumulating, every gradient), or after it,
           the activations gone, every gradient beside the flat copy or (bf16 weights) the unfused
           optimizer's step: an fp32 copy of every gradient and AdamW's foreach sqrt of the largest of the
           four groups (``group_sizes``; moe_tiny ep=2: 24.72 MB planned, 24.71 measured, 19.20 when the
