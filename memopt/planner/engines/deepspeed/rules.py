@@ -14,9 +14,10 @@ Per rank, P parameters, W data-parallel ranks, b bytes per parameter (2 for fp16
             all-reduce (its 500M-element buckets hold any model this small whole). The all-reduce runs
             after the backward of the step's last micro-batch, so the total is the larger of the backward
             (compute bytes beside params, optim and every param.grad so far: accumulating, a later
-            micro-batch's backward holds them all) and the end of the backward (every gradient and the flat copy, or the step:
-            with bf16 weights DeepSpeed's unfused optimizer's fp32 copy of every gradient, 4 P, beside
-            AdamW's foreach temporaries, 4 bytes x the larger optimizer group); adding them was 24% over
+            micro-batch's backward holds them all) and the end of the backward (every gradient and the
+            flat copy, or the step: with bf16 weights DeepSpeed's unfused optimizer's fp32 copy of every
+            gradient, 4 P, beside AdamW's foreach temporaries, 4 bytes x the larger optimizer group);
+            adding them was 24% over
   stage 1/2 params P b (the flat low-precision copy); optim 12 part (fp32 master partition + moments;
             DeepSpeed clones the partition even in fp32); the reduction buckets, reduce_bucket_size
             elements x b, two with overlap_comm (allocated at every backward whatever the model size,
@@ -336,22 +337,21 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # stages 0-2: the states beside the larger of the backward and what follows it, and the data. The
             # backward holds the model's compute bytes (activations, temp) of memopt's forward and backward, not
             # its non-model bytes at its own peak (its optimizer step's fp32 gradient temporaries: zero1 + fp16,
-            # 1 rank, 4-10% over) nor its collectives' scratch; stage 1 also every gradient so far (each
-            # param.grad kept: d_model 256, 2 ranks, 5.4% under without), stage 2 a reduction in the backward
+            # 1 rank, 4-10% over) nor its collectives' scratch; stages 0 and 1 also every gradient so far
+            # (each param.grad kept: stage 1, d_model 256, 2 ranks, 5.4% under without), stage 2 a reduction in the backward
             # when a bucket fills before its end. After the backward: stage 0's all-reduce or step, stage 1/2's
             # last reductions (d_model 256, 2 ranks: zero1 15.8%, zero2 6.1% off before)
             backward = sim["backward_nonmodel"]["device"]
             after = states["after_backward"]
             red = states.get("reductions")
-            if stage == 0:  # each param.grad is kept from its arrival to the all-reduce at the step's last
-                # micro-batch: accumulating, every later micro-batch's backward holds them all (moe_small bf16 DDP at
-                # 4 x 4, 2 ranks: the run crossed 1,724.0 MiB in its first step, planned 1,545.7 without them)
+            if stage < 2:  # each param.grad is kept from its arrival to the all-reduce (stage 0) or the reductions
+                # (stage 1) after the step's last micro-batch: accumulating, every later micro-batch's backward holds
+                # them all (stage 0, moe_small bf16 DDP at 4 x 4, 2 ranks: its run crossed 1,724.0 MiB in its first
+                # step, planned 1,545.7 without them)
                 backward = max(backward, sim.get("backward_with_grads", {}).get("device", 0))
             if red is not None:
-                if stage == 1:
-                    backward = max(backward, sim.get("backward_with_grads", {}).get("device", 0))
-                else:  # accumulating, the previous micro-batches' partition is kept (DeepSpeed's all_grad_tensors
-                    # view it) while this one's reductions fill a new one, added into it at the epilogue
+                if stage == 2:  # accumulating, the previous micro-batches' partition is kept (DeepSpeed's
+                    # all_grad_tensors view it) while this one's reductions fill a new one, added into it at the epilogue
                     # (moe_small, zero2 at 8 x 2, 2 ranks: 161.3 MiB more than at 8 x 1, measured)
                     replayed = backward_reductions(cfg, sim.get("grad_arrivals") or [], red) if red["many"] else None
                     if replayed is not None:
