@@ -7,7 +7,8 @@ The core, one path for every engine:
     placement.py    Hybrid Adam's optimizer groups on the device from step 0, decided by the plan
     preflight.py    plan before a run, refuse what does not fit, suggest what would
     search.py       ``+strategy=auto``: every candidate planned, ranked by predicted step time
-    trials.py       ``strategy.auto.trials``: the fastest predicted few trained a few steps, the fastest by plan and trial run
+    trials.py       ``strategy.auto.trials``: the fastest predicted few trained a few steps, the first by plan and
+                    trial runs
     search_pp.py    the pipeline's candidates (pp sizes and schedules a run can take)
     candidate.py    a candidate as typed data: its TrainConfig copy and the overrides it prints
     prune.py        auto's smaller micro-batches skipped once a larger one fits; candidates bounded by their compute

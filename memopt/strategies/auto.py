@@ -32,8 +32,9 @@ class AutoConfig:
     pp: bool = True  # several ranks, no MoE: also pipeline parallelism (parallel.pp x pp_schedule, planner/search_pp.py)
     pp_schedule: list[str] = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved_1f1b"])  # pipeline schedules searched
     top: int = 10  # ranked candidates printed
-    # the k fastest predicted candidates that fit train trial_steps steps each; the fastest of them runs
-    # (planner/trials.py: the step-time model cannot order candidates within ~10%). 0: the plan's first runs
+    # the k fastest predicted candidates that fit train trial_steps steps each; the first of them by plan and trial
+    # (trial_weight) runs (planner/trials.py: the step-time model cannot order candidates within ~10%). 0: the plan's
+    # first runs
     trials: int = 0
     trial_steps: int = 3
     # the trials that ran are ordered by planned^(1-w) x measured^w: both estimate the step, each with an error of

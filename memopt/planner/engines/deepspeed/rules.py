@@ -338,9 +338,9 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
             # backward holds the model's compute bytes (activations, temp) of memopt's forward and backward, not
             # its non-model bytes at its own peak (its optimizer step's fp32 gradient temporaries: zero1 + fp16,
             # 1 rank, 4-10% over) nor its collectives' scratch; stages 0 and 1 also every gradient so far
-            # (each param.grad kept: stage 1, d_model 256, 2 ranks, 5.4% under without), stage 2 a reduction in the backward
-            # when a bucket fills before its end. After the backward: stage 0's all-reduce or step, stage 1/2's
-            # last reductions (d_model 256, 2 ranks: zero1 15.8%, zero2 6.1% off before)
+            # (each param.grad kept: stage 1, d_model 256, 2 ranks, 5.4% under without), stage 2 a reduction in
+            # the backward when a bucket fills before its end. After the backward: stage 0's all-reduce or step,
+            # stage 1/2's last reductions (d_model 256, 2 ranks: zero1 15.8%, zero2 6.1% off before)
             backward = sim["backward_nonmodel"]["device"]
             after = states["after_backward"]
             red = states.get("reductions")
@@ -351,7 +351,8 @@ def deepspeed_sim(cfg, rank: int, world: int, limits, backend: str, per_node: in
                 backward = max(backward, sim.get("backward_with_grads", {}).get("device", 0))
             if red is not None:
                 if stage == 2:  # accumulating, the previous micro-batches' partition is kept (DeepSpeed's
-                    # all_grad_tensors view it) while this one's reductions fill a new one, added into it at the epilogue
+                    # all_grad_tensors view it) while this one's reductions fill a new one, added into it at the
+                    # epilogue
                     # (moe_small, zero2 at 8 x 2, 2 ranks: 161.3 MiB more than at 8 x 1, measured)
                     replayed = backward_reductions(cfg, sim.get("grad_arrivals") or [], red) if red["many"] else None
                     if replayed is not None:
