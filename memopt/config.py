@@ -198,6 +198,9 @@ def validate(cfg: TrainConfig) -> None:
     _one_of("logger.name", cfg.logger.name, ("wandb", "none"))
     _one_of("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     check_hardware(cfg.hardware)
+    from memopt.planner.cpu_rates.saved import check as check_rates_file
+
+    check_rates_file(cfg.hardware.rates_file)  # readable, in a folder that exists: before anything is measured
     validate_strategies(cfg)
     from memopt.freeze import check as check_freeze
 

@@ -81,6 +81,20 @@ def hardware(typed, step_rates: bool = False):
 
         if device.type == "cpu" and typed.trainer.cpu_malloc_cache:  # the probes time blocks as the run keeps them
             keep_freed_blocks()
+        path = typed.hardware.rates_file
+        if path and device.type == "cpu" and not typed.hardware.peak_tflops:  # complete measures: one reading kept
+            from memopt.planner.cpu_rates import saved
+            from memopt.planner.cpu_rates.block import probe_shape
+
+            entry = saved.key(typed.hardware, probe_shape(typed.model), typed.trainer.cpu_malloc_cache)
+            kept = saved.load(path, entry, hw)
+            if kept is not None:
+                print(f"memopt planner: this CPU's step-time rates read from hardware.rates_file={path}",
+                      file=sys.stderr, flush=True)
+                return kept
+            hw = complete(typed.hardware, hw, device, typed.model)
+            saved.save(path, entry, hw)
+            return hw
         hw = complete(typed.hardware, hw, device, typed.model)  # the probes at the model's shapes
     return hw
 

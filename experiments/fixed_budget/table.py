@@ -13,9 +13,10 @@ activation checkpointing, fp32), and below 100% memopt's own best, its choice at
 of it: running it beside the budget's rows keeps that ratio out of the VM's slow and fast phases). All chosen runs then train, the budget held by the
 tracker (``hardware.device_memory_gb=B``: a run that crosses it ends ``oom`` at that op), engines alternating,
 the first rotating per repeat; tokens/s (and MFU, step time) is each run's median step after the warm-up, the
-median over the repeats (worst in parentheses). Each row's planned step time twice: its search's, and every row
-planned again in one process after the runs (one reading of the CPU's rates; Spearman of that order against the
-measured one over all of a budget's measured rows, ``planned_in_one_process``). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
+median over the repeats (worst in parentheses). Each row's planned step time twice: its search's (every search of
+the launch ranks by one reading of the CPU's rates, the first search's: ``hardware.rates_file``), and every row
+planned again in one process after the runs (a second reading; Spearman of that order against the measured one over
+all of a budget's measured rows, ``planned_in_one_process``). Same model, data, seed, optimizer math, clipping and global batch on every row (the search keeps
 the global batch: micro-batch x accumulation).
 
 Planned part (``--planned-only`` or after the measured one): the same three searches for gpt_1b and gpt_10b on
@@ -60,9 +61,11 @@ def cli(args: list[str], run_dir: str) -> dict | None:
         return None
 
 
-def choice(base: list[str], engine: str, run_dir: str) -> tuple[list[str] | None, dict]:
-    """The winner of ``engine``'s +strategy=auto at ``base`` (its overrides), and its ranked row."""
-    summary = cli([*base, f"engine={engine}", "+strategy=auto", "trainer.mode=plan"], run_dir)
+def choice(base: list[str], engine: str, run_dir: str, rates_file: str | None = None) -> tuple[list[str] | None, dict]:
+    """The winner of ``engine``'s +strategy=auto at ``base`` (its overrides), and its ranked row. ``rates_file``: the
+    CPU's step-time rates the launch's searches share (``hardware.rates_file``: the first measures, the rest read)."""
+    shared = [f"hardware.rates_file={rates_file}"] if rates_file else []
+    summary = cli([*base, *shared, f"engine={engine}", "+strategy=auto", "trainer.mode=plan"], run_dir)
     try:
         with open(os.path.join(run_dir, "auto.json")) as f:
             rows = json.load(f)
@@ -86,9 +89,10 @@ def own_ratio_line(frac: float, chosen: list[dict], own: list[dict]) -> str:
 
 def planned_in_one_process(rows: dict) -> dict:
     """Each row's composition (its overrides) planned again, every one in one fresh process: one reading of this
-    CPU's rates for all of them. Why: each search plans in a process of its own, minutes from the others, and a
+    CPU's rates for all of them, taken after the runs. Why: the searches share the launch's first reading, and a
     shared machine's rates move between minutes (gpt_small's Hybrid Adam at 8 x 2 planned 6.29 s in one search and
-    8.13 in another an hour later), so the searches' own plans order the rows partly by when they were probed."""
+    8.13 in another an hour later, each probing its own), so a second reading shows whether the order holds on it;
+    the typed DeepSpeed row, which no search plans, is ordered here only."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -138,7 +142,8 @@ def measured(args, tmp: str) -> None:
         # no composition of the search needs more than fp32 DDP), run beside the budget's rows, alternating with
         # them, so that the ratio is not one of two VM phases tens of minutes apart
         full = [*unbudgeted, f"hardware.device_memory_gb={budget_gb(1.0, peak):.6f}"]
-        own = choice(full, "memopt", os.path.join(tmp, f"auto-{model}-own-memopt")) if min(fracs) < 1 else None
+        rates = os.path.join(tmp, "cpu_rates.json")  # every search of the launch ranks by one reading of the CPU
+        own = choice(full, "memopt", os.path.join(tmp, f"auto-{model}-own-memopt"), rates) if min(fracs) < 1 else None
         for frac in fracs:
             budget = budget_gb(frac, peak)
             base = [*unbudgeted, f"hardware.device_memory_gb={budget:.6f}"]
@@ -146,7 +151,7 @@ def measured(args, tmp: str) -> None:
                 if frac == 1 and engine == "memopt" and own is not None:  # that search is the one above
                     rows[(frac, "memopt auto")] = own
                     continue
-                ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"))
+                ov, row = choice(base, engine, os.path.join(tmp, f"auto-{model}-{frac}-{engine}"), rates)
                 rows[(frac, f"{engine} auto")] = (ov, row)
             rows[(frac, "DeepSpeed typed")] = (TYPED_MOE if model.startswith("moe") else TYPED, {})
             if frac < 1 and own is not None:
@@ -198,7 +203,7 @@ def measured(args, tmp: str) -> None:
         for frac in fracs:
             if (frac, OWN) in best and (frac, "memopt auto") in best:
                 print(own_ratio_line(frac, best[(frac, "memopt auto")], best[(frac, OWN)]), flush=True)
-        for frac, pairs in order.items():  # each engine's search plans in its own process: rates differ by up to ~10%
+        for frac, pairs in order.items():  # the searches' own plans: one reading of the rates, the launch's first
             rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
             print(f"budget {frac:.3g}: planned vs measured order of the {len(pairs)} searches' choices, Spearman "
                   f"{rho:.2f}" if len(pairs) > 1 else f"budget {frac:.3g}: one measured choice, no order", flush=True)

@@ -81,6 +81,10 @@ class HardwareConfig:
     # device need and the run's device budget include it. None: derived where the run is (``blas_workspace_bytes``
     # x 2 on a GPU, 0 on a CPU); the GPU profiles state torch's default for their architecture.
     device_runtime_mb: float | None = None
+    # A JSON file that keeps this CPU's measured step-time rates (``planner/cpu_rates/saved.py``): the first plan
+    # or search that names it measures and writes them, later ones in other processes read them, so that several
+    # engines' searches rank by one reading of the machine. None: each process measures its own.
+    rates_file: str | None = None
 
 
 def check_hardware(hw: HardwareConfig) -> None:

@@ -1,0 +1,107 @@
+"""``hardware.rates_file``: the first plan measures this CPU's step-time rates and writes them; a later plan (another
+process: here the process's caches emptied) reads them and measures nothing, so several searches rank by one
+reading. The probes are replaced by a fake reading (they take 12-20 s; their own tests are in test_step_time.py);
+the reference is the reading the first plan used."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from memopt.config import ConfigError
+from tests.conftest import cli_main, typed
+
+TINY = ["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "trainer.micro_batch_size=1", "logger=none",
+        "data=synthetic", "data.synthetic_tokens=20000"]
+
+
+def _new_process(monkeypatch, probes):
+    """This process as a new one would start: no cached reading (the probes' and the matmul peaks'), and the
+    probes replaced by ``probes(profile, hw)``."""
+    from memopt.memory import hardware
+    from memopt.planner import cpu_rates
+
+    monkeypatch.setattr(cpu_rates, "_CACHE", {})
+    monkeypatch.setattr(hardware, "_MEASURED", {})
+    monkeypatch.setattr(cpu_rates, "complete", lambda profile, hw, device, model=None: probes(profile, hw))
+
+
+def _reading(scale: float):
+    """A fake reading of the probes: values no real probe gives, different per ``scale``."""
+    def probes(profile, hw):
+        return replace(hw, ranks_share_device=True, compute_efficiency=0.4321 * scale, memory_gbps=17.5 * scale,
+                       op_overhead_us=profile.op_overhead_us or 9.25 * scale, host_adam_gparams_s=0.75 * scale,
+                       dtype_efficiency={"bf16": 0.3 * scale}, collective_gbps_by_kind={"all_reduce": 1.25 * scale},
+                       collective_latency_us_by_kind={"all_reduce": 800.0 * scale},
+                       peak_tflops={k: v * 1.5 for k, v in hw.peak_tflops.items()})
+    return probes
+
+
+def _measuring_forbidden(profile, hw):
+    raise AssertionError("the rates were measured again where the file holds them")
+
+
+def test_a_later_plan_reads_the_first_plans_rates_and_measures_nothing(tmp_path, monkeypatch):
+    from memopt.gate import hardware
+    from memopt.planner.plan import make_plan
+
+    path = tmp_path / "rates.json"
+    cfg = typed([*TINY, f"hardware.rates_file={path}", "+strategy=ddp", "trainer.mode=plan"])
+    _new_process(monkeypatch, _reading(1.0))
+    first = hardware(cfg, step_rates=True)
+    assert first.compute_efficiency == pytest.approx(0.4321) and path.exists()
+    _new_process(monkeypatch, _measuring_forbidden)  # another process: its peaks measured anew, no probe may run
+    again = hardware(cfg, step_rates=True)
+    assert again == first  # every rate, the matmul peaks the efficiencies are fractions of included
+    assert make_plan(cfg, again)["step_time"] == make_plan(cfg, first)["step_time"]
+    other = typed([*TINY, f"hardware.rates_file={path}", "+strategy=zero2", "trainer.mode=plan"])
+    assert hardware(other, step_rates=True) == first  # another composition of the same model: the same reading
+
+
+def test_each_probe_shape_and_given_rate_has_its_own_entry(tmp_path, monkeypatch):
+    """The probes time a block at the model's shapes, and a profile's own rate feeds them: a plan at other shapes or
+    with another given rate measures and adds its entry; the first entry is still what its plans read."""
+    from memopt.gate import hardware
+
+    path = tmp_path / "rates.json"
+    base = [*TINY, f"hardware.rates_file={path}", "trainer.mode=plan"]
+    _new_process(monkeypatch, _reading(1.0))
+    first = hardware(typed(base), step_rates=True)
+    _new_process(monkeypatch, _reading(2.0))
+    longer = hardware(typed([*base, "model.seq_len=64"]), step_rates=True)
+    given = hardware(typed([*base, "hardware.op_overhead_us=3.5"]), step_rates=True)
+    assert longer.compute_efficiency == given.compute_efficiency == pytest.approx(2 * 0.4321)
+    assert given.op_overhead_us == 3.5
+    assert len(json.loads(path.read_text())) == 3
+    _new_process(monkeypatch, _measuring_forbidden)
+    assert hardware(typed(base), step_rates=True) == first
+    assert hardware(typed([*base, "model.seq_len=64"]), step_rates=True) == longer
+
+
+def test_a_plan_through_the_cli_ranks_by_the_files_rates(tmp_path, monkeypatch, capsys):
+    """``python -m memopt.train ... trainer.mode=plan hardware.rates_file=F`` (its path in this process): the second
+    plan says where its rates come from, runs no probe, and its step time is the first's."""
+    path, plans = tmp_path / "rates.json", []
+    for i, probes in enumerate((_reading(1.0), _measuring_forbidden)):
+        _new_process(monkeypatch, probes)
+        d = tmp_path / f"plan{i}"
+        assert cli_main([*TINY, "+strategy=ddp", "trainer.mode=plan", f"hardware.rates_file={path}",
+                         f"hydra.run.dir={d}"]) == 0
+        plans.append(json.loads((d / "plan.json").read_text()))
+    assert "rates read from hardware.rates_file=" in capsys.readouterr().err
+    assert plans[1]["step_time"] == plans[0]["step_time"]
+    assert plans[0]["step_time"]["total_s"] > 0
+
+
+@pytest.mark.parametrize("content, what", [("not json", "cannot be read"), ("[1, 2]", "not a JSON object")])
+def test_an_unreadable_rates_file_is_refused_naming_it(tmp_path, content, what):
+    path = tmp_path / "rates.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=f"hardware.rates_file={path}.*{what}"):
+        typed([*TINY, f"hardware.rates_file={path}"])
+
+
+def test_a_rates_file_in_a_missing_folder_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="hardware.rates_file=.*does not exist"):
+        typed([*TINY, f"hardware.rates_file={tmp_path / 'nowhere' / 'rates.json'}"])
