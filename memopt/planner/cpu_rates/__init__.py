@@ -26,7 +26,8 @@ leaves unset:
 
 This module runs the probes a profile needs and caches them for the process; each probe lives with its kind:
 ``block.py`` (the GPT block's products, attention, GELU and memory-bound ops; the element-wise rate),
-``overhead.py`` (the host's cost of an op, plain and on DTensors), ``comm.py`` (gloo's collectives).
+``overhead.py`` (the host's cost of an op, plain and on DTensors), ``comm.py`` (gloo's collectives); ``saved.py``
+keeps a reading in ``hardware.rates_file`` for plans in other processes.
 """
 from __future__ import annotations
 
