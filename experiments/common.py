@@ -28,6 +28,22 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1))
 
 
+def misordered(planned: list[float], measured: list[float]) -> str:
+    """What the pairs that a Spearman counts against the plan were: the widest planned gap among pairs planned in
+    the other order than they measured, and that pair's measured gap (a plan ~10% accurate cannot order two steps
+    planned 0.1% apart; a reader should see whether a misorder is that or a real miss). Empty when none is."""
+    worst = None
+    for i in range(len(planned)):
+        for j in range(i + 1, len(planned)):
+            if (planned[i] - planned[j]) * (measured[i] - measured[j]) < 0:
+                gaps = (abs(planned[i] - planned[j]) / min(planned[i], planned[j]),
+                        abs(measured[i] - measured[j]) / min(measured[i], measured[j]))
+                worst = max(worst or gaps, gaps)
+    if worst is None:
+        return ""
+    return f"; misordered pairs planned at most {worst[0]:.1%} apart (that pair measured {worst[1]:.1%} apart)"
+
+
 def table(head: list, rows: list[list]) -> str:
     """A markdown table, columns padded to their widest cell."""
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
