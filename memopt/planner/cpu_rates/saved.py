@@ -1,10 +1,11 @@
 """``hardware.rates_file``: this CPU's measured step-time rates kept in a file, so that plans made in separate
-processes (each engine's ``+strategy=auto``, a plan and the run after it) rank by one reading of the machine.
+processes (each engine's ``+strategy=auto``, plan mode's commands) rank by one reading of the machine.
 
 Why: each process measures the rates anew (``cpu_rates.measured``), and a shared CPU's rates move by a few
 percent between minutes. Two searches that plan their choices 0.3% apart in two processes order them by when
 each probed (moe_small at 100% on the AMD EPYC, 2026-11-29: Spearman -1.00 over the two engines' choices, 1.00
-when the same rows were planned in one process). The first plan that names the file measures and writes it;
+when the same rows were planned in one process; with one reading the choices still planned 0.1% apart there, which
+no plan orders). The first plan that names the file measures and writes it;
 every later one with the same key reads it and measures nothing. The key is what the readings depend on: the
 machine, torch, the intra-op threads, the block the probes time (``probe_shape``), whether freed CPU blocks are
 kept (``trainer.cpu_malloc_cache``) and the rates the profile gives itself; another key measures and is added.
