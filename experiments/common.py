@@ -28,10 +28,11 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1))
 
 
-def misordered(planned: list[float], measured: list[float]) -> str:
-    """What the pairs that a Spearman counts against the plan were: the widest planned gap among pairs planned in
-    the other order than they measured, and that pair's measured gap (a plan ~10% accurate cannot order two steps
-    planned 0.1% apart; a reader should see whether a misorder is that or a real miss). Empty when none is."""
+def widest_misordered_pair(planned: list[float], measured: list[float]) -> str:
+    """Of the pairs whose planned order is the reverse of their measured one, the pair planned furthest apart: its
+    planned and measured gaps, as a clause to append to a Spearman line; empty when no pair is reversed. Why: a
+    plan within ~10% cannot order two steps planned 0.1% apart, and a Spearman over 2 or 3 rows cannot tell that
+    from a real miss."""
     worst = None
     for i in range(len(planned)):
         for j in range(i + 1, len(planned)):

@@ -87,14 +87,10 @@ def hardware(typed, step_rates: bool = False):
             from memopt.planner.cpu_rates.block import probe_shape
 
             entry = saved.key(typed.hardware, probe_shape(typed.model), typed.trainer.cpu_malloc_cache)
-            kept = saved.load(path, entry, hw)
-            if kept is not None:
-                print(f"memopt planner: this CPU's step-time rates read from hardware.rates_file={path}",
-                      file=sys.stderr, flush=True)
-                return kept
-            hw = complete(typed.hardware, hw, device, typed.model)
-            saved.save(path, entry, hw)
-            return hw
+            return saved.reading(path, entry, hw, lambda hw: complete(typed.hardware, hw, device, typed.model))
+        if path:
+            print(f"memopt planner: hardware.rates_file={path} not used: it keeps a CPU's measured rates, and this plan "
+                  f"(hardware={typed.hardware.name} on {device.type}) takes the profile's own", file=sys.stderr, flush=True)
         hw = complete(typed.hardware, hw, device, typed.model)  # the probes at the model's shapes
     return hw
 

@@ -34,7 +34,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.common import REPO, bench_dir, machine_line, mib, misordered, planned_step_time, spearman, table  # noqa: E402
+from experiments.common import (REPO, bench_dir, machine_line, mib, planned_step_time, spearman, table,  # noqa: E402
+                                widest_misordered_pair)
 
 ENGINES = ("memopt", "deepspeed", "fsdp2")
 TYPED = ["engine=deepspeed", "+strategy=[zero3,cpu_offload,ckpt]"]  # a DeepSpeed user's ZeRO-3-Offload, no planner
@@ -206,13 +207,13 @@ def measured(args, tmp: str) -> None:
         for frac, pairs in order.items():  # the searches' own plans: one reading of the rates, the launch's first
             rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
             print(f"budget {frac:.3g}: planned vs measured order of the {len(pairs)} searches' choices, Spearman "
-                  f"{rho:.2f}{misordered([p for p, _ in pairs], [m for _, m in pairs])}" if len(pairs) > 1
+                  f"{rho:.2f}{widest_misordered_pair([p for p, _ in pairs], [m for _, m in pairs])}" if len(pairs) > 1
                   else f"budget {frac:.3g}: one measured choice, no order", flush=True)
         for frac, pairs in order_again.items():  # every measured row of the budget, planned with one reading of the rates
             if len(pairs) > 1:
                 rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
                 print(f"budget {frac:.3g}: planned in one process vs measured order of its {len(pairs)} measured rows, "
-                      f"Spearman {rho:.2f}{misordered([p for p, _ in pairs], [m for _, m in pairs])}", flush=True)
+                      f"Spearman {rho:.2f}{widest_misordered_pair([p for p, _ in pairs], [m for _, m in pairs])}", flush=True)
 
 
 def planned(tmp: str, models: tuple[str, ...] = ("gpt_1b", "gpt_10b"), nodes: tuple[str, ...] = tuple(NODES),

@@ -105,3 +105,68 @@ def test_an_unreadable_rates_file_is_refused_naming_it(tmp_path, content, what):
 def test_a_rates_file_in_a_missing_folder_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="hardware.rates_file=.*does not exist"):
         typed([*TINY, f"hardware.rates_file={tmp_path / 'nowhere' / 'rates.json'}"])
+
+
+def test_a_profile_with_its_own_peaks_neither_reads_nor_writes_the_file(tmp_path, capsys):
+    """Another machine's profile (its peaks given) is planned with its own rates: the file is not this CPU's
+    business there, and saying so keeps a user from thinking it was read."""
+    from memopt.gate import hardware
+
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({}))
+    profile = typed([*TINY, "hardware=a100_80g", f"hardware.rates_file={path}"])
+    hw = hardware(profile, step_rates=True)  # the real cpu_rates.complete: it keeps such a profile as it is
+    assert json.loads(path.read_text()) == {} and hw.compute_efficiency == profile.hardware.compute_efficiency
+    assert "not used" in capsys.readouterr().err
+
+
+def test_an_entry_missing_a_rate_is_measured_again(tmp_path, monkeypatch):
+    """An entry written before a rate joined the file (or cut short by hand) would leave that term unestimated:
+    it is measured again and replaced."""
+    from memopt.gate import hardware
+
+    path = tmp_path / "rates.json"
+    cfg = typed([*TINY, f"hardware.rates_file={path}", "trainer.mode=plan"])
+    _new_process(monkeypatch, _reading(1.0))
+    hardware(cfg, step_rates=True)
+    entries = json.loads(path.read_text())
+    (entry,) = entries
+    del entries[entry]["memory_gbps"]
+    path.write_text(json.dumps(entries))
+    _new_process(monkeypatch, _reading(2.0))
+    assert hardware(cfg, step_rates=True).memory_gbps == pytest.approx(2 * 17.5)
+    assert json.loads(path.read_text())[entry]["memory_gbps"] == pytest.approx(2 * 17.5)
+
+
+def _plan_in_a_process(path: str, log: str) -> float:
+    """A process of its own planning with ``path``: its probes (a fake reading that takes a second and says in
+    ``log`` that it ran, with this process's id in its value) return the compute efficiency it planned with."""
+    import os
+    import time
+
+    from memopt.gate import hardware
+    from memopt.planner import cpu_rates
+
+    def probes(profile, hw, device, model=None):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)
+        return replace(_reading(1.0)(profile, hw), compute_efficiency=1 / (os.getpid() % 1000 + 2))
+
+    cpu_rates.complete = probes
+    return hardware(typed([*TINY, f"hardware.rates_file={path}", "trainer.mode=plan"]), step_rates=True).compute_efficiency
+
+
+def test_two_plans_started_together_share_one_reading(tmp_path):
+    """Two searches of one launch start at once (two commands, or every rank of an external launcher): the second
+    waits on the file's lock while the first measures, then reads its reading: one process measured, both planned
+    with its values."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    path, log = str(tmp_path / "rates.json"), str(tmp_path / "measured.log")
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = list(pool.map(_plan_in_a_process, [path, path], [log, log]))
+    with open(log) as f:
+        assert len(f.read().split()) == 1  # without the lock both find no entry and both measure
+    assert got[0] == got[1]

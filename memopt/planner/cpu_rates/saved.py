@@ -6,21 +6,28 @@ percent between minutes. Two searches that plan their choices 0.3% apart in two 
 each probed (moe_small at 100% on the AMD EPYC, 2026-11-29: Spearman -1.00 over the two engines' choices, 1.00
 when the same rows were planned in one process; with one reading the choices still planned 0.1% apart there, which
 no plan orders). The first plan that names the file measures and writes it;
-every later one with the same key reads it and measures nothing. The key is what the readings depend on: the
-machine, torch, the intra-op threads, the block the probes time (``probe_shape``), whether freed CPU blocks are
+every later one with the same key reads it and runs none of the probes (the matmul peaks and the copy rate a
+run reads anyway, 0.4 s, are read and then replaced by the file's). A lock beside the file (``<file>.lock``) makes
+a plan that starts while another measures wait for its reading. The key is what the readings depend on: the
+format of the entries, the machine (its host name and CPU model), torch, the intra-op threads, the block the probes time (``probe_shape``), whether freed CPU blocks are
 kept (``trainer.cpu_malloc_cache``) and the rates the profile gives itself; another key measures and is added.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import sys
+import tempfile
+import warnings
 from dataclasses import fields, replace
 
 import torch
 
 from memopt.errors import ConfigError
 
+FORMAT = 1  # raised when FIELDS or what a probe measures changes: older entries are then measured again
 # what resolve_hardware and cpu_rates.complete fill in for this CPU and the plan's step time reads
 FIELDS = ("peak_tflops", "host_device_gbps", "device_device_gbps", "ranks_share_device", "compute_efficiency",
           "dtype_efficiency", "attention_efficiency", "memory_gbps", "dtype_memory_gbps", "activation_gbps",
@@ -35,11 +42,22 @@ def given(profile) -> dict:
     return {name: getattr(profile, name) for name in FIELDS if getattr(profile, name) != defaults[name]}
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def key(profile, shape: tuple[int, ...], malloc_cache: bool) -> str:
     """The file's entry for readings taken here, for ``profile`` and the probes' block ``shape``."""
-    return json.dumps({"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
-                       "torch": torch.__version__, "threads": torch.get_num_threads(), "shape": list(shape),
-                       "cpu_malloc_cache": bool(malloc_cache), "given": given(profile)}, sort_keys=True)
+    return json.dumps({"format": FORMAT, "machine": platform.node(), "cpu": _cpu_model(), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "shape": list(shape), "cpu_malloc_cache": bool(malloc_cache),
+                       "given": given(profile)}, sort_keys=True)
 
 
 def _read(path: str) -> dict:
@@ -57,7 +75,8 @@ def _read(path: str) -> dict:
 
 
 def check(path: str | None) -> None:
-    """Refuse a rates file that cannot be read, or written where it does not exist yet, before anything is measured."""
+    """Refuse a rates file that cannot be read, or written where it does not exist yet, before anything is measured
+    (at validation: a file of a few entries, parsed in microseconds)."""
     if path is None:
         return
     _read(path)
@@ -68,19 +87,60 @@ def check(path: str | None) -> None:
 
 
 def load(path: str, entry: str, hw):
-    """``hw`` with the readings of ``entry`` from ``path``, or None where the file has no such entry."""
+    """``hw`` with the readings of ``entry`` from ``path``, or None where the file has no complete such entry."""
+    from memopt.memory.hardware import check_hardware
+
     saved = _read(path).get(entry)
-    if saved is None:
+    if not isinstance(saved, dict) or set(saved) != set(FIELDS):
         return None
-    return replace(hw, **{name: value for name, value in saved.items() if name in FIELDS})
+    kept = replace(hw, **saved)
+    try:
+        check_hardware(kept)
+    except ConfigError as e:
+        raise ConfigError(f"hardware.rates_file={path}: an entry holds a rate the plan cannot use ({e}); remove the "
+                          "file or name a new path, and the next plan measures and writes it") from None
+    return kept
 
 
 def save(path: str, entry: str, hw) -> None:
-    """Add ``hw``'s readings to ``path`` under ``entry`` (written whole to a temporary file, then moved over it:
-    a reader never sees half a file)."""
-    entries = _read(path)
-    entries[entry] = {name: getattr(hw, name) for name in FIELDS}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    """Add ``hw``'s readings to ``path`` under ``entry``: written whole to a temporary file in its folder, then moved
+    over it (a reader never sees half a file). A file that cannot be written costs its readings, not the plan."""
+    try:
+        entries = _read(path)
+        entries[entry] = {name: getattr(hw, name) for name in FIELDS}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".rates-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"memopt planner: hardware.rates_file={path} could not be written ({e}); this plan goes on with "
+                      "the rates it measured", stacklevel=2)
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """Hold ``<path>.lock`` exclusively (POSIX ``flock``): a second process waits until the first has written."""
+    try:
+        import fcntl
+
+        f = open(f"{path}.lock", "a")
+    except (ImportError, OSError):  # no flock here, or a folder we cannot write: each process measures its own
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def reading(path: str, entry: str, hw, measure):
+    """``hw`` with the reading ``path`` holds for ``entry``, or with ``measure(hw)``'s, which is then written there.
+    One process at a time measures for a file: one that starts meanwhile waits and reads."""
+    with _locked(path):
+        kept = load(path, entry, hw)
+        if kept is not None:
+            print(f"memopt planner: this CPU's step-time rates read from hardware.rates_file={path}", file=sys.stderr,
+                  flush=True)
+            return kept
+        measured = measure(hw)
+        save(path, entry, measured)
+        return measured
