@@ -109,7 +109,12 @@ def plan_run(typed, cfg: DictConfig, run_dir: str, planned: dict | None = None) 
     from memopt.sweep import job_identity
 
     os.makedirs(run_dir, exist_ok=True)
-    hw = hardware(typed, step_rates=True)
+    try:
+        hw = hardware(typed, step_rates=True)
+    except ConfigError as e:  # hardware.rates_file holding a rate the plan cannot use
+        refused = outcome.refusal(run_dir, cfg, str(e), mode="plan")
+        print(f"memopt: plan refused: {e}", file=sys.stderr)
+        return refused
     try:
         plan = planned or plan_placed(typed, hw)
     except PlanUnsupported as e:  # a composition the planner cannot follow (named in the message)

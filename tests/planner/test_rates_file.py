@@ -170,3 +170,20 @@ def test_two_plans_started_together_share_one_reading(tmp_path):
     with open(log) as f:
         assert len(f.read().split()) == 1  # without the lock both find no entry and both measure
     assert got[0] == got[1]
+
+
+def test_an_entry_with_a_rate_the_plan_cannot_use_refuses_the_plan_with_its_record(tmp_path, monkeypatch):
+    """An entry edited by hand to a compute efficiency over 1 (the fraction of the peak a step reaches): plan mode
+    through the CLI ends ``refused``, its summary.json naming the file, and no probe runs."""
+    path = tmp_path / "rates.json"
+    _new_process(monkeypatch, _reading(1.0))
+    assert cli_main([*TINY, "trainer.mode=plan", f"hardware.rates_file={path}", f"hydra.run.dir={tmp_path / 'a'}"]) == 0
+    entries = json.loads(path.read_text())
+    for rates in entries.values():
+        rates["compute_efficiency"] = 5.0
+    path.write_text(json.dumps(entries))
+    _new_process(monkeypatch, _measuring_forbidden)
+    cli_main([*TINY, "trainer.mode=plan", f"hardware.rates_file={path}", f"hydra.run.dir={tmp_path / 'b'}"])
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["status"] == "refused" and f"hardware.rates_file={path}" in summary["error"]
+    assert "compute_efficiency=5.0" in summary["error"]
