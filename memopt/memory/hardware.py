@@ -135,6 +135,19 @@ def check_hardware(hw: HardwareConfig) -> None:
                           "of the node's host Adam), or null when it was not measured")
 
 
+def cpuinfo_field(*names: str) -> str | None:
+    """The first processor's value of the first of ``names`` /proc/cpuinfo lists (Linux); None where there is none.
+    What tells one CPU from another where a build or a reading must not be reused on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

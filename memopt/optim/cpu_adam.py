@@ -103,14 +103,9 @@ _tried = False
 
 def _cpu_tag() -> str:
     """The CPU's feature flags (Linux) so a ``-march=native`` build is never reused on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from memopt.memory.hardware import cpuinfo_field
+
+    return cpuinfo_field("flags", "Features") or platform.processor() or platform.machine()
 
 
 def _extension_name() -> str:

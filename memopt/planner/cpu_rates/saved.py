@@ -5,16 +5,18 @@ Why: each process measures the rates anew (``cpu_rates.measured``), and a shared
 percent between minutes. Two searches that plan their choices 0.3% apart in two processes order them by when
 each probed (moe_small at 100% on the AMD EPYC, 2026-11-29: Spearman -1.00 over the two engines' choices, 1.00
 when the same rows were planned in one process; with one reading the choices still planned 0.1% apart there, which
-no plan orders). The first plan that names the file measures and writes it;
-every later one with the same key reads it and runs none of the probes (the matmul peaks and the copy rate a
-run reads anyway, 0.4 s, are read and then replaced by the file's). A lock beside the file (``<file>.lock``) makes
-a plan that starts while another measures wait for its reading. The key is what the readings depend on: the
-format of the entries, the machine (its host name and CPU model), torch, the intra-op threads, the block the probes time (``probe_shape``), whether freed CPU blocks are
-kept (``trainer.cpu_malloc_cache``) and the rates the profile gives itself; another key measures and is added.
+no plan orders). The first plan that names the file measures and writes it; every later one with the same key
+reads it and runs none of the probes (the matmul peaks and the copy rate a run reads anyway, 0.4 s, are read and
+then replaced by the file's). A lock beside the file (``<file>.lock``) makes a plan that starts while another
+measures wait for its reading. The key is what the readings depend on: the format of the entries, the machine (its
+host name, CPU model and flags), torch, the intra-op threads, the block the probes time (``probe_shape``), whether
+freed CPU blocks are kept (``trainer.cpu_malloc_cache``) and the rates the profile gives itself; another key
+measures and is added.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -42,20 +44,14 @@ def given(profile) -> dict:
     return {name: getattr(profile, name) for name in FIELDS if getattr(profile, name) != defaults[name]}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def key(profile, shape: tuple[int, ...], malloc_cache: bool) -> str:
     """The file's entry for readings taken here, for ``profile`` and the probes' block ``shape``."""
-    return json.dumps({"format": FORMAT, "machine": platform.node(), "cpu": _cpu_model(), "torch": torch.__version__,
+    from memopt.memory.hardware import cpuinfo_field
+
+    flags = cpuinfo_field("flags", "Features") or ""  # one model name covers CPUs whose bf16 differs 10x
+    return json.dumps({"format": FORMAT, "machine": platform.node(),
+                       "cpu": cpuinfo_field("model name") or platform.processor() or platform.machine(),
+                       "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12], "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "shape": list(shape), "cpu_malloc_cache": bool(malloc_cache),
                        "given": given(profile)}, sort_keys=True)
 
