@@ -13,20 +13,29 @@ import time
 from memopt.gpu_check.check import Check, SkipSection
 from memopt.gpu_check.procs import kill_group, run_cmd, spawn, tail
 from memopt.gpu_check.settings import (COMMON, COMPOSITIONS, DEEPSPEED_COMPOSITION, DRY_HARDWARE, DRY_MODEL, DRY_SUBST,
-                                       DRY_TRAIN_STEPS, HARDWARE, MODEL, TRAIN_STEPS, WARMUP_STEPS)
+                                       DRY_TRAIN_STEPS, GPU_PROFILES, HARDWARE, MODEL, TRAIN_STEPS, WARMUP_STEPS)
+
+
+def _env(check) -> dict:
+    return ((check.results.get("sections") or {}).get("env") or {}).get("result") or {}
 
 
 def compositions(check) -> list[tuple[str, list[str]]]:
     """The compositions this check trains: DeepSpeed's ZeRO-Offload too where the env section imported it."""
-    env = ((check.results.get("sections") or {}).get("env") or {}).get("result") or {}
-    return [*COMPOSITIONS, *([DEEPSPEED_COMPOSITION] if str(env.get("deepspeed", "")).startswith("ok") else [])]
+    return [*COMPOSITIONS, *([DEEPSPEED_COMPOSITION] if str(_env(check).get("deepspeed", "")).startswith("ok") else [])]
 
 
-def composition_args(name: str, overrides: list[str], dry: bool) -> list[str]:
+def hardware_args(gpu_name: str | None) -> list[str]:
+    """The hardware profile of the GPU the env section found (settings.GPU_PROFILES; an H100's otherwise)."""
+    profile = next((p for tag, p in GPU_PROFILES if tag in str(gpu_name or "")), None)
+    return HARDWARE if profile is None else [f"hardware={profile}", *HARDWARE[1:]]
+
+
+def composition_args(name: str, overrides: list[str], dry: bool, gpu_name: str | None = None) -> list[str]:
     if dry:
         overrides = [DRY_SUBST.get(o, o) for o in overrides]
         return [*DRY_MODEL, *DRY_HARDWARE, *COMMON, *overrides]
-    return [*MODEL, *HARDWARE, *COMMON, *overrides]
+    return [*MODEL, *hardware_args(gpu_name), *COMMON, *overrides]
 
 
 def start_plans(check: Check) -> dict:
@@ -36,7 +45,7 @@ def start_plans(check: Check) -> dict:
     for name, ov in compositions(check):
         d = os.path.join(check.work, f"plan_{name}")
         shutil.rmtree(d, ignore_errors=True)
-        cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, ov, check.mode != "cuda"),
+        cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, ov, check.mode != "cuda", _env(check).get("gpu")),
                "trainer.mode=plan", f"hydra.run.dir={d}"]
         log = check.log_path(f"plan_{name}")
         p = spawn(cmd, log, env)
@@ -125,7 +134,7 @@ def train_run(check: Check, name: str, overrides: list[str], steps: int, timeout
     d = os.path.join(check.work, f"run_{name}")
     shutil.rmtree(d, ignore_errors=True)
     dry = check.mode != "cuda"
-    cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, overrides, dry),
+    cmd = [sys.executable, "-m", "memopt.train", *composition_args(name, overrides, dry, _env(check).get("gpu")),
            f"trainer.max_steps={steps}", "trainer.log_every=1", *extra, f"hydra.run.dir={d}"]
     if dry:
         cmd.append("trainer.throughput_warmup_steps=0")
@@ -199,7 +208,7 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
         runs.append(r)
         rec["result"] = {"runs": runs}
         check.write()
-    res: dict = {"runs": runs, "model": DRY_MODEL if dry else MODEL, "hardware": DRY_HARDWARE if dry else HARDWARE,
+    res: dict = {"runs": runs, "model": DRY_MODEL if dry else MODEL, "hardware": DRY_HARDWARE if dry else hardware_args(_env(check).get("gpu")),
                  "common": COMMON, "train_steps": steps,
                  "note": "rel err = (planned - measured) / measured; measured device peak: the tracker's (what the planner "
                          "predicts) and torch.cuda.max_memory_allocated (the caching allocator's); step time: the trainer's "

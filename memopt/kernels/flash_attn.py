@@ -93,6 +93,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memopt.kernels import launch_cache
+
 __all__ = [
     "flash_attn",
     "flash_attn_available",
@@ -821,9 +823,7 @@ def _flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
         else:
             blk = _fixed_blocks(D, _kernels_interpreted(), q.element_size())
             bm, bn = blk.fwd
-            ks.fwd[(triton.cdiv(Nq, bm), B * H)](
-                *args, **meta, BLOCK_M=bm, BLOCK_N=bn, **_launch_opts(blk)
-            )
+            _launch_fixed(ks.fwd, (triton.cdiv(Nq, bm), B * H), args, meta, bm, bn, blk)
     return o, lse
 
 
@@ -842,7 +842,9 @@ def _launch_tuned(tuned, plain, grid, args: tuple, meta: dict, key: tuple) -> No
         best = tuned.best_config
         _TUNED[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
         return
-    plain[grid(kw)](*args, **meta, **kw)
+    blocks = {name: kw[name] for name in ("BLOCK_M", "BLOCK_N")}
+    launch_cache.launch(plain, grid(kw), args, {**meta, **blocks},
+                        {"num_warps": kw["num_warps"], "num_stages": kw["num_stages"]})
 
 
 @contextlib.contextmanager
@@ -865,10 +867,13 @@ def _launches(interpreted: bool):
         gc.unfreeze()
 
 
-def _launch_opts(blk: _Blocks) -> dict:
+def _launch_fixed(kernel, grid: tuple, args: tuple, meta: dict, bm: int, bn: int, blk: _Blocks) -> None:
+    """A launch with fixed tiles: the interpreter's through Triton, a compiled one through the launch cache."""
     if _kernels_interpreted():
-        return {}
-    return dict(num_warps=blk.num_warps, num_stages=blk.num_stages)
+        kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn)
+        return
+    launch_cache.launch(kernel, grid, args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn},
+                        {"num_warps": blk.num_warps, "num_stages": blk.num_stages})
 
 
 def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
@@ -883,7 +888,6 @@ def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     interpreted = _kernels_interpreted()
     ks = _kernels(interpreted)
     blk = _fixed_blocks(D, interpreted, q.element_size())
-    opts = _launch_opts(blk)
 
     meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     qkv = (*_s4(q), *_s4(k), *_s4(v))
@@ -899,9 +903,9 @@ def _flash_backward(do, q, k, v, o, lse, causal: bool, scale: float):
                           ("dkdv", *key))
         else:
             bm, bn = blk.dq
-            ks.dq[(triton.cdiv(Nq, bm), B * H)](*dq_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+            _launch_fixed(ks.dq, (triton.cdiv(Nq, bm), B * H), dq_args, meta, bm, bn, blk)
             bm, bn = blk.dkdv
-            ks.dkdv[(triton.cdiv(Nk, bn), B * H)](*dkdv_args, **meta, BLOCK_M=bm, BLOCK_N=bn, **opts)
+            _launch_fixed(ks.dkdv, (triton.cdiv(Nk, bn), B * H), dkdv_args, meta, bm, bn, blk)
     return dq, dk, dv
 
 

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (needed for the FlashAttention kernels)")
 
 from memopt.kernels import flash_attn as fa  # noqa: E402
+from memopt.kernels import launch_cache  # noqa: E402
 from memopt.kernels.flash_attn import flash_attn, flash_attn_available  # noqa: E402
 
 INTERPRETED = fa._kernels_interpreted()  # triton was imported with TRITON_INTERPRET=1
@@ -264,19 +265,43 @@ def test_autotuned_choice_reused_without_the_autotuner_cuda(monkeypatch):
     (fa._launch_tuned). Both give the float64 reference's values, and the same bits as each other."""
     monkeypatch.setenv("MEMOPT_FLASH_NO_AUTOTUNE", "0")
     monkeypatch.setattr(fa, "_TUNED", {})
+    monkeypatch.setattr(launch_cache, "_CACHE", {})
     gen = torch.Generator().manual_seed(7)
     q, k, v = make_qkv(2, 3, 333, 333, 64, torch.float16, gen)
     do = torch.randn(q.shape, generator=gen).to(torch.float16).to(DEVICE)
     runs = []
-    for _ in range(2):
+    for _ in range(3):  # autotuned; through Triton's binder with the choice; the cached binaries relaunched
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out = flash_attn(qq, kk, vv, causal=True)
         out.backward(do)
         runs.append((out.detach(), qq.grad, kk.grad, vv.grad))
         assert {key[0] for key in fa._TUNED} == {"fwd", "dkdv", "dq"}
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    assert sum(entry[1] is not None for entry in launch_cache._CACHE.values()) == 3  # relaunched directly
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
     check_against_reference(q, k, v, True, do=do)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
+                    reason="the launch cache holds compiled binaries (a CUDA machine with TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("autotune", [False, True])
+def test_relaunch_keeps_triton_s_specialisation_cuda(monkeypatch, autotune):
+    """Calls with the same shapes and strides from addresses 2 bytes off 16-byte alignment, after aligned
+    ones: the launch cache must not relaunch the binary Triton specialised for aligned pointers
+    (memopt.kernels.launch_cache); every call gives the float64 reference's values."""
+    monkeypatch.setenv("MEMOPT_FLASH_NO_AUTOTUNE", "0" if autotune else "1")
+    monkeypatch.setattr(fa, "_TUNED", {})
+    monkeypatch.setattr(launch_cache, "_CACHE", {})
+    gen = torch.Generator().manual_seed(11)
+    shape = (1, 2, 129, 64)
+    numel = math.prod(shape)
+    bufs = [torch.randn(numel + 8, generator=gen).to(torch.float16).to(DEVICE) for _ in range(3)]
+    for off in (0, 0, 0, 1, 1):
+        q, k, v = (buf[off:off + numel].view(shape) for buf in bufs)
+        assert (q.data_ptr() % 16 == 0) == (off == 0)
+        check_against_reference(q, k, v, True)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="checks the interpreter-only bf16 refusal; kernels are compiled here")

@@ -197,8 +197,18 @@ def test_compositions_compose():
 
     for dry in (False, True):
         for name, ov in [*settings.COMPOSITIONS, settings.DEEPSPEED_COMPOSITION]:
-            args = [a for a in runs.composition_args(name, ov, dry)]
-            validate(to_dataclass(compose(args)))
+            for gpu in (None, "NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+                validate(to_dataclass(compose(runs.composition_args(name, ov, dry, gpu))))
+
+
+def test_each_gpu_plans_with_its_own_profile():
+    """An H200 plans as conf/hardware/h200.yaml, an H100 as h100_sxm, another GPU as an H100."""
+    from tests.conftest import compose
+
+    for gpu, want in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA A10G", "h100_sxm"),
+                      (None, "h100_sxm")):
+        cfg = compose(runs.composition_args("plain_bf16", ["+strategy=bf16"], False, gpu))
+        assert cfg.hardware.name == want and cfg.hardware.host_memory_gb == 120, gpu
 
 
 @pytest.mark.slow
