@@ -59,6 +59,9 @@ def format_text(results: dict) -> str:
         lines.append("")
         lines.append(f"device: {env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
                      f"python {env.get('python')}  import memopt.train: {env.get('import_memopt_train')}")
+        bw = env.get("memory_bandwidth") or {}
+        if bw.get("gbps"):
+            lines.append(f"device memory: {bw['gbps']:,.0f} GB/s ({bw.get('op')}, bytes read + written)")
     tests = (secs.get("tests") or {}).get("result") or {}
     for key, t in tests.items():
         if isinstance(t, dict) and "counts" in t:

@@ -12,6 +12,35 @@ from memopt.gpu_check.procs import run_cmd, tail
 from memopt.gpu_check.settings import REPO
 
 
+def memory_bandwidth(device, nbytes: int = 1 << 30, reps: int = 10) -> dict:
+    """The device memory's rate for an elementwise op (``c = a + b`` in bf16: two tensors read, one written;
+    GB/s of bytes read + written, the median of ``reps``), which the planner's ``hardware.memory_gbps`` means.
+    Why: the GPU profiles price memory-bound ops inside ``compute_efficiency``; a measured rate lets the next
+    profile split the step into products and memory-bound ops (experiments/planner/README.md, seventh run)."""
+    import time
+
+    import torch
+
+    n = max(1, nbytes // 2)
+    a, b = (torch.ones(n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    c = torch.empty_like(a)
+    moved = 3 * n * a.element_size()
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    torch.add(a, b, out=c)
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.add(a, b, out=c)
+        sync()
+        times.append(time.perf_counter() - t0)
+    med = sorted(times)[len(times) // 2]
+    del a, b, c
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # this process stays alive beside the timed ones: it keeps no cached blocks
+    return {"op": "bf16 add, out=", "bytes_per_op": moved, "seconds": med, "gbps": moved / med / 1e9}
+
+
 def section_env(check: Check, cap: float, rec: dict) -> dict:
     info: dict = {"python": sys.version.split()[0], "executable": sys.executable, "repo": REPO}
     try:
@@ -24,6 +53,7 @@ def section_env(check: Check, cap: float, rec: dict) -> dict:
             p = torch.cuda.get_device_properties(0)
             info.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sm_count=p.multi_processor_count,
                         capability=f"{p.major}.{p.minor}", device_count=torch.cuda.device_count())
+            info["memory_bandwidth"] = memory_bandwidth("cuda")
     except Exception as exc:  # noqa: BLE001
         info["torch_error"] = f"{type(exc).__name__}: {exc}"
     try:

@@ -401,3 +401,12 @@ def test_throughput_reruns_every_composition_untracked(tmp_path, monkeypatch):
     assert res["best_tracked"] == "chunked_loss" and "_status" not in res
     txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": res}}})
     assert "tracker +25.0%" in txt and "err +4.2%" in txt  # plain: 0.06 / 0.048 - 1 and 0.05 / 0.048 - 1
+
+
+def test_memory_bandwidth_counts_the_bytes_an_add_moves():
+    """Two operands read and one result written, 2 bytes each in bf16; the rate is those bytes over the median time."""
+    from memopt.gpu_check.section_env import memory_bandwidth
+
+    r = memory_bandwidth("cpu", nbytes=1 << 20, reps=3)
+    assert r["bytes_per_op"] == 3 * (1 << 19) * 2
+    assert r["gbps"] == pytest.approx(r["bytes_per_op"] / r["seconds"] / 1e9)
