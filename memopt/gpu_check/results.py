@@ -129,4 +129,9 @@ def format_text(results: dict) -> str:
                          f"step {_fmt(r.get('step_time_s'), '.4f')} s  plan {_fmt(r.get('planned_step_s'), '.4f')} s  "
                          f"err {_pct(r.get('rel_err_step_time'))}  tracker {_pct(r.get('tracker_cost'))}"
                          + (f"  error: {str(r['error'])[:100]}" if r.get("error") else ""))
+    pair = ((secs.get("throughput") or {}).get("result") or {}).get("zero_offload_untracked")
+    if pair:
+        lines.append(f"  ZeRO-Offload untracked: memopt step {_fmt(pair.get('memopt_step_s'), '.4f')} s, DeepSpeed's "
+                     f"{_fmt(pair.get('deepspeed_step_s'), '.4f')} s; memopt's step "
+                     f"{_fmt(pair.get('memopt_speedup_over_deepspeed'), '.2f')}x as fast")
     return "\n".join(lines) + "\n"

@@ -240,16 +240,31 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
     return res
 
 
+def _offload_pair(runs: list[dict]) -> dict:
+    """memopt's and DeepSpeed's ZeRO-Offload untracked, where both reran: their steps and memopt's speed-up."""
+    by = {r.get("name"): r for r in runs if r.get("status") == "ok" and r.get("step_time_s")}
+    mo, ds = by.get("zero2_offload"), by.get(DEEPSPEED_COMPOSITION[0])
+    if not (mo and ds):
+        return {}
+    return {"zero_offload_untracked": {"memopt_step_s": mo["step_time_s"], "deepspeed_step_s": ds["step_time_s"],
+                                       "memopt_optim_step_s": mo.get("optim_step_s"),
+                                       "deepspeed_optim_step_s": ds.get("optim_step_s"),
+                                       "memopt_speedup_over_deepspeed": ds["step_time_s"] / mo["step_time_s"]}}
+
+
 def section_throughput(check: Check, cap: float, rec: dict) -> dict:
-    """Every composition that trained above, rerun without the memory tracker: plain bf16 first, then by tracked
-    tokens/s (what the cap cuts is the slowest). The planner's step is compared with both steps, so a plan's error
-    splits into the tracker's cost (a dispatch mode on every op, which runs do not need) and the model's own
-    (GPU step plans read 11-37% under tracked steps in the first six checks; untracked, plain bf16 read +3%)."""
+    """Every composition that trained above, rerun without the memory tracker: plain bf16 first, then memopt's and
+    DeepSpeed's ZeRO-Offload, then by tracked tokens/s (what the cap cuts is the slowest). The planner's step is
+    compared with both steps, so a plan's error splits into the tracker's cost (a dispatch mode on every op, which
+    runs do not need) and the model's own (GPU step plans read 11-37% under tracked steps in the first six checks;
+    untracked, plain bf16 read +3%); the two ZeRO-Offloads are compared untracked too (the tracker's share of a
+    step differs by composition: 22-59% on the seventh check's H200)."""
     comps = (((check.results["sections"].get("compositions") or {}).get("result")) or {}).get("runs") or []
     ok = [r for r in comps if r.get("status") == "ok" and r.get("tokens_per_s")]
     if not ok:
         raise SkipSection("no composition trained successfully above")
-    order = sorted(ok, key=lambda r: (r["name"] != "plain_bf16", -r["tokens_per_s"]))
+    first = ("plain_bf16", "zero2_offload", DEEPSPEED_COMPOSITION[0])
+    order = sorted(ok, key=lambda r: (first.index(r["name"]) if r["name"] in first else len(first), -r["tokens_per_s"]))
     best = max(ok, key=lambda r: r["tokens_per_s"])
     deadline = time.monotonic() + cap
     dry = check.mode != "cuda"
@@ -276,6 +291,7 @@ def section_throughput(check: Check, cap: float, rec: dict) -> dict:
         rec["result"] = {"runs": runs}
         check.write()
     res = {"runs": runs, "best_tracked": best["name"],
+           **_offload_pair(runs),
            "note": "every composition that trained above (plain first, then by tracked tokens/s) rerun with "
                    "trainer.track_memory=false; rel err = (planned - untracked) / untracked; tracker cost = tracked / "
                    "untracked step - 1; MFU against the hardware profile's dense peak"}

@@ -8,11 +8,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCHEMA = 1
 SECTIONS = ("env", "tests", "flash", "compositions", "throughput")
 # Each section's own cap (seconds); the global budget trims the later ones.
-# throughput reruns every composition untracked (~15 s each on an H100): what the budget leaves it
+# throughput reruns every composition untracked (15-35 s each on an H200, DeepSpeed's longest): what the budget
+# leaves it, which cuts the slowest compositions first
 # compositions: the five memopt rows took 97-102 s on an H200 (seventh check) and DeepSpeed's row, its engine's
 # start included, 35 s more (cut after step 4 at a 130 s cap; whole at 143)
-CAPS = {"env": 30, "tests": 130, "flash": 90, "compositions": 165, "throughput": 100}
-DEFAULT_BUDGET_S = 450.0
+CAPS = {"env": 30, "tests": 130, "flash": 90, "compositions": 165, "throughput": 130}
+DEFAULT_BUDGET_S = 480.0  # the 8 minutes issue #34 allows
 RESERVE_S = 5.0  # kept back from every section for writing the results
 CUDA_MARKED_S = 35.0  # the tests section's time kept for the tests marked cuda after the compiled kernel tests
 MIN_SECTION_S = 10.0  # a section with less than this left is skipped ("global budget spent")

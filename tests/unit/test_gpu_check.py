@@ -410,3 +410,27 @@ def test_memory_bandwidth_counts_the_bytes_an_add_moves():
     r = memory_bandwidth("cpu", nbytes=1 << 20, reps=3)
     assert r["bytes_per_op"] == 3 * (1 << 19) * 2
     assert r["gbps"] == pytest.approx(r["bytes_per_op"] / r["seconds"] / 1e9)
+
+
+def test_throughput_reruns_both_zero_offloads_after_plain_and_compares_them(tmp_path, monkeypatch):
+    """memopt's and DeepSpeed's ZeRO-Offload rerun right after plain (the cap cuts the others first), and memopt's
+    untracked speed-up over DeepSpeed is DeepSpeed's untracked step over memopt's."""
+    check = Check(str(tmp_path), budget_s=100, mode="cpu-dry-run", work=str(tmp_path / "w"))
+    ds = settings.DEEPSPEED_COMPOSITION[0]
+    tracked = [("chunked_loss", 120.0), (ds, 20.0), ("plain_bf16", 100.0), ("zero2_offload", 40.0), ("bf16_ckpt", 80.0)]
+    check.results["sections"]["compositions"] = {"status": "ok", "result": {"runs": [
+        {"name": n, "status": "ok", "tokens_per_s": t, "planned_step_s": 0.1, "step_time_s": 0.2} for n, t in tracked]}}
+    check.results["sections"]["env"] = {"status": "ok", "result": {"deepspeed": "ok 0.19.8"}}
+    untracked = {"plain_bf16": 0.04, "zero2_offload": 0.15, ds: 0.24, "chunked_loss": 0.05, "bf16_ckpt": 0.048}
+    calls = []
+
+    def fake_run(c, name, overrides, steps, timeout, extra=()):
+        calls.append(name.removesuffix("_untracked"))
+        return {"name": name, "status": "ok", "step_time_s": untracked[calls[-1]]}
+
+    monkeypatch.setattr(runs, "train_run", fake_run)
+    res = runs.section_throughput(check, 60.0, {})
+    assert calls == ["plain_bf16", "zero2_offload", ds, "chunked_loss", "bf16_ckpt"]
+    assert res["zero_offload_untracked"]["memopt_speedup_over_deepspeed"] == pytest.approx(0.24 / 0.15)
+    txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": res}}})
+    assert "memopt's step 1.60x as fast" in txt
