@@ -142,6 +142,7 @@ def flash_worker(path: str, cap: float, device: str = "cuda", cases=None, tokens
             for name, fn in impls.items():
                 rec[name] = _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops)
             rec["memopt_tiles"] = tuned_blocks()
+            rec["memopt_host_split"] = _host_split(q, k, v, do)
             m, s = rec["memopt"], rec["sdpa"]
             if not m.get("error") and not s.get("error"):
                 rec["memopt_err_over_sdpa_err"] = {key: (m["max_abs_err"][key] / s["max_abs_err"][key]) if s["max_abs_err"][key] else None
@@ -153,6 +154,42 @@ def flash_worker(path: str, cap: float, device: str = "cuda", cases=None, tokens
         emit(rec)
         _empty_cache(dev)
     return 0
+
+
+def _host_split(q, k, v, do) -> dict:
+    """memopt's host time per forward + backward, queued as in ``_bench_one``: through autograd (``flash_attn``:
+    the validation, the autograd Function, autograd's engine calling the Python backward) and the launchers
+    alone (``_flash_forward`` and ``_flash_backward`` called directly). Why: at N = 1k the call is bound by the
+    host, and on the H200 its backward took 0.60 ms of host time against SDPA's 0.38 (seventh check); the
+    split says whether autograd's side or the launches hold the difference."""
+    import math
+
+    from memopt.kernels import flash_attn as fa
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def through():
+        qq.grad = kk.grad = vv.grad = None
+        fa.flash_attn(qq, kk, vv, causal=True).backward(do)
+
+    def direct():
+        o, lse = fa._flash_forward(q, k, v, True, scale)
+        fa._flash_backward(do, q, k, v, o, lse, True, scale)
+
+    out = {}
+    for name, f in (("autograd", through), ("launchers", direct)):
+        f()
+        _sync(q.device)
+        ts = []
+        for _ in range(FLASH_REPS):
+            t0 = time.perf_counter()
+            for _ in range(FLASH_QUEUED):
+                f()
+            ts.append(1e3 * (time.perf_counter() - t0) / FLASH_QUEUED)
+            _sync(q.device)
+        out[f"{name}_host_ms"] = sorted(ts)[len(ts) // 2]
+    return out
 
 
 def _empty_cache(dev) -> None:
