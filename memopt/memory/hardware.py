@@ -48,6 +48,12 @@ class HardwareConfig:
     # the chunk engine's host optimizer groups), shared by the node's ranks: the planner's optimizer term is
     # (host-stepped parameters per rank x ranks per node) / this. None: not measured, the term is not estimated.
     host_adam_gparams_s: float | None = None
+    # That rate was measured over the trainer's whole optimizer step (ZeRO-Offload's, its fp32 parameters' upload
+    # included), so it holds the copies between host and device a host step makes: the offload term leaves out
+    # the bytes the simulated step copies inside the optimizer step (the chunk engine moves its gradient and
+    # parameter chunks there), which it would count twice. True in the GPU profiles the GPU check measured; a
+    # CPU's rate is a probe of the AdamW pass alone (planner/cpu_rates/), so false there.
+    host_adam_includes_step_copies: bool = False
     # The device memory's bandwidth for memory-bound ops (GB/s, bytes read + written): the planner's memory
     # term is the simulated step's bytes of ops without a FLOP formula (elementwise, norms, softmax, the
     # optimizer's math) / this. None: not estimated (the GPU profiles' compute_efficiency absorbs it).

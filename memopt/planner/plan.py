@@ -224,11 +224,14 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
     overhead = (tr.get("ops", 0) * hw.op_overhead_us + tr.get("dtensor_ops", 0) * (hw.dtensor_op_overhead_us or 0.0)) \
         if hw.op_overhead_us is not None else None
     comm = comm_seconds(hw, tr, sim.get("comm_per_step"))
+    offload_bytes = tr.get("offload_bytes", 0)
+    if host_params and rate and hw.host_adam_includes_step_copies:  # the optimizer term's measured rate holds them
+        offload_bytes -= tr.get("step_offload_bytes", 0)
     terms = {
         "compute_s": flops_at_eff * share / (peak * eff * 1e12) if peak else None,
         "memory_s": memory_seconds(tr, mem_gbps, (hw.activation_gbps or {}).get(dtype)) * share if mem_gbps else None,
         "overhead_s": overhead * 1e-6 if overhead is not None else None,
-        "offload_s": tr.get("offload_bytes", 0) / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
+        "offload_s": offload_bytes / (hw.host_device_gbps * 1e9) if hw.host_device_gbps else None,
         "comm_s": comm,
         "optimizer_s": 0.0 if not host_params else host_params * ranks_per_node / (rate * 1e9) if rate else None,
     }

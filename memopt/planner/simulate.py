@@ -544,10 +544,13 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     grad_ready, tracker.grad_ready_nonmodel = tracker.grad_ready_nonmodel or [], None
                     recompute, tracker.recompute_nonmodel = tracker.recompute_nonmodel or [], None
                     moved = tracker.traffic["op_bytes"] - tracker.traffic["grad_op_bytes"]
+                    offloaded = tracker.traffic["offload_bytes"]
                     with tracker.category("temp"):
                         engine.step(1e-3)
                     if last:  # the engine's step but for its gradients' (DeepSpeed's rules replace memopt's with DeepSpeed's)
                         tracker.traffic["step_op_bytes"] += tracker.traffic["op_bytes"] - tracker.traffic["grad_op_bytes"] - moved
+                        # its copies between memories (the updated parameters' upload): a measured host rate may hold them
+                        tracker.traffic["step_offload_bytes"] += tracker.traffic["offload_bytes"] - offloaded
                     tracker.counting = False
                 metrics = engine.step_metrics() if hasattr(engine, "step_metrics") else {}
                 if t.eval_every and len(data.val) > cfg.model.seq_len:

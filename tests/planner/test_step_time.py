@@ -109,9 +109,37 @@ def test_gpu_profiles_carry_the_measured_values():
         hw = typed([*TINY, f"hardware={name}"]).hardware
         assert hw.compute_efficiency == pytest.approx(0.017071 / step, abs=0.005)
         assert hw.host_adam_gparams_s == pytest.approx(308_654_080 / optim / 1e9, rel=0.005)
+        assert hw.host_adam_includes_step_copies  # measured over the trainer's whole optimizer step
     for name in ("a100_80g", "v100_patrickstar", "auto"):
         hw = typed([*TINY, f"hardware={name}"]).hardware
-        assert (hw.compute_efficiency, hw.host_adam_gparams_s) == (1.0, None)
+        assert (hw.compute_efficiency, hw.host_adam_gparams_s, hw.host_adam_includes_step_copies) == (1.0, None, False)
+
+
+def test_a_rate_measured_over_the_whole_step_holds_the_step_s_copies():
+    """6e9 B between memories, 4e9 of them inside the optimizer step, at 4 GB/s: 1.5 s; 0.5 s where the host rate
+    was measured over the whole step (it holds those copies); 1.5 s again in a step with no host update."""
+    cfg = typed(TINY)
+    sim = {"flops": 0, "traffic": {"offload_bytes": 6e9, "step_offload_bytes": 4e9, "host_optim_params": 1e9}}
+    hw = dict(host_adam_gparams_s=1.0, device_is_host=False)
+    assert step_time(cfg, _hw(**hw), sim)["offload_s"] == pytest.approx(1.5)
+    assert step_time(cfg, _hw(**hw, host_adam_includes_step_copies=True), sim)["offload_s"] == pytest.approx(0.5)
+    no_host = {"flops": 0, "traffic": {"offload_bytes": 6e9, "step_offload_bytes": 4e9}}
+    assert step_time(cfg, _hw(**hw, host_adam_includes_step_copies=True), no_host)["offload_s"] == pytest.approx(1.5)
+
+
+def test_the_simulated_step_counts_which_copies_the_optimizer_step_makes():
+    """fp32, one rank. ZeRO-Offload: each parameter's fp32 gradient goes to the host in the backward (4 B), and the
+    host kernel writes the parameters, so its step copies nothing. The chunk engine (every group on the host):
+    each chunk element's fp32 gradient goes down and its parameter up inside the step (8 B)."""
+    from memopt import compose
+    from memopt.planner.simulate import simulate_rank
+
+    zo = typed([*TINY, "+strategy=[zero2,cpu_offload]", "hardware=h200"])
+    tr = simulate_rank(zo, 0, 1, backend="nccl")["traffic"]
+    assert tr["offload_bytes"] == 4 * compose.num_params(zo) and tr.get("step_offload_bytes", 0) == 0
+    chunk = typed([*TINY, "+strategy=[chunk]", "hardware=h200"])
+    tr = simulate_rank(chunk, 0, 1, backend="nccl")["traffic"]
+    assert tr["step_offload_bytes"] == tr["offload_bytes"] == 8 * tr["host_optim_params"] > 0
 
 
 def test_cpu_terms_are_the_formulas():
