@@ -48,12 +48,12 @@ class HardwareConfig:
     # the chunk engine's host optimizer groups), shared by the node's ranks: the planner's optimizer term is
     # (host-stepped parameters per rank x ranks per node) / this. None: not measured, the term is not estimated.
     host_adam_gparams_s: float | None = None
-    # That rate was measured over the trainer's whole optimizer step (ZeRO-Offload's, its fp32 parameters' upload
-    # included), so it holds the copies between host and device a host step makes: the offload term leaves out
-    # the bytes the simulated step copies inside the optimizer step (the chunk engine moves its gradient and
-    # parameter chunks there), which it would count twice. True in the GPU profiles the GPU check measured; a
-    # CPU's rate is a probe of the AdamW pass alone (planner/cpu_rates/), so false there.
-    host_adam_includes_step_copies: bool = False
+    # Bytes a host-updated parameter of host<->device copies that rate holds: it was measured over a whole
+    # optimizer step, whose copies it then includes (the GPU profiles': ZeRO-Offload's bf16-autocast step,
+    # its fp32 parameters' upload, 4 B each). The offload term leaves out up to this many bytes a parameter of
+    # the copies the simulated optimizer step makes (the chunk engine moves its gradient and parameter chunks
+    # there), which it would count twice. 0 on a CPU, whose rate is a probe of the AdamW pass alone.
+    host_adam_step_copy_bytes: float = 0.0
     # The device memory's bandwidth for memory-bound ops (GB/s, bytes read + written): the planner's memory
     # term is the simulated step's bytes of ops without a FLOP formula (elementwise, norms, softmax, the
     # optimizer's math) / this. None: not estimated (the GPU profiles' compute_efficiency absorbs it).
@@ -135,6 +135,9 @@ def check_hardware(hw: HardwareConfig) -> None:
     for name, value in (hw.collective_gbps_by_kind or {}).items():
         if not value > 0:
             raise ConfigError(f"hardware.collective_gbps_by_kind.{name}={value} must be > 0 (GB/s of bus bytes)")
+    if not hw.host_adam_step_copy_bytes >= 0:
+        raise ConfigError(f"hardware.host_adam_step_copy_bytes={hw.host_adam_step_copy_bytes} must be >= 0 (bytes a "
+                          "parameter of copies inside the measured host step; 0: none)")
     rate = hw.host_adam_gparams_s
     if rate is not None and not rate > 0:
         raise ConfigError(f"hardware.host_adam_gparams_s={rate} must be > 0 (billions of parameter updates per second "

@@ -225,8 +225,8 @@ def step_time(cfg, hw, sim: dict, ranks_per_node: int = 1) -> dict:
         if hw.op_overhead_us is not None else None
     comm = comm_seconds(hw, tr, sim.get("comm_per_step"))
     offload_bytes = tr.get("offload_bytes", 0)
-    if host_params and rate and hw.host_adam_includes_step_copies:  # the optimizer term's measured rate holds them
-        offload_bytes -= tr.get("step_offload_bytes", 0)
+    if host_params and rate and hw.host_adam_step_copy_bytes:  # the optimizer term's measured rate holds that many
+        offload_bytes -= min(tr.get("step_offload_bytes", 0), hw.host_adam_step_copy_bytes * host_params)
     terms = {
         "compute_s": flops_at_eff * share / (peak * eff * 1e12) if peak else None,
         "memory_s": memory_seconds(tr, mem_gbps, (hw.activation_gbps or {}).get(dtype)) * share if mem_gbps else None,

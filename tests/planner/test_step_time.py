@@ -109,22 +109,25 @@ def test_gpu_profiles_carry_the_measured_values():
         hw = typed([*TINY, f"hardware={name}"]).hardware
         assert hw.compute_efficiency == pytest.approx(0.017071 / step, abs=0.005)
         assert hw.host_adam_gparams_s == pytest.approx(308_654_080 / optim / 1e9, rel=0.005)
-        assert hw.host_adam_includes_step_copies  # measured over the trainer's whole optimizer step
+        assert hw.host_adam_step_copy_bytes == 4  # its fp32 parameters' upload (bf16 autocast keeps them fp32)
     for name in ("a100_80g", "v100_patrickstar", "auto"):
         hw = typed([*TINY, f"hardware={name}"]).hardware
-        assert (hw.compute_efficiency, hw.host_adam_gparams_s, hw.host_adam_includes_step_copies) == (1.0, None, False)
+        assert (hw.compute_efficiency, hw.host_adam_gparams_s, hw.host_adam_step_copy_bytes) == (1.0, None, 0)
 
 
 def test_a_rate_measured_over_the_whole_step_holds_the_step_s_copies():
-    """6e9 B between memories, 4e9 of them inside the optimizer step, at 4 GB/s: 1.5 s; 0.5 s where the host rate
-    was measured over the whole step (it holds those copies); 1.5 s again in a step with no host update."""
+    """6e9 B between memories, 4e9 of them inside the optimizer step, 1e9 host-updated parameters, at 4 GB/s: 1.5 s;
+    a rate that holds 2 B a parameter of copies leaves out 2e9 B (1.0 s), one that holds 8 B all 4e9 of the step's
+    (0.5 s); 1.5 s again in a step with no host update."""
     cfg = typed(TINY)
     sim = {"flops": 0, "traffic": {"offload_bytes": 6e9, "step_offload_bytes": 4e9, "host_optim_params": 1e9}}
     hw = dict(host_adam_gparams_s=1.0, device_is_host=False)
-    assert step_time(cfg, _hw(**hw), sim)["offload_s"] == pytest.approx(1.5)
-    assert step_time(cfg, _hw(**hw, host_adam_includes_step_copies=True), sim)["offload_s"] == pytest.approx(0.5)
+    for per_param, seconds in ((0, 1.5), (2, 1.0), (8, 0.5)):
+        assert step_time(cfg, _hw(**hw, host_adam_step_copy_bytes=per_param), sim)["offload_s"] == pytest.approx(seconds)
     no_host = {"flops": 0, "traffic": {"offload_bytes": 6e9, "step_offload_bytes": 4e9}}
-    assert step_time(cfg, _hw(**hw, host_adam_includes_step_copies=True), no_host)["offload_s"] == pytest.approx(1.5)
+    assert step_time(cfg, _hw(**hw, host_adam_step_copy_bytes=8), no_host)["offload_s"] == pytest.approx(1.5)
+    with pytest.raises(ConfigError, match="hardware.host_adam_step_copy_bytes=-1"):
+        check_hardware(_hw(host_adam_step_copy_bytes=-1))
 
 
 def test_the_simulated_step_counts_which_copies_the_optimizer_step_makes():
