@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import time
 from memopt.gpu_check.check import Check, SkipSection
 from memopt.gpu_check.procs import kill_group, run_cmd, spawn, tail
 from memopt.gpu_check.settings import (COMMON, COMPOSITIONS, DEEPSPEED_COMPOSITION, DRY_HARDWARE, DRY_MODEL, DRY_SUBST,
-                                       DRY_TRAIN_STEPS, GPU_PROFILES, HARDWARE, MODEL, TRAIN_STEPS, WARMUP_STEPS)
+                                       DRY_TRAIN_STEPS, GPU_PROFILES, HARDWARE, MODEL, RUN_MIN_DEFAULT_S, RUN_MIN_S,
+                                       TRAIN_STEPS, WARMUP_STEPS)
 
 
 def _env(check) -> dict:
@@ -26,8 +28,10 @@ def compositions(check) -> list[tuple[str, list[str]]]:
 
 
 def hardware_args(gpu_name: str | None) -> list[str]:
-    """The hardware profile of the GPU the env section found (settings.GPU_PROFILES; an H100's otherwise)."""
-    profile = next((p for tag, p in GPU_PROFILES if tag in str(gpu_name or "")), None)
+    """The hardware profile of the GPU the env section found (settings.GPU_PROFILES, a tag matched as a whole word
+    of the name; an H100's otherwise)."""
+    words = re.findall(r"[A-Za-z0-9]+", str(gpu_name or ""))
+    profile = next((p for tag, p in GPU_PROFILES if tag in words), None)
     return HARDWARE if profile is None else [f"hardware={profile}", *HARDWARE[1:]]
 
 
@@ -124,6 +128,12 @@ def _rank0(peaks, prefer: str, only: bool = False):
     return r0[keys[0]] if keys else None
 
 
+def run_timeout(name: str, left: float, share: float) -> float:
+    """A run's time: 1.6x its share of what the section has left (the first ones get what a run takes, the cap cuts
+    the last ones), at least the composition's least (settings.RUN_MIN_S), never past what is left."""
+    return min(left, max(share * 1.6, RUN_MIN_S.get(name, RUN_MIN_DEFAULT_S)))
+
+
 def _rel(planned, measured):
     if planned is None or not measured:
         return None
@@ -197,7 +207,7 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
             runs.append({"name": name, "status": "skipped", "error": "the section's cap was reached"})
             continue
         try:
-            r = train_run(check, name, ov, steps, min(left, max(share * 1.6, 20)))
+            r = train_run(check, name, ov, steps, run_timeout(name, left, share))
             r.update(wait_plan(check, name, min(deadline, time.monotonic() + 30)))
             r["rel_err_tracker"] = _rel(r.get("planned_device_bytes"), r.get("tracker_device_bytes"))
             r["rel_err_allocator"] = _rel(r.get("planned_device_need_bytes"), r.get("allocator_peak_bytes"))
@@ -279,7 +289,7 @@ def section_throughput(check: Check, cap: float, rec: dict) -> dict:
         share = left / (len(order) - i)
         try:  # the first ones get the time a run takes (the cap cuts the last ones, not every one)
             r = train_run(check, f"{name}_untracked", overrides[name], DRY_TRAIN_STEPS if dry else TRAIN_STEPS,
-                          min(left, max(share * 1.6, 20)), extra=["trainer.track_memory=false"])
+                          run_timeout(name, left, share), extra=["trainer.track_memory=false"])
         except Exception as exc:  # noqa: BLE001
             r = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
         r["name"] = name
@@ -292,7 +302,8 @@ def section_throughput(check: Check, cap: float, rec: dict) -> dict:
         check.write()
     res = {"runs": runs, "best_tracked": best["name"],
            **_offload_pair(runs),
-           "note": "every composition that trained above (plain first, then by tracked tokens/s) rerun with "
+           "note": "every composition that trained above (plain first, then memopt's and DeepSpeed's ZeRO-Offload, then by "
+                   "tracked tokens/s) rerun with "
                    "trainer.track_memory=false; rel err = (planned - untracked) / untracked; tracker cost = tracked / "
                    "untracked step - 1; MFU against the hardware profile's dense peak"}
     if any(r.get("status") != "ok" for r in runs):

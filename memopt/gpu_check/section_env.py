@@ -2,6 +2,7 @@
 import in a fresh interpreter, which is what every later subprocess sees."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -35,10 +36,21 @@ def memory_bandwidth(device, nbytes: int = 1 << 30, reps: int = 10) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     med = sorted(times)[len(times) // 2]
-    del a, b, c
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # this process stays alive beside the timed ones: it keeps no cached blocks
     return {"op": "bf16 add, out=", "bytes_per_op": moved, "seconds": med, "gbps": moved / med / 1e9}
+
+
+def _bandwidth_in_a_subprocess(check: Check, timeout: float) -> dict:
+    log = check.log_path("env_bandwidth")
+    code = ("import json; from memopt.gpu_check.section_env import memory_bandwidth; "
+            "print(json.dumps(memory_bandwidth('cuda')))")
+    r = run_cmd([sys.executable, "-c", code], timeout, log)
+    last = (tail(log, 2000).strip().splitlines() or [""])[-1]
+    if r["rc"] == 0:
+        try:
+            return json.loads(last)
+        except ValueError:
+            pass
+    return {"error": f"rc {r['rc']}: {last[:300]}"}
 
 
 def section_env(check: Check, cap: float, rec: dict) -> dict:
@@ -53,7 +65,6 @@ def section_env(check: Check, cap: float, rec: dict) -> dict:
             p = torch.cuda.get_device_properties(0)
             info.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sm_count=p.multi_processor_count,
                         capability=f"{p.major}.{p.minor}", device_count=torch.cuda.device_count())
-            info["memory_bandwidth"] = memory_bandwidth("cuda")
     except Exception as exc:  # noqa: BLE001
         info["torch_error"] = f"{type(exc).__name__}: {exc}"
     try:
@@ -69,6 +80,8 @@ def section_env(check: Check, cap: float, rec: dict) -> dict:
             info["nvidia_smi"] = p.stdout.strip() or p.stderr.strip()
         except Exception as exc:  # noqa: BLE001
             info["nvidia_smi"] = f"failed: {exc}"
+    if info.get("cuda_available"):  # in a process of its own: this one keeps no CUDA memory beside the timed runs
+        info["memory_bandwidth"] = _bandwidth_in_a_subprocess(check, min(cap, 60))
     info["cpu_count"] = os.cpu_count()
     info["wheels"] = check.results.get("wheels")
     # every module the check needs, imported in a fresh interpreter (what the subprocesses see)

@@ -11,13 +11,17 @@ The key holds everything Triton specialises a binary on: each integer argument's
 specialises on == 1, on divisibility by 16 and on the 32/64-bit range), each tensor's dtype and whether
 its address is 16-byte aligned, the constexprs and the launch options, the current device. So a launch
 reuses a binary only where Triton's own binder would have picked the same one. Floats are not
-specialised by Triton (their value is not in the key). Compiled (GPU) launches only: the interpreter has
-no binary to keep.
+specialised by Triton (their value is not in the key). Compiled launches on NVIDIA GPUs only: the interpreter
+has no binary to keep, and Triton's AMD backend also specialises on a tensor's size (buffer ops), which the
+key does not hold. Not in the key either: Triton's debug and instrumentation switches (``knobs``), read when a
+binary is first made; a process that flips them between launches of one shape keeps the first binary.
 """
 from __future__ import annotations
 
 import torch
 
+_UNKEYED = object()  # an argument the key cannot describe: that launch goes through Triton
+_ON_NVIDIA = torch.version.hip is None
 _MAX_ENTRIES = 512  # shapes seen by one process; past this the cache starts again (a model has a handful)
 _CACHE: dict[tuple, tuple] = {}  # key -> (jit function, compiled kernel or None, constexpr values in order)
 
@@ -31,7 +35,7 @@ def _arg_key(a):
         return a
     if isinstance(a, float):
         return float
-    raise TypeError(f"launch_cache: unsupported kernel argument of type {type(a).__name__}")
+    return _UNKEYED
 
 
 def launch(fn, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
@@ -39,8 +43,11 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, options: dict) -> Non
 
     ``args`` are the kernel's leading runtime parameters in order and ``constexprs`` the trailing ones by
     name (a kernel laid out otherwise is always launched through Triton)."""
-    key = (id(fn), torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(constexprs.items()),
-           tuple(options.items()))
+    arg_keys = tuple(map(_arg_key, args))
+    if not _ON_NVIDIA or _UNKEYED in arg_keys:
+        fn[grid](*args, **constexprs, **options)
+        return
+    key = (id(fn), torch.cuda.current_device(), arg_keys, tuple(constexprs.items()), tuple(options.items()))
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is fn and hit[1] is not None:
         hit[1][(*grid, 1, 1)[:3]](*args, *hit[2])  # the compiled launcher reads three grid dimensions
@@ -50,6 +57,12 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, options: dict) -> Non
         _CACHE.clear()
     names = list(getattr(fn, "arg_names", ()))
     tail = names[len(args):]
-    usable = (callable(getattr(compiled, "__getitem__", None)) and len(names) == len(args) + len(constexprs)
-              and set(tail) == set(constexprs))
+    usable = (_is_binary(compiled) and len(names) == len(args) + len(constexprs) and set(tail) == set(constexprs))
     _CACHE[key] = (fn, compiled if usable else None, tuple(constexprs[n] for n in tail) if usable else ())
+
+
+def _is_binary(compiled) -> bool:
+    """A binary Triton finished compiling (with async compilation ``JITFunction.run`` may return a future)."""
+    from triton.compiler.compiler import CompiledKernel
+
+    return isinstance(compiled, CompiledKernel)

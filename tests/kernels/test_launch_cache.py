@@ -15,6 +15,7 @@ from memopt.kernels import launch_cache
 
 libtriton = pytest.importorskip("triton._C.libtriton", reason="triton is not installed")
 from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.compiler.compiler import CompiledKernel  # noqa: E402
 
 
 def triton_spec(args):
@@ -30,7 +31,10 @@ class FakeJit:
         self.log = []
         fn = self
 
-        class Compiled:
+        class Compiled(CompiledKernel):  # what JITFunction.run returns, launching nothing here
+            def __init__(self):
+                self.module = None  # nothing loaded (CompiledKernel.__del__ reads it)
+
             def __getitem__(self, grid):
                 return lambda *args: fn.log.append(("direct", grid, args))
 
@@ -111,6 +115,26 @@ def test_kernel_not_laid_out_as_args_then_constexprs_always_goes_through_triton(
     assert [entry[0] for entry in fn.log] == ["binder"] * 3
 
 
-def test_unknown_argument_type_is_refused():
-    with pytest.raises(TypeError, match="unsupported kernel argument of type str"):
-        launch_cache.launch(FakeJit(), (1,), ("x",), {}, {})
+def test_what_the_key_cannot_describe_goes_through_triton():
+    """An argument of another type, a future instead of a binary, an AMD build: every launch through the binder."""
+    import numpy as np
+
+    x = torch.zeros(64, dtype=torch.float16)
+    fn = FakeJit()
+    for _ in range(2):
+        launch_cache.launch(fn, (1,), (x, x, np.int64(4), 16, 0.5), {"HEAD": 64, "BLOCK": 16}, {})
+    assert [entry[0] for entry in fn.log] == ["binder", "binder"]
+    future = FakeJit()
+    future.compiled = object()  # not a CompiledKernel
+    for _ in range(2):
+        launch_cache.launch(future, (1,), (x, x, 4, 16, 0.5), {"HEAD": 64, "BLOCK": 16}, {})
+    assert [entry[0] for entry in future.log] == ["binder", "binder"]
+
+
+def test_an_amd_build_always_goes_through_triton(monkeypatch):
+    monkeypatch.setattr(launch_cache, "_ON_NVIDIA", False)
+    x = torch.zeros(64, dtype=torch.float16)
+    fn = FakeJit()
+    for _ in range(2):
+        launch_cache.launch(fn, (1,), (x, x, 4, 16, 0.5), {"HEAD": 64, "BLOCK": 16}, {})
+    assert [entry[0] for entry in fn.log] == ["binder", "binder"] and not launch_cache._CACHE
