@@ -163,8 +163,8 @@ def _host_split(q, k, v, do) -> dict:
     """memopt's host time per forward + backward, queued as in ``_bench_one``: through autograd (``flash_attn``:
     the validation, the autograd Function, autograd's engine calling the Python backward) and the launchers
     alone (``_flash_forward`` and ``_flash_backward`` called directly). Why: at N = 1k the call is bound by the
-    host, and on the H200 its backward took 0.60 ms of host time against SDPA's 0.38 (seventh check); the
-    split says whether autograd's side or the launches hold the difference."""
+    host, and on the H200 at D = 64 its backward took 0.52-0.64 ms of host time against SDPA's 0.30-0.47
+    (seventh check); the split says whether autograd's side or the launches hold the difference."""
     import math
 
     from memopt.kernels import flash_attn as fa
