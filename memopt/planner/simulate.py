@@ -549,7 +549,7 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         engine.step(1e-3)
                     if last:  # the engine's step but for its gradients' (DeepSpeed's rules replace memopt's with DeepSpeed's)
                         tracker.traffic["step_op_bytes"] += tracker.traffic["op_bytes"] - tracker.traffic["grad_op_bytes"] - moved
-                        # its copies between memories (the updated parameters' upload): a measured host rate may hold them
+                        # its copies between memories (the chunk engine's chunks): a rate measured over a whole step holds some
                         tracker.traffic["step_offload_bytes"] += tracker.traffic["offload_bytes"] - offloaded
                     tracker.counting = False
                 metrics = engine.step_metrics() if hasattr(engine, "step_metrics") else {}

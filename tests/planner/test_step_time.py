@@ -48,7 +48,7 @@ def test_defaults_keep_the_old_estimate():
 
 @pytest.mark.parametrize("field,value", [("compute_efficiency", 0.0), ("compute_efficiency", -0.3),
                                          ("compute_efficiency", 1.5), ("host_adam_gparams_s", 0.0),
-                                         ("host_adam_gparams_s", -2.0)])
+                                         ("host_adam_gparams_s", -2.0), ("host_adam_step_copy_bytes", -1.0)])
 def test_refuses_a_rate_it_would_divide_by(field, value):
     with pytest.raises(ConfigError, match=f"hardware.{field}={value}"):
         check_hardware(_hw(**{field: value}))
@@ -126,8 +126,6 @@ def test_a_rate_measured_over_the_whole_step_holds_the_step_s_copies():
         assert step_time(cfg, _hw(**hw, host_adam_step_copy_bytes=per_param), sim)["offload_s"] == pytest.approx(seconds)
     no_host = {"flops": 0, "traffic": {"offload_bytes": 6e9, "step_offload_bytes": 4e9}}
     assert step_time(cfg, _hw(**hw, host_adam_step_copy_bytes=8), no_host)["offload_s"] == pytest.approx(1.5)
-    with pytest.raises(ConfigError, match="hardware.host_adam_step_copy_bytes=-1"):
-        check_hardware(_hw(host_adam_step_copy_bytes=-1))
 
 
 def test_the_simulated_step_counts_which_copies_the_optimizer_step_makes():
