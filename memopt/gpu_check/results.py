@@ -142,4 +142,25 @@ def format_text(results: dict) -> str:
         lines.append(f"  ZeRO-Offload untracked: memopt step {_fmt(pair.get('memopt_step_s'), '.4f')} s, DeepSpeed's "
                      f"{_fmt(pair.get('deepspeed_step_s'), '.4f')} s; memopt's step "
                      f"{_fmt(pair.get('memopt_speedup_over_deepspeed'), '.2f')}x as fast")
+    lines.extend(_fit_lines((secs.get("throughput") or {}).get("result") or {}))
     return "\n".join(lines) + "\n"
+
+
+def _fit_lines(thr: dict) -> list[str]:
+    """The step-time refit (gpu_check/fit.py) and ZeRO-Offload's shown copies, under the untracked runs."""
+    lines, fit, exp = [], thr.get("step_time_fit") or {}, thr.get("offload_exposed") or {}
+    if fit.get("error"):
+        lines.append(f"step-time refit: not fitted: {fit['error']}")
+    elif fit:
+        lines.append(f"step-time refit from this check (profile lines: memory_gbps {fit['memory_gbps']:.0f}, "
+                     f"compute_efficiency {fit['compute_efficiency']:.3f}; the profile's efficiency now "
+                     f"{_fmt(fit.get('profile_compute_efficiency'), '.3f')}), against the untracked steps:")
+        for r in fit.get("rows", []):
+            lines.append(f"  {r['name']:<19}step {_fmt(r['measured_s'], '.4f')} s  plan {_fmt(r.get('planned_s'), '.4f')} s "
+                         f"({_pct(r.get('rel_err'))})  refit {_fmt(r['refit_s'], '.4f')} s ({_pct(r.get('refit_rel_err'))})  "
+                         f"memory-bound {r['op_bytes'] / 1e9:.1f} GB")
+    if exp:
+        lines.append(f"ZeRO-Offload's copies to the host: planned {_fmt(exp['planned_offload_s'], '.4f')} s, shown "
+                     f"{_fmt(exp['shown_s'], '.4f')} s ({_pct(exp['shown_fraction']).lstrip('+')} of the plan; its untracked "
+                     "step less its optimizer step less plain's)")
+    return lines

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+from memopt.gpu_check import fit
 from memopt.gpu_check.check import Check, SkipSection
 from memopt.gpu_check.procs import kill_group, run_cmd, spawn, tail
 from memopt.gpu_check.settings import (COMMON, COMPOSITIONS, DEEPSPEED_COMPOSITION, DRY_HARDWARE, DRY_MODEL, DRY_SUBST,
@@ -96,6 +97,7 @@ def wait_plan(check: Check, name: str, deadline: float) -> dict:
     out["planned_step_s"] = st.get("total_s")
     out["planned_step_terms"] = {k: st.get(k) for k in ("compute_s", "offload_s", "comm_s", "optimizer_s", "dominant", "peak_tflops",
                                                        "compute_efficiency", "host_optim_params")}
+    out["planned_op_bytes"] = (plan.get("traffic") or {}).get("op_bytes")  # the memory-bound bytes (fit.py)
     if plan.get("suggestion"):
         out["plan_suggestion"] = plan.get("suggestion")
     return out
@@ -300,8 +302,11 @@ def section_throughput(check: Check, cap: float, rec: dict) -> dict:
         runs.append(r)
         rec["result"] = {"runs": runs}
         check.write()
+    gbps = (_env(check).get("memory_bandwidth") or {}).get("gbps")
     res = {"runs": runs, "best_tracked": best["name"],
            **_offload_pair(runs),
+           "step_time_fit": fit.step_time_fit(gbps, comps, runs),
+           "offload_exposed": fit.offload_exposed(comps, runs),
            "note": "every composition that trained above (plain first, then memopt's and DeepSpeed's ZeRO-Offload, then by "
                    "tracked tokens/s) rerun with "
                    "trainer.track_memory=false; rel err = (planned - untracked) / untracked; tracker cost = tracked / "

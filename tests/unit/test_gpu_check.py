@@ -448,3 +448,53 @@ def test_a_run_gets_its_share_but_at_least_its_composition_s_least():
     assert runs.run_timeout("plain_bf16", 100.0, 5.0) == pytest.approx(20.0)
     assert runs.run_timeout(ds, 100.0, 20.0) == pytest.approx(45.0)
     assert runs.run_timeout(ds, 30.0, 20.0) == pytest.approx(30.0)
+
+
+def _steps_made_of(eff: float, gbps: float) -> tuple[list[dict], list[dict], float]:
+    """Tracked plans priced as the GPU profiles price them now (one efficiency, plain's whole step) and untracked
+    steps made of known parts: FLOPs-at-peak seconds / ``eff`` + memory-bound bytes / ``gbps`` + the other terms."""
+    parts = {  # name: FLOPs-at-peak seconds, memory-bound bytes, offload s, optimizer s
+        "plain_bf16": (0.017, 56.5e9, 0.0, 0.0), "bf16_ckpt": (0.0227, 61.3e9, 0.0, 0.0),
+        "chunked_loss": (0.017, 69.4e9, 0.0, 0.0), "zero2_offload": (0.017, 56.5e9, 0.02, 0.1)}
+    measured = {n: f / eff + b / (gbps * 1e9) + o + a for n, (f, b, o, a) in parts.items()}
+    e0 = parts["plain_bf16"][0] / measured["plain_bf16"]  # the profile's efficiency: plain's whole step
+    tracked = [{"name": n, "status": "ok", "planned_op_bytes": b, "planned_step_s": f / e0 + o + a,
+                "planned_step_terms": {"compute_s": f / e0, "compute_efficiency": e0, "offload_s": o, "comm_s": 0.0,
+                                       "optimizer_s": a}} for n, (f, b, o, a) in parts.items()]
+    untracked = [{"name": n, "status": "ok", "step_time_s": t, "optim_step_s": parts[n][3] + 0.001} for n, t in measured.items()]
+    return tracked, untracked, e0
+
+
+def test_the_step_time_refit_recovers_the_rates_the_steps_were_made_with():
+    """Steps built from an efficiency of 0.6 and 4,000 GB/s: with the measured rate the fit finds 0.6 and plans every
+    step to the digit, where one efficiency planned the byte-heavier chunked_loss too fast; ZeRO-Offload's shown
+    copies are the seconds its step was given for them."""
+    from memopt.gpu_check import fit
+
+    tracked, untracked, e0 = _steps_made_of(eff=0.6, gbps=4000.0)
+    got = fit.step_time_fit(4000.0, tracked, untracked)
+    assert got["compute_efficiency"] == pytest.approx(0.6) and got["profile_compute_efficiency"] == pytest.approx(e0)
+    rows = {r["name"]: r for r in got["rows"]}
+    assert set(rows) == {"plain_bf16", "bf16_ckpt", "chunked_loss", "zero2_offload"}
+    assert all(r["refit_rel_err"] == pytest.approx(0.0, abs=1e-12) for r in rows.values())
+    assert rows["chunked_loss"]["rel_err"] < -0.05 and rows["plain_bf16"]["rel_err"] == pytest.approx(0.0, abs=1e-12)
+    for r in untracked:  # the copies: 0.02 s given, the optimizer step measured 1 ms over its part
+        r["optim_step_s"] -= 0.001
+    assert fit.offload_exposed(tracked, untracked) == pytest.approx(
+        {"planned_offload_s": 0.02, "shown_s": 0.02, "shown_fraction": 1.0})
+    txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": {
+        "runs": [], "step_time_fit": got, "offload_exposed": fit.offload_exposed(tracked, untracked)}}}})
+    assert "memory_gbps 4000, compute_efficiency 0.600" in txt and "shown 0.0200 s (100.0% of the plan" in txt
+
+
+def test_the_refit_says_why_it_cannot_fit():
+    """No measured rate, no plain step, or a rate so low that plain's bytes leave its products less time than they
+    take at peak: each a reason, never a number."""
+    from memopt.gpu_check import fit
+
+    tracked, untracked, _ = _steps_made_of(eff=0.6, gbps=4000.0)
+    assert "no measured device memory rate" in fit.step_time_fit(None, tracked, untracked)["error"]
+    assert "an efficiency over 1" in fit.step_time_fit(1000.0, tracked, untracked)["error"]  # 56.5 ms of bytes in 45 ms
+    no_plain = [r for r in untracked if r["name"] != "plain_bf16"]
+    assert "plain_bf16 has no untracked step" in fit.step_time_fit(4000.0, tracked, no_plain)["error"]
+    assert fit.offload_exposed(tracked, no_plain) == {}
