@@ -184,15 +184,43 @@ def _host_split(q, k, v, do) -> dict:
     for name, f in (("autograd", through), ("launchers", direct)):
         f()
         _sync(q.device)
-        ts = []
-        for _ in range(FLASH_REPS):
-            t0 = time.perf_counter()
-            for _ in range(FLASH_QUEUED):
-                f()
-            ts.append(1e3 * (time.perf_counter() - t0) / FLASH_QUEUED)
-            _sync(q.device)
-        out[f"{name}_host_ms"] = sorted(ts)[len(ts) // 2]
+        host: list[float] = []
+        _timed(f, q.device, queued=True, host=host)
+        out[f"{name}_host_ms"] = _median(host)
     return out
+
+
+def _median(ts: list[float]) -> float:
+    return sorted(ts)[len(ts) // 2]
+
+
+def _timed(f, dev, queued: bool, host: list[float] | None = None) -> float:
+    """Median of FLASH_REPS timings, ms per call. Isolated: one call between two events, the GPU idle before it,
+    so the host's launch latency counts. Queued: FLASH_QUEUED calls back to back between two events (per call),
+    the GPU kept busy as in training, so only GPU time counts unless the host is slower than the GPU: the host's
+    own time per queued call (launching, before the synchronize) goes into ``host`` (above the queued time, the
+    call is bound by the host). On a CPU both are the wall time."""
+    import torch
+
+    ts = []
+    calls = FLASH_QUEUED if queued else 1
+    for _ in range(FLASH_REPS):
+        if dev.type == "cuda":
+            a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t_host = time.perf_counter()
+        for _ in range(calls):
+            f()
+        host_ms = 1e3 * (time.perf_counter() - t_host) / calls
+        if queued and host is not None:
+            host.append(host_ms)
+        if dev.type == "cuda":
+            b_.record()
+            torch.cuda.synchronize(dev)
+            ts.append(a.elapsed_time(b_) / calls)
+        else:
+            ts.append(host_ms)
+    return _median(ts)
 
 
 def _empty_cache(dev) -> None:
@@ -245,48 +273,18 @@ def _bench_one(fn, q, k, v, do, ref, fwd_flops, fb_flops) -> dict:
             out["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
             out["peak_over_start_bytes"] = out["peak_bytes"] - base
 
-        host: dict[int, list[float]] = {}
-
-        def timed(f, queued: bool) -> float:
-            """Median of FLASH_REPS timings. Isolated: one call between two events, the GPU idle before it,
-            so the host's launch latency counts. Queued: FLASH_QUEUED calls back to back between two events
-            (per call), the GPU kept busy as in training, so only GPU time counts unless the host is slower
-            than the GPU: the host's own time per queued call (launching, before the synchronize) is kept
-            beside it (``*_host_ms``: above the queued time, the call is bound by the host)."""
-            ts = []
-            calls = FLASH_QUEUED if queued else 1
-            for _ in range(FLASH_REPS):
-                if dev.type == "cuda":
-                    a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    t_host = time.perf_counter()
-                    for _ in range(calls):
-                        f()
-                    if queued:
-                        host.setdefault(id(f), []).append(1e3 * (time.perf_counter() - t_host) / calls)
-                    b_.record()
-                    torch.cuda.synchronize(dev)
-                    ts.append(a.elapsed_time(b_) / calls)
-                else:
-                    t1 = time.perf_counter()
-                    for _ in range(calls):
-                        f()
-                    ts.append(1e3 * (time.perf_counter() - t1) / calls)
-            ts.sort()
-            return ts[len(ts) // 2]
+        host: dict[str, list[float]] = {"fwd": [], "fwdbwd": []}
 
         with torch.no_grad():
             for _ in range(FLASH_WARMUP):
                 fn(q, k, v)
             fwd = lambda: fn(q, k, v)  # noqa: E731
-            out["fwd_ms"] = timed(fwd, queued=True)
-            out["fwd_isolated_ms"] = timed(fwd, queued=False)
-        out["fwdbwd_ms"] = timed(fwdbwd, queued=True)
-        out["fwdbwd_isolated_ms"] = timed(fwdbwd, queued=False)
-        for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-            if host.get(id(f)):
-                ms = sorted(host[id(f)])
-                out[f"{name}_host_ms"] = ms[len(ms) // 2]
+            out["fwd_ms"] = _timed(fwd, dev, queued=True, host=host["fwd"])
+            out["fwd_isolated_ms"] = _timed(fwd, dev, queued=False)
+        out["fwdbwd_ms"] = _timed(fwdbwd, dev, queued=True, host=host["fwdbwd"])
+        out["fwdbwd_isolated_ms"] = _timed(fwdbwd, dev, queued=False)
+        if dev.type == "cuda":  # on a CPU the host time is the time
+            out.update({f"{name}_host_ms": _median(ms) for name, ms in host.items()})
         out["fwd_tflops"] = fwd_flops / (out["fwd_ms"] * 1e-3) / 1e12
         out["fwdbwd_tflops"] = fb_flops / (out["fwdbwd_ms"] * 1e-3) / 1e12
     except Exception as exc:  # noqa: BLE001
