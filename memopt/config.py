@@ -143,6 +143,9 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError("data=text_file needs data.path (e.g. data.path=/path/to/corpus.txt)")
         if not os.path.isfile(os.path.expanduser(cfg.data.path)):
             raise ConfigError(f"data.path={cfg.data.path!r}: no such file; give a UTF-8 text file")
+    elif cfg.data.path:  # the pydoc corpus or random bytes would train, the file never read
+        raise ConfigError(f"data.path={cfg.data.path!r} is read only with data=text_file, and this run's data is "
+                          f"{cfg.data.name}: add data=text_file to train on the file, or drop data.path")
     if not 0 <= cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     _one_of("trainer.mode", t.mode, ("train", "plan"))

@@ -125,6 +125,17 @@ def test_text_file_needs_path():
         typed(["data=text_file"])
 
 
+@pytest.mark.parametrize("data", ["pydoc", "synthetic"])
+def test_a_data_path_the_corpus_would_not_read_is_refused(tmp_path, data):
+    """data.path with another corpus than text_file trained on that corpus, the file never opened: refused, naming
+    the corpus and the fix (the file exists, so only the mismatch is refused)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text")
+    with pytest.raises(ConfigError, match=f"read only with data=text_file, and this run's data is {data}"):
+        typed([f"data={data}", f"data.path={corpus}"])
+    assert typed(["data=text_file", f"data.path={corpus}"]).data.path == str(corpus)
+
+
 def test_experiment_config_is_global():
     cfg = typed(["experiment=quick"])
     assert cfg.experiment == "quick" and cfg.trainer.max_steps == 30
