@@ -6,6 +6,8 @@ run directory gets no ``summary.json``. Here the same composition is tried first
 (a sweep's values are lists Hydra expands itself; each job is then checked by the gate, ``memopt.gate``):
 a failure writes a ``refused`` summary into the directory the run would have used and exits 2. A run
 directory that cannot be written is refused here too, in one line on stderr (nothing can be recorded).
+A field set under a node the command leaves null (a strategy it does not select) is named with its fix, in
+a single run and in every job of a sweep (OmegaConf fails on it with a bare assertion and a traceback).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ _HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg
 
 
 def refuse_uncomposable(argv: list[str]) -> None:
+    if any(a.split("=")[0] in ("-m", "--multirun") for a in argv):
+        _refuse_null_parent_sweep(argv)
     if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # sweeps, help and config printing: Hydra's own
         return
     job = [a for a in argv if not a.lstrip("+~").startswith("hydra.") and not a.lstrip("+~").startswith("hydra/")]
@@ -33,9 +37,12 @@ def refuse_uncomposable(argv: list[str]) -> None:
     try:
         compose_config(job)
         _refuse_unwritable(_run_dir(argv))
-    except (HydraException, OmegaConfBaseException) as e:
-        message = _message(e)
-        hint = _nearest_key(job)
+    except (HydraException, OmegaConfBaseException, AssertionError) as e:
+        null = _null_parent(job) if isinstance(e, AssertionError) else None
+        if isinstance(e, AssertionError) and null is None:
+            raise
+        message = null or _message(e)
+        hint = "" if null else _nearest_key(job)
         error = f"the command does not compose: {message}" + (f" ({hint})" if hint else "")
         run_dir = _run_dir(argv)
         where = (f"summary in {run_dir}/summary.json" if _write_refusal(run_dir, error)
@@ -57,6 +64,84 @@ def _message(e: BaseException) -> str:
     if cause is not None and str(cause).strip():
         text = f"{text}: {str(cause).splitlines()[0]}"
     return " ".join(text.split())
+
+
+def _refuse_null_parent_sweep(argv: list[str]) -> None:
+    """A sweep's jobs composed before Hydra launches any. Hydra composes every job of a batch first and reports
+    its own errors in a line, but a field set under a null node (``_null_parent``) fails in OmegaConf with a
+    bare assertion and a traceback, and the whole sweep with it; that one is refused here in memopt's words,
+    naming the job (exit 2; nothing ran). Only a command setting a field three keys deep can meet it
+    (``strategy.zero2.bucket_mb``), so other sweeps launch as fast as before."""
+    args = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    if not any("=" in a and not a.startswith(("+", "~")) and a.split("=", 1)[0].count(".") >= 2 for a in args):
+        return
+    if any("=" in a and "(" in a.split("=", 1)[1].split("[")[0] for a in args):
+        return  # Hydra's sweep functions (choice, range, glob...): its own to expand
+    import itertools
+
+    jobs = list(itertools.islice(itertools.product(*map(_values, args)), 257))
+    if len(jobs) > 256:
+        return
+    from memopt.config import compose_config
+
+    try:
+        for job in map(list, jobs):
+            try:
+                compose_config(job)
+            except AssertionError:
+                null = _null_parent(job)
+                if null is None:
+                    raise
+                print(f"memopt: sweep refused, nothing ran: its job {' '.join(job)} does not compose: {null}",
+                      file=sys.stderr)
+                raise SystemExit(EXIT_CODES["refused"]) from None
+    except (SystemExit, AssertionError):
+        raise
+    except Exception:  # noqa: BLE001 - Hydra says the rest in its own words
+        pass
+    finally:
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+
+
+def _values(arg: str) -> list[str]:
+    """``key=a,b,c`` -> ``[key=a, key=b, key=c]``: a sweep's values (commas inside [] or () stay: a list value)."""
+    if "=" not in arg:
+        return [arg]
+    key, value = arg.split("=", 1)
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(value):
+        depth += 1 if ch in "[(" else -1 if ch in "])" else 0
+        if ch == "," and depth == 0:
+            out.append(value[start:i])
+            start = i + 1
+    return [f"{key}={v}" for v in [*out, value[start:]]]
+
+
+def _null_parent(job: list[str]) -> str | None:
+    """The override that sets a field under a node this command leaves null (``strategy.zero2.bucket_mb=...``
+    without ``+strategy=zero2``): OmegaConf fails on it with a bare ``AssertionError`` ("Unexpected type for
+    root: NoneType"). Found by composing without each dotted override in turn."""
+    from memopt.config import compose_config
+
+    for a in job:
+        key = a.split("=", 1)[0]
+        if "=" not in a or a.startswith(("+", "~")) or "." not in key:
+            continue
+        try:
+            node = compose_config([b for b in job if b is not a])
+        except Exception:  # noqa: BLE001 - not this override's doing
+            continue
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            node = node.get(part) if hasattr(node, "get") else None
+            if node is None:
+                parent = ".".join(parts[:i + 1])
+                fix = (f"select it with +strategy={parts[1]} (or add {parts[1]} to the +strategy list), or drop {key}"
+                       if parts[0] == "strategy" and i == 1 else f"set {parent} first, or drop {key}")
+                return f"{a} sets a field of {parent}, which this command leaves null: {fix}"
+    return None
 
 
 def _nearest_key(job: list[str]) -> str:

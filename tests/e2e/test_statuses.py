@@ -59,6 +59,8 @@ def test_an_empty_data_file_is_refused(tmp_path):
     (["+strategy=auto", "strategy.auto.trial_margin=0.1"], ["strategy.auto.trial_margin", "strategy.auto.trial_weight"]),
     (["model=gpt_huge"], ["model/gpt_huge", "gpt_tiny"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps=abc", "Integer"]),
+    # a field of a strategy the command does not select: OmegaConf's bare assertion and a traceback before
+    (["strategy.zero2.overlap_comm=false"], ["strategy.zero2.overlap_comm=false", "+strategy=zero2"]),
 ])
 def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args, words, capsys, monkeypatch):
     """Hydra's own composition errors exited 1 without summary.json; they are refusals (exit 2). The CLI's
@@ -74,6 +76,23 @@ def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args,
     s = json.loads((d / "summary.json").read_text())
     assert s["status"] == "refused" and all(w in s["error"] for w in words), s["error"]
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("summary.json")
+
+
+def test_a_sweep_whose_job_sets_a_field_of_a_strategy_it_does_not_select_is_refused_before_any_job(tmp_path, capsys,
+                                                                                                    monkeypatch):
+    """Hydra composes a sweep's jobs before running one; a field under a strategy one job does not select failed
+    there with OmegaConf's bare assertion, a traceback and exit 1. Refused in memopt's words, naming that job."""
+    from memopt.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["memopt.train", "-m", "+strategy=[bf16,zero2],zero3",
+                                      "strategy.zero2.overlap_comm=false", *QUICK])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_CODES["refused"], err[-2000:]
+    assert "Traceback" not in err and "its job +strategy=zero3 strategy.zero2.overlap_comm=false" in err, err
+    assert not (tmp_path / "outputs").exists()  # nothing ran
 
 
 def test_a_key_added_with_plus_where_the_schema_has_none_is_refused_with_memopts_name_for_it():
