@@ -166,3 +166,17 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(overrides, name,
     with pytest.raises(ConfigError) as e:
         to_dataclass(compose(overrides))
     assert f"{name} is not a field" in str(e.value) and near in str(e.value)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU profile on a machine without CUDA")
+def test_training_on_the_cpu_with_an_accelerators_profile_warns_that_mfu_and_budget_are_its():
+    """hardware=h100_sxm trained here without a word: MFU 0.1% against the H100's peak, its 80 GB as the device
+    budget. Warned (planning for that machine is what the profile is for: no warning in plan mode)."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"hardware=h100_sxm describes an accelerator .* trains on the CPU"):
+        typed(["hardware=h100_sxm"])
+    for quiet in (["hardware=h100_sxm", "trainer.mode=plan"], []):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            typed(quiet)
