@@ -63,6 +63,8 @@ class TrainerConfig:
     throughput_warmup_steps: int = 3  # steps excluded from the median tokens/s
     track_memory: bool = True  # dispatch-mode tracker on every step
     count_comm: bool = False  # count the collectives of step 0 (kinds, calls, bytes) into summary.json comm_per_step
+    profile_step: int = -1  # this step under torch.profiler on every rank, into <run dir>/profile/ (memopt/profiling.py); -1: none
+    profile_trace: bool = True  # with profile_step: the Chrome trace too (else the op table and phases only)
     save_checkpoint: bool = True  # write model.pt (atomic) at the end of the run
     num_threads: int = 0  # torch intra-op threads on CPU; 0 keeps PyTorch's default
     cpu_malloc_cache: bool = True  # on a CPU device, glibc's malloc keeps freed blocks for the next step's instead of
@@ -171,6 +173,9 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "nproc_per_node"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+    if not -1 <= t.profile_step < t.max_steps:
+        raise ConfigError(f"trainer.profile_step={t.profile_step}: give a step of this run, 0 to {t.max_steps - 1} "
+                          "(trainer.max_steps - 1; after the warm-up steps for a representative one), or -1 for none")
     for name in ("checkpoint_every", "divergence_steps"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")

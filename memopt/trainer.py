@@ -32,6 +32,7 @@ from memopt.memory.tracker import MemoryTracker, NullTracker
 from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
 from memopt.parallel.comm import CommCounter
+from memopt.profiling import PHASES, StepProfiler
 from memopt.records import new_run_id
 from memopt.watchdog import WATCHED_BY_LAUNCHER
 
@@ -180,7 +181,10 @@ class Trainer:
             bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         step_times, optim_times, losses, val_loss = [], [], [], None
         guard = DivergenceGuard(t.divergence_steps, bad=self._carried_bad)
+        profiler, profiled = StepProfiler(t.profile_step, self.run_dir, self.rank, self.device, t.profile_trace,
+                                           tracked=tracker.enabled), None
         for step in range(start, t.max_steps):
+            profiler.start(step)
             self._sync()
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optim, t.max_steps)
@@ -188,17 +192,18 @@ class Trainer:
             counter = CommCounter() if t.count_comm and step == start else contextlib.nullcontext()
             with counter:  # the first step only (a warm-up step, outside the median tokens/s)
                 self._beat("forward/backward", step)
-                for micro in range(t.grad_accum):
-                    x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
-                    with cat("other"):
-                        x, y = x.to(self.device), y.to(self.device)
-                    loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
-                self._sync()
+                with torch.profiler.record_function(PHASES[0]):  # the phases of a profiled step (profiling.py)
+                    for micro in range(t.grad_accum):
+                        x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
+                        with cat("other"):
+                            x, y = x.to(self.device), y.to(self.device)
+                        loss_sum += engine.forward_backward(x, y, micro, t.grad_accum).float()
+                    self._sync()
                 t1 = time.perf_counter()
                 self._beat("optimizer step", step)
-                with cat("temp"):
+                with torch.profiler.record_function(PHASES[1]), cat("temp"):
                     result = engine.step(lr)
-                self._sync()
+                    self._sync()
             if isinstance(counter, CommCounter):
                 self.summary["comm_per_step"] = counter.summary()  # this rank's (rank 0's in summary.json)
             optim_times.append(time.perf_counter() - t1)  # the optimizer step alone (after the backward)
@@ -207,6 +212,9 @@ class Trainer:
             self._sync()
             dt = time.perf_counter() - t0
             step_times.append(dt)
+            done = profiler.stop(step)
+            if done is not None:  # the profiler slowed this step: out of the medians below
+                profiled = (len(step_times) - 1, {"step": step, **{k: done[k] for k in ("files", "phases", "error") if k in done}})
             loss_val = loss_sum.item() / (t.grad_accum * dp.size)
             losses.append(loss_val)
 
@@ -238,6 +246,8 @@ class Trainer:
         if bar is not None:
             bar.close()
 
+        if profiled is not None and len(step_times) > 1:
+            del step_times[profiled[0]], optim_times[profiled[0]]
         warm = step_times[t.throughput_warmup_steps:] or step_times
         med = statistics.median(warm)
         tok_s = tokens_per_step / med
@@ -247,6 +257,7 @@ class Trainer:
             optim_step_s=statistics.median(optim_times[t.throughput_warmup_steps:] or optim_times),
             mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps - start,
             skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale,
+            **({"profile": profiled[1]} if profiled is not None else {}),
         )
         if t.save_checkpoint:
             self._beat("final weights (model.pt)")

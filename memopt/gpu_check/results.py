@@ -137,6 +137,7 @@ def format_text(results: dict) -> str:
                          f"step {_fmt(r.get('step_time_s'), '.4f')} s  plan {_fmt(r.get('planned_step_s'), '.4f')} s  "
                          f"err {_pct(r.get('rel_err_step_time'))}  tracker {_pct(r.get('tracker_cost'))}"
                          + (f"  error: {str(r['error'])[:100]}" if r.get("error") else ""))
+    lines.extend(_profile_lines(thr))
     pair = ((secs.get("throughput") or {}).get("result") or {}).get("zero_offload_untracked")
     if pair:
         lines.append(f"  ZeRO-Offload untracked: memopt step {_fmt(pair.get('memopt_step_s'), '.4f')} s, DeepSpeed's "
@@ -163,4 +164,23 @@ def _fit_lines(thr: dict) -> list[str]:
         lines.append(f"ZeRO-Offload's copies to the host: planned {_fmt(exp['planned_offload_s'], '.4f')} s, shown "
                      f"{_fmt(exp['shown_s'], '.4f')} s ({_pct(exp['shown_fraction']).lstrip('+')} of the plan; its untracked "
                      "step less its optimizer step less plain's)")
+    return lines
+
+
+def _profile_lines(runs: list[dict]) -> list[str]:
+    """A profiled run's phases and its ops with the most self time (trainer.profile_step), ms."""
+    lines = []
+    for r in runs:
+        p = r.get("profile")
+        if not p:
+            continue
+        def ms(row, key):
+            return "-" if not row or row.get(key) is None else f"{row[key] / 1e3:.1f}"
+        ph = p.get("phases") or {}
+        fb, opt = ph.get("forward_backward"), ph.get("optimizer_step")
+        key = p.get("sorted_by", "self_cpu_us")
+        lines.append(f"  {r.get('name')} step {p.get('step')} profiled, ms: forward+backward host {ms(fb, 'cpu_us')} device "
+                     f"{ms(fb, 'device_us')}, optimizer step host {ms(opt, 'cpu_us')} device {ms(opt, 'device_us')}; most "
+                     f"{key.replace('_us', '').replace('_', ' ')}: "
+                     + ", ".join(f"{o['name']} x{o['calls']} {o[key] / 1e3:.1f}" for o in p.get("top_ops", [])[:5]))
     return lines

@@ -428,16 +428,26 @@ def test_throughput_reruns_both_zero_offloads_after_plain_and_compares_them(tmp_
     untracked = {"plain_bf16": 0.04, "zero2_offload": 0.15, ds: 0.24, "chunked_loss": 0.05, "bf16_ckpt": 0.048}
     calls = []
 
+    extras = {}
+    profile = {"step": 1, "sorted_by": "self_device_us", "top_ops": [{"name": "aten::copy_", "calls": 52, "self_device_us": 41000.0}],
+               "phases": {"forward_backward": {"cpu_us": 120000.0, "device_us": 99000.0}, "optimizer_step": {"cpu_us": 170000.0}}}
+
     def fake_run(c, name, overrides, steps, timeout, extra=()):
         calls.append(name.removesuffix("_untracked"))
-        return {"name": name, "status": "ok", "step_time_s": untracked[calls[-1]]}
+        extras[calls[-1]] = list(extra)
+        return {"name": name, "status": "ok", "step_time_s": untracked[calls[-1]],
+                **({"profile": profile} if calls[-1] == ds else {})}
 
     monkeypatch.setattr(runs, "train_run", fake_run)
     res = runs.section_throughput(check, 60.0, {})
     assert calls == ["plain_bf16", "zero2_offload", ds, "chunked_loss", "bf16_ckpt"]
+    last = f"trainer.profile_step={settings.DRY_TRAIN_STEPS - 1}"  # the two ZeRO-Offloads' last step, profiled
+    assert all((last in extras[n]) == (n in ("zero2_offload", ds)) for n in calls), extras
     assert res["zero_offload_untracked"]["memopt_speedup_over_deepspeed"] == pytest.approx(0.24 / 0.15)
     txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": res}}})
     assert "memopt's step 1.60x as fast" in txt
+    assert f"{ds} step 1 profiled, ms: forward+backward host 120.0 device 99.0, optimizer step host 170.0 device -" in txt
+    assert "most self device: aten::copy_ x52 41.0" in txt
 
 
 def test_a_run_gets_its_share_but_at_least_its_composition_s_least():
