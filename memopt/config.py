@@ -145,9 +145,10 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError("data=text_file needs data.path (e.g. data.path=/path/to/corpus.txt)")
         if not os.path.isfile(os.path.expanduser(cfg.data.path)):
             raise ConfigError(f"data.path={cfg.data.path!r}: no such file; give a UTF-8 text file")
-    elif cfg.data.path:  # the pydoc corpus or random bytes would train, the file never read
-        raise ConfigError(f"data.path={cfg.data.path!r} is read only with data=text_file, and this run's data is "
-                          f"{cfg.data.name}: add data=text_file to train on the file, or drop data.path")
+    elif cfg.data.path:  # the pydoc corpus or random bytes train, the file never read (warned, not refused: a
+        # sweep over data=pydoc,text_file gives every job the text file's data.path)
+        warnings.warn(f"data.path={cfg.data.path!r} is not read: it is read only with data=text_file, and this run's "
+                      f"data is {cfg.data.name} (add data=text_file to train on the file)", stacklevel=2)
     if not 0 <= cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     _one_of("trainer.mode", t.mode, ("train", "plan"))
