@@ -1,16 +1,15 @@
-"""The README's usage block, planned as typed (``trainer.mode=plan``, in this process): every single-run command
-there composes and fits this machine. Why: the block's chunk-engine line ("budget below the model") had been
+"""The README's usage block, checked as typed: every single-run command there composes, passes the config rules
+and the preflight on this machine. Why: the block's chunk-engine line ("budget below the model") had been
 refused by the preflight since it was added for a smaller micro-batch, and nothing read the README."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 
 import pytest
 
-from tests.conftest import REPO, cli_main
+from tests.conftest import REPO, typed
 
 
 def usage_commands() -> list[list[str]]:
@@ -32,15 +31,16 @@ def test_the_usage_block_holds_the_commands_it_shows():
 
 
 @pytest.mark.parametrize("args", usage_commands(), ids=lambda a: " ".join(a)[:60] or "default")
-def test_a_usage_command_plans_and_fits_here(tmp_path, args, capsys, monkeypatch):
-    # the fit is the question, not the step time: this CPU's step-time probes (10-20 s a process) are skipped
-    monkeypatch.setattr("memopt.planner.cpu_rates.complete", lambda spec, hw, device, model: hw)
+def test_a_usage_command_passes_the_preflight_here(tmp_path, args):
+    """What a run of the command checks before its ranks start (the gate's config rules, then its preflight,
+    which plans the run where it comes near its memory): refused, the command would end before training."""
+    from memopt.gate import hardware
+    from memopt.planner.preflight import PreflightRefusal, preflight
+
     corpus = tmp_path / "corpus.txt"  # the block's text_file line names corpus.txt in the working directory
     corpus.write_text("Any local UTF-8 text will do. " * 400)
-    args = [f"data.path={corpus}" if a == "data.path=corpus.txt" else a for a in args]
-    d = tmp_path / "plan"
-    rc = cli_main([*args, "logger=none", "trainer.mode=plan", f"hydra.run.dir={d}"])
-    out = capsys.readouterr()
-    assert rc == 0, out.err[-2000:]
-    plan = json.loads((d / "plan.json").read_text())
-    assert plan["fits"], (plan.get("error"), plan.get("suggestion"))
+    cfg = typed([f"data.path={corpus}" if a == "data.path=corpus.txt" else a for a in args])
+    try:
+        preflight(cfg, hardware(cfg))
+    except PreflightRefusal as e:
+        pytest.fail(f"{' '.join(args)}: {e}")
