@@ -8,7 +8,8 @@ and DeepSpeed users profile a step for the same question. The trainer marks its 
 
 * ``rank<r>_step<n>.json``: each phase's time and the ops with the most self time (device time on a GPU, host
   time on a CPU), what a script reads;
-* ``rank<r>_step<n>.txt``: the same as a table, what a person reads;
+* ``rank<r>_step<n>.txt``: the same as a table, what a person reads (a phase's time in no op is Python and waits:
+  a synchronous collective's wait counts as the self time of the op or phase that called it);
 * ``rank<r>_step<n>.trace.json``: the Chrome trace (``trainer.profile_trace``; chrome://tracing or Perfetto).
 
 The profiled step is left out of the run's step-time medians (the profiler slows it).
@@ -117,7 +118,8 @@ def format_table(rec: dict) -> str:
     if rec.get("note"):
         lines.append(f"note: {rec['note']}")
     for name, r in rec["phases"].items():
-        lines.append(f"  {name:<20} host {r['cpu_us']:>12,.0f}" + (f"  device {r['device_us']:>12,.0f}" if "device_us" in r else ""))
+        lines.append(f"  {name:<20} host {r['cpu_us']:>12,.0f} (in no op: {r['self_cpu_us']:,.0f}: Python, waits)"
+                     + (f"  device {r['device_us']:>12,.0f}" if "device_us" in r else ""))
     lines.append(f"{'op':<60}{'calls':>8}{key:>16}{'share':>8}")
     total = rec["total_self_us"] or 1.0
     for r in rec["top_ops"]:
