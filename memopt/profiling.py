@@ -21,6 +21,7 @@ import os
 import warnings
 
 import torch
+from torch.autograd import DeviceType
 
 PHASES = ("memopt.forward_backward", "memopt.optimizer_step")
 TOP_OPS = 25
@@ -63,6 +64,15 @@ class StepProfiler:
                           "goes on", stacklevel=2)
             return {"files": [], "phases": {}, "error": f"{type(e).__name__}: {e}"}
 
+    def close(self) -> None:
+        """Stop a profiler a raising step left running (torch allows one at a time in a process)."""
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            try:
+                prof.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the run's own error is the one to report
+                pass
+
     def _write(self, prof, step: int) -> dict:
         prof.__exit__(None, None, None)
         rec = summarize(prof.key_averages(), self.device.type == "cuda")
@@ -88,27 +98,49 @@ class StepProfiler:
 def _device_us(evt, self_only: bool) -> float:
     """An event's device time in us (torch names it device_time since 2.4; cuda_time before)."""
     name = "self_device_time_total" if self_only else "device_time_total"
-    old = "self_cuda_time_total" if self_only else "cuda_time_total"
-    return float(getattr(evt, name, None) or getattr(evt, old, 0.0) or 0.0)
+    if not hasattr(evt, name):
+        name = "self_cuda_time_total" if self_only else "cuda_time_total"
+    return float(getattr(evt, name, 0.0) or 0.0)
+
+
+def _on_device_side(evt) -> bool:
+    """A kernel, a copy or a range on the GPU's timeline (kineto's events of device type CUDA), not a host-side op."""
+    return getattr(evt, "device_type", DeviceType.CPU) != DeviceType.CPU
 
 
 def summarize(averages, on_device: bool) -> dict:
     """The phases' times and the ``TOP_OPS`` ops with the most self time (``self_device_us`` on a GPU, else
-    ``self_cpu_us``), in us, from ``profile.key_averages()``."""
-    phases, ops = {}, []
+    ``self_cpu_us``), in us, from ``profile.key_averages()``.
+
+    With CUDA, kineto gives each kernel and copy a row of its own on the device's timeline beside the host op that
+    launched it (whose self device time is those kernels'), and each ``record_function`` range a second row there
+    (a user annotation: its span). So, as torch's own table does: the ops listed are the host-side ones, their total
+    is the device-side rows that are not annotations, and a phase keeps its host row's times with the device span of
+    its annotation row."""
+    phases, ops, device_total = {}, [], 0.0
     for e in averages:
+        side, annotation = _on_device_side(e), bool(getattr(e, "is_user_annotation", False))
+        if e.key in PHASES:
+            row = phases.setdefault(e.key.split(".", 1)[1], {"name": e.key})
+            if side:
+                row["device_span_us"] = _device_us(e, False)
+            else:
+                row.update(calls=int(e.count), self_cpu_us=float(e.self_cpu_time_total), cpu_us=float(e.cpu_time_total),
+                           **({"device_us": _device_us(e, False)} if on_device else {}))
+            continue
+        if side:
+            if not annotation:
+                device_total += _device_us(e, True)
+            continue
         row = {"name": e.key, "calls": int(e.count), "self_cpu_us": float(e.self_cpu_time_total),
                "cpu_us": float(e.cpu_time_total)}
         if on_device:
             row.update(self_device_us=_device_us(e, True), device_us=_device_us(e, False))
-        if e.key in PHASES:
-            phases[e.key.split(".", 1)[1]] = row
-        else:
-            ops.append(row)
+        ops.append(row)
     key = "self_device_us" if on_device else "self_cpu_us"
     ops.sort(key=lambda r: r[key], reverse=True)
-    return {"sorted_by": key, "phases": phases, "top_ops": ops[:TOP_OPS],
-            "total_self_us": sum(r[key] for r in ops)}
+    total = (device_total or sum(r[key] for r in ops)) if on_device else sum(r[key] for r in ops)
+    return {"sorted_by": key, "phases": phases, "top_ops": ops[:TOP_OPS], "total_self_us": total}
 
 
 def format_table(rec: dict) -> str:
@@ -118,8 +150,9 @@ def format_table(rec: dict) -> str:
     if rec.get("note"):
         lines.append(f"note: {rec['note']}")
     for name, r in rec["phases"].items():
-        lines.append(f"  {name:<20} host {r['cpu_us']:>12,.0f} (in no op: {r['self_cpu_us']:,.0f}: Python, waits)"
-                     + (f"  device {r['device_us']:>12,.0f}" if "device_us" in r else ""))
+        lines.append(f"  {name:<20} host {r.get('cpu_us', 0):>12,.0f} (in no op: {r.get('self_cpu_us', 0):,.0f}: Python, waits)"
+                     + (f"  device {r['device_us']:>12,.0f}" if "device_us" in r else "")
+                     + (f" (span {r['device_span_us']:,.0f})" if "device_span_us" in r else ""))
     lines.append(f"{'op':<60}{'calls':>8}{key:>16}{'share':>8}")
     total = rec["total_self_us"] or 1.0
     for r in rec["top_ops"]:

@@ -52,6 +52,7 @@ def peak_rss_bytes() -> int:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, group: str | None = None):
         self.cfg, self.run_dir = cfg, run_dir
+        self._profiler = None  # trainer.profile_step's (profiling.StepProfiler), closed however the run ends
         self._compute_dtype: str | None = None
         self._carried_bad = 0  # the divergence count a resumed run continues (from the checkpoint's meta.json)
         self.device = resolve_device(cfg.trainer.device)
@@ -108,6 +109,8 @@ class Trainer:
         finally:
             torch.nn.functional.linear = linear
             self._stop_watchdog()
+            if self._profiler is not None:  # a step that raised left it running: the next job in this process needs it off
+                self._profiler.close()
             if previous is not None and self.summary["status"] != "ok" and "steps_done" not in self.summary:
                 self.summary["previous"] = previous  # a resume that ran no step: the run's own record stays
             if "peak_bytes" not in self.summary:  # failed before the ranks could exchange peaks
@@ -181,8 +184,9 @@ class Trainer:
             bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         step_times, optim_times, losses, val_loss = [], [], [], None
         guard = DivergenceGuard(t.divergence_steps, bad=self._carried_bad)
-        profiler, profiled = StepProfiler(t.profile_step, self.run_dir, self.rank, self.device, t.profile_trace,
-                                           tracked=tracker.enabled), None
+        profiler = self._profiler = StepProfiler(t.profile_step, self.run_dir, self.rank, self.device, t.profile_trace,
+                                                 tracked=tracker.enabled)
+        profiled = None  # (its index in step_times, its record) once the profiled step has run
         for step in range(start, t.max_steps):
             profiler.start(step)
             self._sync()
@@ -230,6 +234,8 @@ class Trainer:
                        "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped_steps": engine.skipped_steps}
                 if evaluated:
                     rec["val_loss"] = val_loss
+                if profiled is not None and profiled[0] == len(step_times) - 1:
+                    rec["profiled"] = True  # under torch.profiler: slower, out of the medians
                 step_metrics = getattr(engine, "step_metrics", None)
                 if step_metrics is not None:  # engine-specific placement (the chunk engine's chunks on device, ...)
                     rec[getattr(engine, "metrics_key", "chunk")] = step_metrics()  # (pipeline: its stages' busy time)
@@ -246,15 +252,18 @@ class Trainer:
         if bar is not None:
             bar.close()
 
-        if profiled is not None and len(step_times) > 1:
-            del step_times[profiled[0]], optim_times[profiled[0]]
-        warm = step_times[t.throughput_warmup_steps:] or step_times
+        skip = profiled[0] if profiled is not None else None  # the profiled step: out of the medians, the warm-up kept
+
+        def timed(times: list[float]) -> list[float]:
+            return [x for i, x in enumerate(times) if i >= t.throughput_warmup_steps and i != skip] or \
+                [x for i, x in enumerate(times) if i != skip] or times
+        warm = timed(step_times)
         med = statistics.median(warm)
         tok_s = tokens_per_step / med
         tflops = tok_s * fpt / 1e12
         self.summary.update(
             final_loss=losses[-1], val_loss=val_loss, tokens_per_s=tok_s, step_time_s=med, tflops=tflops,
-            optim_step_s=statistics.median(optim_times[t.throughput_warmup_steps:] or optim_times),
+            optim_step_s=statistics.median(timed(optim_times)),
             mfu=(tflops / (peak * self.world)) if peak else None, steps=t.max_steps - start,
             skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale,
             **({"profile": profiled[1]} if profiled is not None else {}),

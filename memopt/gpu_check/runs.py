@@ -96,7 +96,8 @@ def wait_plan(check: Check, name: str, deadline: float) -> dict:
     st = plan.get("step_time") or {}
     out["planned_step_s"] = st.get("total_s")
     out["planned_step_terms"] = {k: st.get(k) for k in ("compute_s", "offload_s", "comm_s", "optimizer_s", "dominant", "peak_tflops",
-                                                       "compute_efficiency", "host_optim_params")}
+                                                       "compute_efficiency", "host_optim_params", "memory_s", "overhead_s",
+                                                       "attention_efficiency", "bubble_fraction")}
     out["planned_op_bytes"] = (plan.get("traffic") or {}).get("op_bytes")  # the memory-bound bytes (fit.py)
     if plan.get("suggestion"):
         out["plan_suggestion"] = plan.get("suggestion")

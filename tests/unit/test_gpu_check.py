@@ -14,6 +14,7 @@ import pytest
 
 from memopt.gpu_check import cli, flash, procs, results, runs, section_tests, settings
 from memopt.gpu_check.check import Check, SkipSection
+from tests.conftest import typed
 
 REPO = settings.REPO
 # the GPU machine's Python and platform tags, as `make gpu-wheels` downloads for it
@@ -461,24 +462,39 @@ def test_a_run_gets_its_share_but_at_least_its_composition_s_least():
 
 
 def _steps_made_of(eff: float, gbps: float) -> tuple[list[dict], list[dict], float]:
-    """Tracked plans priced as the GPU profiles price them now (one efficiency, plain's whole step) and untracked
-    steps made of known parts: FLOPs-at-peak seconds / ``eff`` + memory-bound bytes / ``gbps`` + the other terms."""
-    parts = {  # name: FLOPs-at-peak seconds, memory-bound bytes, offload s, optimizer s
-        "plain_bf16": (0.017, 56.5e9, 0.0, 0.0), "bf16_ckpt": (0.0227, 61.3e9, 0.0, 0.0),
-        "chunked_loss": (0.017, 69.4e9, 0.0, 0.0), "zero2_offload": (0.017, 56.5e9, 0.02, 0.1)}
-    measured = {n: f / eff + b / (gbps * 1e9) + o + a for n, (f, b, o, a) in parts.items()}
-    e0 = parts["plain_bf16"][0] / measured["plain_bf16"]  # the profile's efficiency: plain's whole step
-    tracked = [{"name": n, "status": "ok", "planned_op_bytes": b, "planned_step_s": f / e0 + o + a,
-                "planned_step_terms": {"compute_s": f / e0, "compute_efficiency": e0, "offload_s": o, "comm_s": 0.0,
-                                       "optimizer_s": a}} for n, (f, b, o, a) in parts.items()]
-    untracked = [{"name": n, "status": "ok", "step_time_s": t, "optim_step_s": parts[n][3] + 0.001} for n, t in measured.items()]
-    return tracked, untracked, e0
+    """Steps as the planner's own ``step_time`` prices them on a profile with ``compute_efficiency=eff`` and
+    ``memory_gbps=gbps`` (the truth of this test), and the tracked plans as it prices them on the profile the GPU check
+    plans with now (no memory rate; one efficiency, plain's whole step). A composition: its FLOPs, memory-bound bytes,
+    host-optimizer parameters and copies to the host."""
+    from dataclasses import replace
+
+    from memopt.memory.hardware import HardwareConfig
+    from memopt.planner.plan import step_time
+
+    cfg = typed(["+strategy=bf16"])
+    truth = HardwareConfig(name="gpu", device_memory_gb=80, host_memory_gb=100, peak_tflops={"bf16": 989.0},
+                           host_device_gbps=55.0, device_device_gbps=450.0, devices_per_node=1, compute_efficiency=eff,
+                           memory_gbps=gbps, host_adam_gparams_s=3.0)
+    parts = {"plain_bf16": (16.9e12, 56.5e9, 0, 0), "bf16_ckpt": (22.4e12, 61.3e9, 0, 0),
+             "chunked_loss": (16.9e12, 69.4e9, 0, 0), "zero2_offload": (16.9e12, 56.5e9, 3e8, 1.2e9)}
+    sims = {n: {"flops": f, "traffic": {"op_bytes": b, "host_optim_params": p, "offload_bytes": o}}
+            for n, (f, b, p, o) in parts.items()}
+    measured = {n: step_time(cfg, truth, sim)["total_s"] for n, sim in sims.items()}
+    e0 = sims["plain_bf16"]["flops"] / (989e12 * measured["plain_bf16"])  # the profile's: plain's whole step
+    profile = replace(truth, compute_efficiency=e0, memory_gbps=None)
+    tracked = []
+    for n, sim in sims.items():
+        st = step_time(cfg, profile, sim)
+        tracked.append({"name": n, "status": "ok", "planned_op_bytes": sim["traffic"]["op_bytes"],
+                        "planned_step_s": st["total_s"], "planned_step_terms": {k: st.get(k) for k in (
+                            "compute_s", "compute_efficiency", "offload_s", "comm_s", "optimizer_s", "memory_s")}})
+    return tracked, [{"name": n, "status": "ok", "step_time_s": t} for n, t in measured.items()], e0
 
 
-def test_the_step_time_refit_recovers_the_rates_the_steps_were_made_with():
-    """Steps built from an efficiency of 0.6 and 4,000 GB/s: with the measured rate the fit finds 0.6 and plans every
-    step to the digit, where one efficiency planned the byte-heavier chunked_loss too fast; ZeRO-Offload's shown
-    copies are the seconds its step was given for them."""
+def test_the_step_time_refit_is_the_planners_step_with_the_rates_the_steps_were_made_with():
+    """Steps priced by plan.step_time at an efficiency of 0.6 and 4,000 GB/s: with the measured rate the fit finds 0.6
+    and its refit is each of those steps (what the planner gives once the profile holds the two lines), where one
+    efficiency planned the byte-heavier chunked_loss fast."""
     from memopt.gpu_check import fit
 
     tracked, untracked, e0 = _steps_made_of(eff=0.6, gbps=4000.0)
@@ -486,15 +502,27 @@ def test_the_step_time_refit_recovers_the_rates_the_steps_were_made_with():
     assert got["compute_efficiency"] == pytest.approx(0.6) and got["profile_compute_efficiency"] == pytest.approx(e0)
     rows = {r["name"]: r for r in got["rows"]}
     assert set(rows) == {"plain_bf16", "bf16_ckpt", "chunked_loss", "zero2_offload"}
-    assert all(r["refit_rel_err"] == pytest.approx(0.0, abs=1e-12) for r in rows.values())
-    assert rows["chunked_loss"]["rel_err"] < -0.05 and rows["plain_bf16"]["rel_err"] == pytest.approx(0.0, abs=1e-12)
-    for r in untracked:  # the copies: 0.02 s given, the optimizer step measured 1 ms over its part
-        r["optim_step_s"] -= 0.001
-    assert fit.offload_exposed(tracked, untracked) == pytest.approx(
-        {"planned_offload_s": 0.02, "shown_s": 0.02, "shown_fraction": 1.0})
+    assert all(r["refit_rel_err"] == pytest.approx(0.0, abs=1e-9) for r in rows.values()), rows
+    assert rows["chunked_loss"]["rel_err"] < -0.05 and rows["plain_bf16"]["rel_err"] == pytest.approx(0.0, abs=1e-9)
     txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": {
-        "runs": [], "step_time_fit": got, "offload_exposed": fit.offload_exposed(tracked, untracked)}}}})
-    assert "memory_gbps 4000, compute_efficiency 0.600" in txt and "shown 0.0200 s (100.0% of the plan" in txt
+        "runs": [], "step_time_fit": got}}}})
+    assert "memory_gbps 4000, compute_efficiency 0.600" in txt
+
+
+def test_zero_offloads_shown_copies_are_its_forward_and_backward_over_plains():
+    """Plain: 40 ms forward + backward and a 4 ms device optimizer step; ZeRO-Offload: the same 40 ms, 7 ms of copies
+    to the host the side stream did not hide, and a 100 ms host optimizer step: 7 of the planned 22 ms shown."""
+    from memopt.gpu_check import fit
+
+    tracked = [{"name": "zero2_offload", "planned_step_terms": {"offload_s": 0.022}}]
+    untracked = [{"name": "plain_bf16", "status": "ok", "step_time_s": 0.044, "optim_step_s": 0.004},
+                 {"name": "zero2_offload", "status": "ok", "step_time_s": 0.147, "optim_step_s": 0.100}]
+    got = fit.offload_exposed(tracked, untracked)
+    assert got == pytest.approx({"planned_offload_s": 0.022, "shown_s": 0.007, "shown_fraction": 0.007 / 0.022})
+    txt = results.format_text({**results.new_results(10, "cuda"), "sections": {"throughput": {"status": "ok", "result": {
+        "runs": [], "offload_exposed": got}}}})
+    assert "shown 0.0070 s (31.8% of the plan" in txt
+    assert fit.offload_exposed(tracked, untracked[1:]) == {}  # no plain step to stand beside
 
 
 def test_the_refit_says_why_it_cannot_fit():
@@ -507,4 +535,5 @@ def test_the_refit_says_why_it_cannot_fit():
     assert "an efficiency over 1" in fit.step_time_fit(1000.0, tracked, untracked)["error"]  # 56.5 ms of bytes in 45 ms
     no_plain = [r for r in untracked if r["name"] != "plain_bf16"]
     assert "plain_bf16 has no untracked step" in fit.step_time_fit(4000.0, tracked, no_plain)["error"]
-    assert fit.offload_exposed(tracked, no_plain) == {}
+    tracked[1]["planned_step_terms"]["attention_efficiency"] = 0.5  # a term this arithmetic does not redo
+    assert "does not redo (attention_efficiency)" in fit.step_time_fit(4000.0, tracked, untracked)["error"]

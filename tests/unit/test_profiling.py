@@ -52,20 +52,31 @@ def test_a_step_the_run_does_not_have_is_refused():
 
 
 def test_on_a_gpu_ops_are_ranked_by_their_device_time():
-    """Averages as torch.profiler gives them with CUDA (device times; ``cuda_*`` names before torch 2.4): the op
-    with the most device time first, whatever its host time, and the phases apart."""
+    """Averages as torch.profiler gives them with CUDA: host ops whose self device time is the kernels they launched,
+    each kernel and copy again as a device-side row, each range twice (its host row, and a device-side annotation
+    whose time is its span); ``cuda_*`` names before torch 2.4. The host ops are ranked by device time whatever
+    their host time, their share is of the kernels' total (as torch's own table counts it: 750 us, not twice that),
+    and a phase keeps its host times beside its device time and span."""
+    from torch.autograd import DeviceType
+
     from memopt.profiling import format_table, summarize
 
-    def evt(key, self_cpu, self_dev, dev, old=False):
+    def evt(key, self_cpu, self_dev, dev, side=DeviceType.CPU, annotation=False, old=False):
         names = ("self_cuda_time_total", "cuda_time_total") if old else ("self_device_time_total", "device_time_total")
-        return SimpleNamespace(key=key, count=1, self_cpu_time_total=self_cpu, cpu_time_total=self_cpu,
-                               **dict(zip(names, (self_dev, dev))))
+        return SimpleNamespace(key=key, count=1, self_cpu_time_total=self_cpu, cpu_time_total=self_cpu, device_type=side,
+                               is_user_annotation=annotation, **dict(zip(names, (self_dev, dev))))
 
+    gpu = DeviceType.CUDA
     rec = summarize([evt("aten::copy_", 900.0, 50.0, 50.0), evt("aten::mm", 10.0, 700.0, 700.0, old=True),
-                     evt("memopt.forward_backward", 1000.0, 0.0, 750.0)], on_device=True)
+                     evt("sm90_xmma_gemm_bf16", 0.0, 700.0, 700.0, side=gpu), evt("Memcpy DtoH", 0.0, 50.0, 50.0, side=gpu),
+                     evt("memopt.forward_backward", 1000.0, 0.0, 750.0),
+                     evt("memopt.forward_backward", 0.0, 900.0, 900.0, side=gpu, annotation=True)], on_device=True)
     assert [r["name"] for r in rec["top_ops"]] == ["aten::mm", "aten::copy_"] and rec["sorted_by"] == "self_device_us"
-    assert rec["phases"]["forward_backward"]["device_us"] == 750.0 and rec["total_self_us"] == 750.0
-    assert "device          750" in format_table({**rec, "step": 5, "rank": 0})
+    assert rec["total_self_us"] == 750.0
+    fb = rec["phases"]["forward_backward"]
+    assert (fb["cpu_us"], fb["device_us"], fb["device_span_us"]) == (1000.0, 750.0, 900.0)
+    table = format_table({**rec, "step": 5, "rank": 0})
+    assert "host        1,000" in table and "device          750 (span 900)" in table and "93.3%" in table
 
 
 def test_a_profiler_that_cannot_start_leaves_the_run_going(tmp_path, monkeypatch):
@@ -79,3 +90,37 @@ def test_a_profiler_that_cannot_start_leaves_the_run_going(tmp_path, monkeypatch
     with pytest.warns(UserWarning, match="the profiler did not start"):
         s = train([*TINY, "trainer.profile_step=2", "trainer.track_memory=false"], str(tmp_path / "run"))
     assert s["status"] == "ok" and "profiler already enabled" in s["profile"]["error"] and s["profile"]["files"] == []
+
+
+def test_the_warm_up_steps_stay_out_of_the_medians_beside_the_profiled_one(tmp_path):
+    """Two warm-up steps and step 1 profiled: the median is of steps 2 and 3 (dropping the profiled step first had
+    shifted the warm-up window and left step 3 alone); the profiled step's record says it was."""
+    d = tmp_path / "run"
+    s = train([*TINY, "trainer.throughput_warmup_steps=2", "trainer.profile_step=1", "trainer.track_memory=false"], str(d))
+    recs = {r["step"]: r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "step_time_s" in r}
+    assert s["step_time_s"] == pytest.approx(statistics.median([recs[2]["step_time_s"], recs[3]["step_time_s"]]))
+    assert [n for n, r in sorted(recs.items()) if r.get("profiled")] == [1]
+
+
+def test_a_step_that_raises_while_profiled_leaves_no_profiler_running(tmp_path, monkeypatch):
+    """torch allows one profiler a process: a failed job's must not be left on for the next job in the process."""
+    import torch
+
+    from memopt.data import TokenBatches
+
+    real = TokenBatches.micro_batch
+
+    def failing(self, step, *a, **k):
+        if step == 1:
+            raise RuntimeError("a data error in the profiled step")
+        return real(self, step, *a, **k)
+
+    monkeypatch.setattr(TokenBatches, "micro_batch", failing)
+    try:
+        s = train([*TINY, "trainer.profile_step=1", "trainer.track_memory=false"], str(tmp_path / "run"))
+        assert s["status"] == "failed"
+    except RuntimeError as e:
+        assert "profiled step" in str(e)
+    assert not torch.autograd.profiler._is_profiler_enabled
+    monkeypatch.setattr(TokenBatches, "micro_batch", real)
+    assert train([*TINY, "trainer.profile_step=1", "trainer.track_memory=false"], str(tmp_path / "next"))["profile"]["files"]
