@@ -24,7 +24,8 @@ _HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg
 
 
 def refuse_uncomposable(argv: list[str]) -> None:
-    if any(a.split("=")[0] in ("-m", "--multirun") for a in argv):
+    flags = {a.split("=")[0] for a in argv if a.split("=")[0] in _HYDRA_FLAGS}
+    if flags and flags <= {"-m", "--multirun"}:  # a sweep of memopt's own config (not -cn/-cp/--cfg...)
         _refuse_null_parent_sweep(argv)
     if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # sweeps, help and config printing: Hydra's own
         return
@@ -106,42 +107,59 @@ def _refuse_null_parent_sweep(argv: list[str]) -> None:
 
 
 def _values(arg: str) -> list[str]:
-    """``key=a,b,c`` -> ``[key=a, key=b, key=c]``: a sweep's values (commas inside [] or () stay: a list value)."""
+    """``key=a,b,c`` -> ``[key=a, key=b, key=c]``: a sweep's values (commas inside [], (), {} or quotes, or escaped,
+    stay: one value)."""
     if "=" not in arg:
         return [arg]
     key, value = arg.split("=", 1)
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(value):
-        depth += 1 if ch in "[(" else -1 if ch in "])" else 0
-        if ch == "," and depth == 0:
+    out, depth, quote, start, i = [], 0, None, 0, 0
+    while i < len(value):
+        ch = value[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[({":
+            depth += 1
+        elif ch in "])}":
+            depth -= 1
+        elif ch == "," and depth == 0:
             out.append(value[start:i])
             start = i + 1
+        i += 1
     return [f"{key}={v}" for v in [*out, value[start:]]]
 
 
 def _null_parent(job: list[str]) -> str | None:
-    """The override that sets a field under a node this command leaves null (``strategy.zero2.bucket_mb=...``
-    without ``+strategy=zero2``): OmegaConf fails on it with a bare ``AssertionError`` ("Unexpected type for
-    root: NoneType"). Found by composing without each dotted override in turn."""
+    """The overrides that set a field under a node this command leaves null (``strategy.zero2.bucket_mb=...``
+    without ``+strategy=zero2``): OmegaConf fails on the first with a bare ``AssertionError`` ("Unexpected type for
+    root: NoneType"). Found by composing the command's group choices alone (what decides which nodes are null) and
+    walking every dotted key against that; all of them named."""
     from memopt.config import compose_config
 
+    choices = [a for a in job if a.startswith(("+", "~")) or "." not in a.split("=", 1)[0]]
+    try:
+        node0 = compose_config(choices)
+    except Exception:  # noqa: BLE001 - the choices themselves do not compose: Hydra's own error says why
+        return None
+    found = []
     for a in job:
         key = a.split("=", 1)[0]
         if "=" not in a or a.startswith(("+", "~")) or "." not in key:
             continue
-        try:
-            node = compose_config([b for b in job if b is not a])
-        except Exception:  # noqa: BLE001 - not this override's doing
-            continue
-        parts = key.split(".")
+        node, parts = node0, key.split(".")
         for i, part in enumerate(parts[:-1]):
             node = node.get(part) if hasattr(node, "get") else None
             if node is None:
                 parent = ".".join(parts[:i + 1])
                 fix = (f"select it with +strategy={parts[1]} (or add {parts[1]} to the +strategy list), or drop {key}"
                        if parts[0] == "strategy" and i == 1 else f"set {parent} first, or drop {key}")
-                return f"{a} sets a field of {parent}, which this command leaves null: {fix}"
-    return None
+                found.append(f"{a} sets a field of {parent}, which this command leaves null: {fix}")
+                break
+    return "; ".join(found) or None
 
 
 def _nearest_key(job: list[str]) -> str:

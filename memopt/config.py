@@ -165,7 +165,8 @@ def validate(cfg: TrainConfig) -> None:
         warnings.warn(f"trainer.nproc_per_node={t.nproc_per_node} CPU ranks on {cores} cores: each rank gets a fraction "
                       f"of a core and steps slow down accordingly (use at most {cores})", stacklevel=2)
     hw = cfg.hardware
-    if t.mode == "train" and t.device != "cuda" and not _cuda_available() and hw.peak_tflops and not hw.device_is_host:
+    on_cpu = t.device == "cpu" or (t.device == "auto" and not _cuda_available())
+    if t.mode == "train" and on_cpu and hw.peak_tflops and not hw.device_is_host:
         peak = ", ".join(f"{k} {v:g}" for k, v in hw.peak_tflops.items())
         warnings.warn(f"hardware={hw.name} describes an accelerator (peak TFLOP/s {peak}; {hw.device_memory_gb} GB a "
                       "device) but this run trains on the CPU: its MFU is against that peak and its device budget that "

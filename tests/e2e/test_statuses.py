@@ -61,6 +61,8 @@ def test_an_empty_data_file_is_refused(tmp_path):
     (["trainer.max_steps=abc"], ["trainer.max_steps=abc", "Integer"]),
     # a field of a strategy the command does not select: OmegaConf's bare assertion and a traceback before
     (["strategy.zero2.overlap_comm=false"], ["strategy.zero2.overlap_comm=false", "+strategy=zero2"]),
+    (["strategy.zero2.bucket_mb=5", "strategy.zero2.overlap_comm=false"],  # both named (dropping one still failed)
+     ["strategy.zero2.bucket_mb=5 sets", "strategy.zero2.overlap_comm=false sets"]),
 ])
 def test_a_command_hydra_cannot_compose_is_refused_with_a_record(tmp_path, args, words, capsys, monkeypatch):
     """Hydra's own composition errors exited 1 without summary.json; they are refusals (exit 2). The CLI's
@@ -93,6 +95,15 @@ def test_a_sweep_whose_job_sets_a_field_of_a_strategy_it_does_not_select_is_refu
     assert e.value.code == EXIT_CODES["refused"], err[-2000:]
     assert "Traceback" not in err and "its job +strategy=zero3 strategy.zero2.overlap_comm=false" in err, err
     assert not (tmp_path / "outputs").exists()  # nothing ran
+
+
+def test_a_sweeps_values_split_where_hydra_splits_them():
+    """Commas inside a list, a dict, quotes or escaped are one value; the job is composed with each value."""
+    from memopt.cli_gate import _values
+
+    assert _values("+strategy=[bf16,zero2],zero3") == ["+strategy=[bf16,zero2]", "+strategy=zero3"]
+    assert _values("a='x,y',z") == ["a='x,y'", "a=z"] and _values("a={p:1,q:2},r") == ["a={p:1,q:2}", "a=r"]
+    assert _values(r"a=x\,y,z") == [r"a=x\,y", "a=z"] and _values("a=") == ["a="] and _values("a=1,2,3")[2] == "a=3"
 
 
 def test_a_key_added_with_plus_where_the_schema_has_none_is_refused_with_memopts_name_for_it():
