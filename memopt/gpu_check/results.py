@@ -163,7 +163,7 @@ def _fit_lines(thr: dict) -> list[str]:
     if exp:
         lines.append(f"ZeRO-Offload's copies to the host: planned {_fmt(exp['planned_offload_s'], '.4f')} s, shown "
                      f"{_fmt(exp['shown_s'], '.4f')} s ({_pct(exp['shown_fraction']).lstrip('+')} of the plan; its untracked "
-                     "step less its optimizer step less plain's)")
+                     "forward and backward less plain's, each its step less its optimizer step)")
     return lines
 
 
