@@ -164,10 +164,14 @@ def _host_split(q, k, v, do) -> dict:
     the validation, the autograd Function, autograd's engine calling the Python backward) and the launchers
     alone (``_flash_forward`` and ``_flash_backward`` called directly). Why: at N = 1k the call is bound by the
     host, and on the H200 at D = 64 its backward took 0.52-0.64 ms of host time against SDPA's 0.30-0.47
-    (seventh check); the split says whether autograd's side or the launches hold the difference."""
+    (seventh check); the split says whether autograd's side or the launches hold the difference. A third timing,
+    ``python``, runs the launchers with ``launch_cache.launch`` a no-op: memopt's own Python (allocations, arguments,
+    nothing launched), so the launchers' time less it is Triton's launch path (compiled kernels only: the
+    interpreter's launches do not go through the cache)."""
     import math
 
     from memopt.kernels import flash_attn as fa
+    from memopt.kernels import launch_cache
 
     scale = 1.0 / math.sqrt(q.shape[-1])
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -180,8 +184,16 @@ def _host_split(q, k, v, do) -> dict:
         o, lse = fa._flash_forward(q, k, v, True, scale)
         fa._flash_backward(do, q, k, v, o, lse, True, scale)
 
+    def python_only():
+        real = launch_cache.launch
+        launch_cache.launch = lambda *a, **k: None
+        try:
+            direct()
+        finally:
+            launch_cache.launch = real
+
     out = {}
-    for name, f in (("autograd", through), ("launchers", direct)):
+    for name, f in (("autograd", through), ("launchers", direct), ("python", python_only)):
         f()
         _sync(q.device)
         host: list[float] = []

@@ -94,11 +94,13 @@ def format_text(results: dict) -> str:
                 head = " " * len(head)
         split = [c for c in flash if c.get("memopt_host_split")]
         if split:
-            lines.append("memopt's host time per f+b, ms: through autograd / the launchers alone (SDPA's f+b host beside):")
+            lines.append("memopt's host time per f+b, ms: through autograd / the launchers alone / their Python without "
+                         "Triton's launches (SDPA's f+b host beside):")
             for c in split:
                 h = c["memopt_host_split"]
                 lines.append(f"  {c.get('dtype', '?'):<9}{c.get('head_dim', 0):>4}{c.get('n', 0):>7}  "
-                             f"{_fmt(h.get('autograd_host_ms'), '.3f')} / {_fmt(h.get('launchers_host_ms'), '.3f')}  "
+                             f"{_fmt(h.get('autograd_host_ms'), '.3f')} / {_fmt(h.get('launchers_host_ms'), '.3f')} / "
+                             f"{_fmt(h.get('python_host_ms'), '.3f')}  "
                              f"(SDPA {_fmt((c.get('sdpa') or {}).get('fwdbwd_host_ms'), '.3f')})")
     comps = ((secs.get("compositions") or {}).get("result") or {}).get("runs") or []
     if comps:

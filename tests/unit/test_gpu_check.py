@@ -328,9 +328,9 @@ def test_flash_worker_on_cpu(tmp_path):
             assert set(m["max_abs_err"]) == {"out", "dq", "dk", "dv"} and max(m["max_abs_err"].values()) < tol, m
             assert m["fwd_ms"] > 0 and m["fwdbwd_ms"] > 0 and m["fwdbwd_tflops"] > 0
         split = r["memopt_host_split"]
-        assert split["autograd_host_ms"] > 0 and split["launchers_host_ms"] > 0
+        assert split["autograd_host_ms"] > 0 and split["launchers_host_ms"] > 0 and split["python_host_ms"] > 0
     txt = results.format_text({"sections": {"flash": {"status": "ok", "seconds": 1.0, "result": {"cases": recs}}}})
-    assert "through autograd / the launchers alone" in txt
+    assert "through autograd / the launchers alone / their Python" in txt
 
 
 @pytest.mark.slow  # 3.7 s; signals to the check's subprocesses
