@@ -166,7 +166,7 @@ def validate(cfg: TrainConfig) -> None:
                       f"of a core and steps slow down accordingly (use at most {cores})", stacklevel=2)
     hw = cfg.hardware
     on_cpu = t.device == "cpu" or (t.device == "auto" and not _cuda_available())
-    if t.mode == "train" and on_cpu and hw.peak_tflops and not hw.device_is_host:
+    if t.mode == "train" and on_cpu and hw.name != "auto" and hw.peak_tflops and hw.device_memory_gb and not hw.device_is_host:
         peak = ", ".join(f"{k} {v:g}" for k, v in hw.peak_tflops.items())
         warnings.warn(f"hardware={hw.name} describes an accelerator (peak TFLOP/s {peak}; {hw.device_memory_gb} GB a "
                       "device) but this run trains on the CPU: its MFU is against that peak and its device budget that "
