@@ -95,6 +95,10 @@ def test_a_sweep_whose_job_sets_a_field_of_a_strategy_it_does_not_select_is_refu
     assert e.value.code == EXIT_CODES["refused"], err[-2000:]
     assert "Traceback" not in err and "its job +strategy=zero3 strategy.zero2.overlap_comm=false" in err, err
     assert not (tmp_path / "outputs").exists()  # nothing ran
+    from memopt.cli_gate import _refuse_null_parent_sweep
+
+    # an experiment's sweeper params may select the strategy in every job: not this check's to judge
+    _refuse_null_parent_sweep(["-m", "experiment=vs_deepspeed", "strategy.zero2.overlap_comm=false"])
 
 
 def test_a_sweeps_values_split_where_hydra_splits_them():
