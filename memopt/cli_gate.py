@@ -76,8 +76,8 @@ def _refuse_null_parent_sweep(argv: list[str]) -> None:
     args = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
     if not any("=" in a and not a.startswith(("+", "~")) and a.split("=", 1)[0].count(".") >= 2 for a in args):
         return
-    if any(a.lstrip("+~").split("=", 1)[0] == "experiment" for a in args):
-        return  # an experiment's own sweeper params add overrides to every job: its jobs are Hydra's to compose
+    if any(a.lstrip("+~").split("=", 1)[0] == "experiment" for a in args) or any("hydra.sweeper" in a for a in argv):
+        return  # sweeper params (an experiment's, or given) add overrides to every job: its jobs are Hydra's to compose
     if any("=" in a and "(" in a.split("=", 1)[1].split("[")[0] for a in args):
         return  # Hydra's sweep functions (choice, range, glob...): its own to expand
     import itertools
