@@ -27,7 +27,7 @@ def refuse_uncomposable(argv: list[str]) -> None:
     flags = {a.split("=")[0] for a in argv if a.split("=")[0] in _HYDRA_FLAGS}
     if flags and flags <= {"-m", "--multirun"}:  # a sweep of memopt's own config (not -cn/-cp/--cfg...)
         _refuse_null_parent_sweep(argv)
-    if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # sweeps, help and config printing: Hydra's own
+    if flags:  # sweeps, help and config printing: Hydra's own
         return
     job = [a for a in argv if not a.lstrip("+~").startswith("hydra.") and not a.lstrip("+~").startswith("hydra/")]
     from hydra.errors import HydraException
@@ -78,11 +78,13 @@ def _refuse_null_parent_sweep(argv: list[str]) -> None:
         return
     if any(a.lstrip("+~").split("=", 1)[0] == "experiment" for a in args) or any("hydra.sweeper" in a for a in argv):
         return  # sweeper params (an experiment's, or given) add overrides to every job: its jobs are Hydra's to compose
-    if any("=" in a and "(" in a.split("=", 1)[1].split("[")[0] for a in args):
-        return  # Hydra's sweep functions (choice, range, glob...): its own to expand
     import itertools
 
-    jobs = list(itertools.islice(itertools.product(*map(_values, args)), 257))
+    try:
+        values = [_values(a) for a in args]
+    except Exception:  # noqa: BLE001 - a sweep Hydra alone can expand (glob over a group, interval...): its own
+        return
+    jobs = list(itertools.islice(itertools.product(*values), 257))
     if len(jobs) > 256:
         return
     from memopt.config import compose_config
@@ -109,30 +111,14 @@ def _refuse_null_parent_sweep(argv: list[str]) -> None:
 
 
 def _values(arg: str) -> list[str]:
-    """``key=a,b,c`` -> ``[key=a, key=b, key=c]``: a sweep's values (commas inside [], (), {} or quotes, or escaped,
-    stay: one value)."""
-    if "=" not in arg:
+    """``key=a,b,c`` -> ``[key=a, key=b, key=c]``: a sweep's values as Hydra's own override parser expands them
+    (commas inside [], {} or quotes, or escaped, stay one value; ``range()`` and ``choice()`` expanded)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    o = OverridesParser.create().parse_override(arg)
+    if not o.is_sweep_override():
         return [arg]
-    key, value = arg.split("=", 1)
-    out, depth, quote, start, i = [], 0, None, 0, 0
-    while i < len(value):
-        ch = value[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[({":
-            depth += 1
-        elif ch in "])}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(value[start:i])
-            start = i + 1
-        i += 1
-    return [f"{key}={v}" for v in [*out, value[start:]]]
+    return [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
 
 
 def _null_parent(job: list[str]) -> str | None:
