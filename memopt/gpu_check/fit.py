@@ -22,8 +22,14 @@ OTHER_TERMS = ("offload_s", "comm_s", "optimizer_s")  # as planned, in the fit a
 NOT_REDONE = ("memory_s", "overhead_s", "attention_efficiency", "bubble_fraction")
 
 
-def _rel(planned, measured):
+def rel_err(planned, measured):
+    """(planned - measured) / measured; None without both."""
     return None if planned is None or not measured else (planned - measured) / measured
+
+
+def timed_runs(runs: list[dict]) -> dict[str, dict]:
+    """The runs that finished with a step time, by name."""
+    return {r.get("name"): r for r in runs if r.get("status") == "ok" and r.get("step_time_s")}
 
 
 def _rest(terms: dict) -> float:
@@ -39,7 +45,7 @@ def step_time_fit(gbps: float | None, tracked: list[dict], untracked: list[dict]
     if not gbps:
         return {"error": "no measured device memory rate (the env section's memory_bandwidth)"}
     plans = {r.get("name"): r for r in tracked}
-    steps = {r.get("name"): r.get("step_time_s") for r in untracked if r.get("status") == "ok" and r.get("step_time_s")}
+    steps = {name: r["step_time_s"] for name, r in timed_runs(untracked).items()}
     base = plans.get(PLAIN) or {}
     terms = base.get("planned_step_terms") or {}
     if steps.get(PLAIN) is None or terms.get("compute_s") is None or base.get("planned_op_bytes") is None:
@@ -61,8 +67,8 @@ def step_time_fit(gbps: float | None, tracked: list[dict], untracked: list[dict]
             continue
         refit = t["compute_s"] * t["compute_efficiency"] / eff + r["planned_op_bytes"] / (gbps * 1e9) + _rest(t)
         rows.append({"name": name, "measured_s": steps[name], "planned_s": r.get("planned_step_s"),
-                     "rel_err": _rel(r.get("planned_step_s"), steps[name]), "refit_s": refit,
-                     "refit_rel_err": _rel(refit, steps[name]), "op_bytes": r["planned_op_bytes"]})
+                     "rel_err": rel_err(r.get("planned_step_s"), steps[name]), "refit_s": refit,
+                     "refit_rel_err": rel_err(refit, steps[name]), "op_bytes": r["planned_op_bytes"]})
     return {"memory_gbps": gbps, "compute_efficiency": eff, "profile_compute_efficiency": terms["compute_efficiency"],
             "rows": rows}
 
@@ -72,7 +78,7 @@ def offload_exposed(tracked: list[dict], untracked: list[dict], name: str = "zer
     less plain's step less plain's optimizer step (what the backward's copies to the host added to the forward and
     backward), against the plan's offload term. Why: the plan sums the terms, and the side stream hid the copies on
     the H200 (the plan 14% over) but not on the H100 hosts (7-18 ms showed): this reads it on every check."""
-    steps = {r.get("name"): r for r in untracked if r.get("status") == "ok" and r.get("step_time_s")}
+    steps = timed_runs(untracked)
     plan = next((r for r in tracked if r.get("name") == name), {})
     planned = (plan.get("planned_step_terms") or {}).get("offload_s")
     zo, plain = steps.get(name), steps.get(PLAIN)

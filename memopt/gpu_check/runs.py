@@ -12,6 +12,7 @@ import sys
 import time
 
 from memopt.gpu_check import fit
+from memopt.gpu_check.fit import rel_err
 from memopt.gpu_check.check import Check, SkipSection
 from memopt.gpu_check.procs import kill_group, run_cmd, spawn, tail
 from memopt.gpu_check.settings import (COMMON, COMPOSITIONS, DEEPSPEED_COMPOSITION, DRY_HARDWARE, DRY_MODEL, DRY_SUBST,
@@ -141,12 +142,6 @@ def run_timeout(name: str, left: float, share: float) -> float:
     return min(left, max(share * 1.6, RUN_MIN_S.get(name, RUN_MIN_DEFAULT_S)))
 
 
-def _rel(planned, measured):
-    if planned is None or not measured:
-        return None
-    return (planned - measured) / measured
-
-
 def train_run(check: Check, name: str, overrides: list[str], steps: int, timeout: float, extra: list[str] = ()) -> dict:
     d = os.path.join(check.work, f"run_{name}")
     shutil.rmtree(d, ignore_errors=True)
@@ -221,10 +216,10 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
         try:
             r = train_run(check, name, ov, steps, run_timeout(name, left, share))
             r.update(wait_plan(check, name, min(deadline, time.monotonic() + 30)))
-            r["rel_err_tracker"] = _rel(r.get("planned_device_bytes"), r.get("tracker_device_bytes"))
-            r["rel_err_allocator"] = _rel(r.get("planned_device_need_bytes"), r.get("allocator_peak_bytes"))
-            r["rel_err_host"] = _rel(r.get("planned_host_bytes"), r.get("tracker_host_bytes"))
-            r["rel_err_step_time"] = _rel(r.get("planned_step_s"), r.get("step_time_s"))
+            r["rel_err_tracker"] = rel_err(r.get("planned_device_bytes"), r.get("tracker_device_bytes"))
+            r["rel_err_allocator"] = rel_err(r.get("planned_device_need_bytes"), r.get("allocator_peak_bytes"))
+            r["rel_err_host"] = rel_err(r.get("planned_host_bytes"), r.get("tracker_host_bytes"))
+            r["rel_err_step_time"] = rel_err(r.get("planned_step_s"), r.get("step_time_s"))
         except Exception as exc:  # noqa: BLE001
             r = {"name": name, "status": "error", "error": f"{type(exc).__name__}: {exc}"}
         runs.append(r)
@@ -264,7 +259,7 @@ def section_compositions(check: Check, cap: float, rec: dict) -> dict:
 
 def _offload_pair(runs: list[dict]) -> dict:
     """memopt's and DeepSpeed's ZeRO-Offload untracked, where both reran: their steps and memopt's speed-up."""
-    by = {r.get("name"): r for r in runs if r.get("status") == "ok" and r.get("step_time_s")}
+    by = fit.timed_runs(runs)
     mo, ds = by.get("zero2_offload"), by.get(DEEPSPEED_COMPOSITION[0])
     if not (mo and ds):
         return {}
@@ -310,8 +305,8 @@ def section_throughput(check: Check, cap: float, rec: dict) -> dict:
         r["name"] = name
         r["planned_step_s"] = tracked.get("planned_step_s")
         r["tracked_step_s"] = tracked.get("step_time_s")
-        r["rel_err_step_time"] = _rel(r["planned_step_s"], r.get("step_time_s"))
-        r["tracker_cost"] = _rel(tracked.get("step_time_s"), r.get("step_time_s"))  # tracked / untracked - 1
+        r["rel_err_step_time"] = rel_err(r["planned_step_s"], r.get("step_time_s"))
+        r["tracker_cost"] = rel_err(tracked.get("step_time_s"), r.get("step_time_s"))  # tracked / untracked - 1
         runs.append(r)
         rec["result"] = {"runs": runs}
         check.write()
