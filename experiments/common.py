@@ -6,6 +6,8 @@ import datetime
 import os
 import platform
 
+from memopt.memory.hardware import cpu_info  # the package's reading of /proc/cpuinfo (first processor)
+
 
 def mib(b) -> str:
     return f"{b / 2**20:,.1f}"
@@ -53,22 +55,6 @@ def table(head: list, rows: list[list]) -> str:
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
 
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
-
-
-def cpu_info() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                k = k.strip()
-                if not line.strip():
-                    break  # the first processor is enough
-                info.setdefault(k, v.strip())
-    except OSError:
-        pass
-    return info
 
 
 def cpu_has_bf16_matmul() -> bool:

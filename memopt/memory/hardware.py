@@ -144,17 +144,26 @@ def check_hardware(hw: HardwareConfig) -> None:
                           "of the node's host Adam), or null when it was not measured")
 
 
-def cpuinfo_field(*names: str) -> str | None:
-    """The first processor's value of the first of ``names`` /proc/cpuinfo lists (Linux); None where there is none.
-    What tells one CPU from another where a build or a reading must not be reused on another."""
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (Linux; empty where there is none)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(names):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor is enough
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
     except OSError:
         pass
-    return None
+    return info
+
+
+def cpuinfo_field(*names: str) -> str | None:
+    """The first processor's value of the first of ``names`` /proc/cpuinfo lists; None where there is none.
+    What tells one CPU from another where a build or a reading must not be reused on another."""
+    info = cpu_info()
+    return next((info[n] for n in names if n in info), None)
 
 
 def host_memory_bytes() -> int:
