@@ -4,7 +4,8 @@ phase, on every rank.
 Why: a step time says how long, not where. The GPU check measured DeepSpeed's ZeRO-Offload step 0.076 s longer
 than memopt's outside the optimizer step and could not say which ops hold it (experiments/offload_step); torchtitan
 and DeepSpeed users profile a step for the same question. The trainer marks its phases with
-``record_function`` (``PHASES``: free when no profiler runs), and this writes, per rank, into ``<run dir>/profile/``:
+``record_function`` (``PHASES``, entered in the profiled step only), and this writes, per rank, into
+``<run dir>/profile/``:
 
 * ``rank<r>_step<n>.json``: each phase's time and the ops with the most self time (device time on a GPU, host
   time on a CPU), what a script reads;
@@ -16,6 +17,7 @@ The profiled step is left out of the run's step-time medians (the profiler slows
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -48,6 +50,11 @@ class StepProfiler:
         except Exception as e:  # noqa: BLE001 - a profiler that cannot start (no CUPTI, another one running): the run goes on
             self._prof, self.error = None, f"{type(e).__name__}: {e}"
             warnings.warn(f"trainer.profile_step={step}: the profiler did not start ({self.error}); the run goes on", stacklevel=2)
+
+    def phase(self, name: str):
+        """A ``record_function`` range while this step is profiled; nothing otherwise (every other step's hot path
+        dispatches no profiler op)."""
+        return torch.profiler.record_function(name) if self._prof is not None else contextlib.nullcontext()
 
     def stop(self, step: int) -> dict | None:
         """The written record's summary (its paths and phases), or None when this step was not profiled; a profiler

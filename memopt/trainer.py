@@ -196,7 +196,7 @@ class Trainer:
             counter = CommCounter() if t.count_comm and step == start else contextlib.nullcontext()
             with counter:  # the first step only (a warm-up step, outside the median tokens/s)
                 self._beat("forward/backward", step)
-                with torch.profiler.record_function(PHASES[0]):  # the phases of a profiled step (profiling.py)
+                with profiler.phase(PHASES[0]):  # the phases of a profiled step (profiling.py)
                     for micro in range(t.grad_accum):
                         x, y = data.micro_batch(step, micro, dp.rank, dp.size, t.micro_batch_size, t.grad_accum)
                         with cat("other"):
@@ -205,7 +205,7 @@ class Trainer:
                     self._sync()
                 t1 = time.perf_counter()
                 self._beat("optimizer step", step)
-                with torch.profiler.record_function(PHASES[1]), cat("temp"):
+                with profiler.phase(PHASES[1]), cat("temp"):
                     result = engine.step(lr)
                     self._sync()
             if isinstance(counter, CommCounter):
