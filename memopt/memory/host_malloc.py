@@ -5,7 +5,7 @@ A CPU run allocates its activations with glibc's ``malloc``, which maps every bl
 step's blocks fault their pages in again, one 4 KiB page at a time, each zeroed by the kernel (~40 ms per
 64 MiB here, 1.5 GiB/s). gpt_small at micro-batch 16 x 512 tokens maps 2.75 GiB of such blocks a step (its
 MLP's activations and their gradients); on 2 ranks of an AVX2 CPU its step took 24.4-25.0 s that way and
-19.8-20.1 s with freed blocks kept (experiments/fixed_budget/README.md), peak RSS +4%. PyTorch's CPU tuning
+19.8-20.1 s with freed blocks kept (experiments/fixed_budget/LOG.md), peak RSS +4%. PyTorch's CPU tuning
 guide gives the same advice (jemalloc or tcmalloc, preloaded); this is glibc's own switch, set in-process.
 
 ``keep_freed_blocks`` sets ``M_MMAP_MAX`` to 0 (every block from the heap) and ``M_TRIM_THRESHOLD`` to its
