@@ -9,9 +9,9 @@ the same). When the engine refuses a moment and names its fixes (the chunk engin
 ``strategy.chunk.mem_saving_comm``, ``warmup_gpu_chunk_mem_ratio``), they are applied and the
 composition planned again, so the suggestion is a command that runs. With several ranks the list
 includes the pipeline (``parallel.pp`` sizes the blocks allow, 1F1B, the accumulation times pp so the
-global batch stays), planned per stage like any run. A lower bound filters the list before any simulation: every composition keeps 16 bytes of model
-states per parameter somewhere on the node (ZeRO's K = 12 optimizer bytes plus 2 + 2 for 16-bit
-parameters and gradients; fp32: 4 + 4 + 8), so when the node's device and host memory together
+global batch stays), planned per stage like any run. A lower bound filters the list before any simulation: every composition keeps at least 14 bytes of
+model states per parameter somewhere on the node (the chunk engine, whose gradients overwrite its 16-bit
+parameters: 2 + 12 optimizer bytes; ZeRO's mixed precision 2 + 2 + 12; fp32 4 + 4 + 8), so when the node's device and host memory together
 hold less than that, nothing is simulated and the refusal says how many parameters would fit.
 """
 from __future__ import annotations

@@ -42,6 +42,7 @@ from memopt.planner.prune import MARGIN, bound_row, bounded, chains, plan_chain,
 from memopt.planner.simulate import PlanOverflow
 from memopt.parallel.dims import expected_world
 from memopt.strategies.precision import Precision
+from memopt.strategies.tp import tp_sizes
 
 PRECISION = {"fp32": (), "bf16": ("bf16",), "fp16": ("fp16",)}
 CHUNK_PRESET = {"fp16": "hybrid_adam", "bf16": "hybrid_adam_bf16"}
@@ -170,16 +171,6 @@ def base_of(cfg):
     """The config every candidate of ``cfg``'s search is composed on: the command's, without its strategies
     and with the searched parallel sizes at their defaults."""
     return clear(cfg, SEARCHED)
-
-
-def tp_sizes(model, world: int) -> list[int]:
-    """``parallel.tp`` values a GPT can be split over: divisors of the world size > 1 dividing the heads,
-    the MLP width, the vocabulary and the width (``TPStrategy.validate``'s rules); none for other
-    architectures or with dropout (tp refuses them)."""
-    if model.arch != "gpt" or model.dropout > 0:
-        return []
-    return [d for d in range(2, world + 1) if world % d == 0
-            and all(n % d == 0 for n in (model.n_head, model.ff, model.vocab_size, model.d_model))]
 
 
 def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], global_mb: int, world: int) -> list[Candidate]:

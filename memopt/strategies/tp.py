@@ -114,6 +114,24 @@ ARCH = {
 }
 
 
+def split_fields(m) -> list[tuple[str, int]]:
+    """The model's fields each tensor-parallel rank holds 1/tp of: ``parallel.tp`` must divide every one."""
+    dims = [("n_head", m.n_head), ("d_ff", m.ff), ("vocab_size", m.vocab_size), ("d_model", m.d_model)]
+    if m.arch == "llama":  # grouped-query attention: the key/value heads are split too (none replicated)
+        dims.insert(1, ("n_kv_head", m.kv_heads))
+    return dims
+
+
+def tp_sizes(m, world: int) -> list[int]:
+    """The ``parallel.tp`` values ``TPStrategy.validate`` accepts for model config ``m`` on ``world`` ranks:
+    divisors of the world size > 1 dividing every split field; none for an architecture without a plan here
+    or with dropout."""
+    if m.arch not in ARCH or m.dropout > 0:
+        return []
+    dims = split_fields(m)
+    return [d for d in range(2, world + 1) if world % d == 0 and all(n % d == 0 for _, n in dims)]
+
+
 def _plan(c: TPConfig, n_layer: int, arch: str = "gpt"):
     """{module path: ParallelStyle} and {parameter name: (dim, blocks)} for the chosen form."""
     from torch.distributed.tensor import Replicate, Shard
@@ -242,8 +260,8 @@ class TPStrategy(Strategy):
     uses = ("tp",)
     excludes = ("moe", "flash_attn", "chunked_loss", "cpu_offload")
     excludes_why = ("tensor parallelism splits the dense MLP, the sdpa/naive attention core and the output layer "
-                    "through its module; tp with MoE experts, the Triton FlashAttention core, the chunked loss (which "
-                    "reads the head's weight directly) or cpu_offload (the host optimizer step has no tensor-parallel "
+                    "through its module; tp with MoE experts, the Triton FlashAttention core, the chunked loss (its "
+                    "cross-entropy does not reduce over vocabulary columns split between ranks) or cpu_offload (the host optimizer step has no tensor-parallel "
                     "norm and overflow vote) is not built; strategy.tp.loss_parallel=true also avoids the full logits")
 
     def validate(self, c: TPConfig, cfg) -> None:
@@ -260,9 +278,7 @@ class TPStrategy(Strategy):
         if m.arch not in ARCH:
             raise ConfigError(f"strategy tp has a plan for model.arch in {sorted(ARCH)} (got {m.arch!r}); use ZeRO "
                               "(+strategy=zero3) or engine=fsdp2 to spread it over ranks")
-        dims = [("n_head", m.n_head), ("d_ff", m.ff), ("vocab_size", m.vocab_size), ("d_model", m.d_model)]
-        if m.arch == "llama":  # grouped-query attention: the key/value heads are split too (none replicated)
-            dims.insert(1, ("n_kv_head", m.kv_heads))
+        dims = split_fields(m)
         for field, n in dims:
             if n % tp:
                 world = expected_world(cfg)

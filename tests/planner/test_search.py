@@ -196,6 +196,32 @@ def test_auto_searches_tensor_parallelism_on_two_ranks():
     assert not [r for r in tight if r["overrides"][0] == "+strategy=[ddp]"][0]["fits"]
 
 
+def test_auto_searches_tensor_parallelism_for_llama():
+    """Llama has a tensor-parallel plan (its grouped-query key/value heads split like the query heads), so
+    +strategy=auto on 2 ranks searches tp=2 for it, and none where the key/value heads do not divide by 2
+    (n_kv_head=1, which the tp strategy refuses); its tp candidate needs less per rank than ddp, as Megatron's
+    split of every Linear says (the searches had left tp to GPT alone)."""
+    from memopt.errors import ConfigError
+    from memopt.planner.search import candidates, search
+    from memopt.strategies.tp import TPStrategy
+
+    base = ["model=llama_tiny", "model.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "data=synthetic",
+            "trainer.save_checkpoint=false", "trainer.eval_every=0", "trainer.nproc_per_node=2", "+strategy=auto",
+            "strategy.auto.ckpt=[none]", "strategy.auto.micro_batch_size=[2]", "strategy.auto.stage=[ddp]",
+            "strategy.auto.offload=[false]", "strategy.auto.pp=false", "strategy.auto.chunk_budget_gb=[]"]
+    tps = lambda cfg: {o for c in candidates(cfg, node_hw(2**40)) for o in c.overrides() if o.startswith("parallel.tp=")} - {"parallel.tp=1"}
+    assert tps(typed(base)) == {"parallel.tp=2"}
+    one_kv = typed([*base, "model.n_kv_head=1"])
+    assert tps(one_kv) == set()
+    with pytest.raises(ConfigError, match="n_kv_head=1 is not divisible by parallel.tp=2"):
+        TPStrategy().validate(TPStrategy.Config(), typed([*base[:-7], "model.n_kv_head=1", "+strategy=tp", "parallel.tp=2"]))
+    rows = search(typed([*base, "strategy.auto.precision=[fp32]"]), node_hw(2**40), prune=False)
+    (tp,) = [r for r in rows if "parallel.tp=2" in r["overrides"] and "strategy.tp.sequence_parallel=false" in r["overrides"]
+             and "strategy.tp.loss_parallel=false" in r["overrides"]]
+    (ddp,) = [r for r in rows if r["overrides"][0] == "+strategy=[ddp]"]
+    assert tp["fits"] and ddp["fits"] and tp["peak"] < ddp["peak"], (tp, ddp)
+
+
 @pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
 def test_auto_under_another_engine_searches_that_engines_space(engine):
     """engine=deepspeed / fsdp2 +strategy=auto: only the strategies that engine implements (its SUPPORTS

@@ -81,7 +81,7 @@ def block_rates(overhead_us: float, peak_flops: float, shape: tuple[int, int, in
     the machine (a probe of its own cost ~4 s, products and attention timed again for nothing). Why not the
     block's time less its products at their own rate: on the AMX CPU a thread's bf16 products switch between
     ~0.45 and ~1.15 TFLOP/s every few seconds (a neighbour on the core), and that remainder, a tenth of the
-    block's time, read 5.6-22.6 GB/s in one minute (experiments/step_time/README.md). The FLOPs, bytes and ops
+    block's time, read 5.6-22.6 GB/s in one minute (experiments/step_time/LOG.md). The FLOPs, bytes and ops
     are counted by the planner's own rule (``simulate.op_work``)."""
     from memopt.memory.tracker import MemoryTracker
     from memopt.planner.simulate import _FLOPS, ACTIVATION_FNS
@@ -247,7 +247,7 @@ def settled_best(fns, least: int = 3, most: int = 6, within: float = 0.05) -> li
     ``within`` by a later round, ``least`` to ``most`` rounds. Why: on a shared 2-core VM a round can run
     20-30% slow for seconds, and the memory rate, ~12% of the block's time, magnifies that 8-fold: five probes
     of three fixed rounds read it at 4.0-13.0 GB/s, five settled ones, alternating with them, 7.2-13.6 (8-9 s
-    against 5-6; experiments/step_time/README.md)."""
+    against 5-6; experiments/step_time/LOG.md)."""
     best = [float("inf")] * len(fns)
     confirmed = [False] * len(fns)
     for r in range(most):

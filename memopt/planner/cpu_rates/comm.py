@@ -25,7 +25,7 @@ def gloo_step_collectives(sizes: tuple[int, int] = (2**14, 2**22), calls: int = 
     Why not the threads of ``gloo_allreduce``: on 2 processes of this CPU the chunk engine's 124
     all-gathers and reduce-scatters of moe_small took 0.55-0.87 s of a step its plan gave 0.17 s; gloo's
     reduce-scatter costs about twice its all-reduce per bus byte, its all-to-all about half
-    (experiments/step_time/README.md)."""
+    (experiments/step_time/LOG.md)."""
     import os
     import tempfile
 
