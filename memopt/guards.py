@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import threading
+import time
 
 import torch
 
@@ -65,13 +66,19 @@ class StopSignals:
     torchrun) gets SIGINT from PyTorch's parent-death signal when its launcher dies (kill -9): then its
     parent pid has changed, the stop is recorded as the launcher's death (``orphaned``), and more
     signals of that one event do not abandon the step (the ranks still stop together at the boundary,
-    with a checkpoint when they are on)."""
+    with a checkpoint when they are on).
+
+    Signals within ``SAME_REQUEST_S`` of the first are copies of that one request, not a second: GNU
+    ``timeout`` and a terminal's job control signal the whole process group, so a rank gets the signal directly
+    and again from its launcher's agent, which forwards what it got a moment later."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SAME_REQUEST_S = 1.0
 
     def __init__(self):
         self.signum = 0
         self.orphaned = False
+        self._first_at = 0.0  # monotonic time of the first signal
         self._previous: dict = {}
         self._parent = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
 
@@ -91,9 +98,12 @@ class StopSignals:
             self.orphaned = True
             self.signum = self.signum or signum
             return
-        if self.signum:  # asked twice: abandon the step
-            raise Interrupted(f"{signal.Signals(signum).name} received twice: stopped inside a step")
-        self.signum = signum
+        now = time.monotonic()
+        if self.signum:
+            if now - self._first_at < self.SAME_REQUEST_S:  # a copy of the first (process group + launcher)
+                return
+            raise Interrupted(f"{signal.Signals(signum).name} received twice: stopped inside a step")  # asked again
+        self.signum, self._first_at = signum, now
 
     def describe(self, signum: int) -> str:
         """What stopped the run, for its record."""

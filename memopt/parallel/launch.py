@@ -75,7 +75,10 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
 
     # the agent logs every worker's failure (a refusal too) as a traceback of its own polling loop and
     # the rank's; memopt says the outcome in one line and prints a rank's traceback only for a crash
-    agent_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    # (its modules' loggers set their own level, so each is quieted, not only the package's)
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    agent_logs = [logging.getLogger(n) for n in (*prefixes, *[n for n in list(logging.root.manager.loggerDict)
+                                                             if n.startswith(tuple(p + "." for p in prefixes))])]
     levels = [log.level for log in agent_logs]
     for log in agent_logs:
         log.setLevel(logging.CRITICAL)

@@ -136,3 +136,30 @@ def test_sigint_twice_to_the_launcher_is_recorded_as_the_launchers_signal(tmp_pa
     s = json.loads((run / "summary.json").read_text())
     assert p.returncode == 130 and s["status"] == "interrupted", err[-3000:]
     assert s["error"].startswith("SIGINT received by the launcher"), s["error"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_stops_two_ranks_with_a_checkpoint(tmp_path):
+    """What GNU `timeout` does: SIGTERM to the command, then to its whole process group, so the launcher gets it
+    twice and each rank gets it directly and again from the launcher's agent a moment later. One request: the
+    ranks finish the step and write the checkpoint (the copies had been read as a second request, which abandons
+    the step)."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    p = subprocess.Popen([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run}", *QUICK, "trainer.nproc_per_node=2",
+                          "+strategy=zero2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    kids = children(p.pid)
+    os.kill(p.pid, signal.SIGTERM)
+    os.killpg(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    time.sleep(0.5)
+    s = json.loads((run / "summary.json").read_text())
+    assert p.returncode == 130 and s["status"] == "interrupted", err[-3000:]
+    assert "twice" not in s["error"], s["error"]
+    assert s["last_checkpoint"] and len([f for f in os.listdir(s["last_checkpoint"]) if f.endswith(".distcp")]) == 2
+    assert not [k for k in kids if alive(k)]
