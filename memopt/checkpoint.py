@@ -290,7 +290,8 @@ def load(path: str, engine, rank: int, device: torch.device) -> int:
 
 
 def merge(path: str, out: str) -> str:
-    """Write checkpoint ``path``'s weights as one ``model.pt`` (``memopt.load_model`` reads it)."""
+    """Write checkpoint ``path``'s weights as one ``model.pt`` (``memopt.load_model`` reads it): the file the run
+    writes at its end, had it ended at that step (a LoRA run's adapters merged, or alone, as it saves them)."""
     import io
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -306,11 +307,28 @@ def merge(path: str, out: str) -> str:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    record = {"model_config": meta["model_config"], "architecture": meta.get("architecture", {})}
+    items = ((k, v.float()) for k, v in full["model"].items())
+    lora = (meta.get("strategy_options") or {}).get("lora")
+    if lora is not None:  # resumable checkpoints keep the adapters apart: write what the run's model.pt holds
+        record, items = _lora_saved(record, items, lora, list(full["model"]))
     buf = io.BytesIO()
-    torch.save({"model_config": meta["model_config"], "architecture": meta.get("architecture", {}),
-                "state_dict": {k: v.float() for k, v in full["model"].items()}}, buf)
+    torch.save({**record, "state_dict": dict(items)}, buf)
     atomic_write_bytes(out, buf.getvalue())
     return out
+
+
+def _lora_saved(record: dict, items, lora: dict, names: list[str]):
+    """A LoRA run's checkpoint as its ``model.pt`` (``strategy.lora.save``): the adapters merged into their
+    base weights (W + alpha/rank B A), or the adapters alone with their record. The adapted layers are the ones
+    whose adapters the checkpoint holds."""
+    from memopt.strategies.lora import ADAPTER_LEAVES, merged
+
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES})
+    if lora.get("save") == "adapters":
+        record = {**record, "lora": {"rank": lora["rank"], "alpha": lora["alpha"], "modules": modules}}
+        return record, ((n, v) for n, v in items if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES)
+    return record, merged(items, lora["alpha"] / lora["rank"], modules)
 
 
 def main(argv: list[str] | None = None) -> int:

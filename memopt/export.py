@@ -35,6 +35,10 @@ def export(run_dir: str, out: str, max_shard_gb: float = 5.0) -> str:
     if ckpt.get("lora"):
         raise ConfigError(f"{path} holds LoRA adapters alone (strategy.lora.save=adapters): export needs the whole "
                           "model; train with strategy.lora.save=merged (the adapters merged into the base weights)")
+    unmerged = [n for n in ckpt["state_dict"] if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")]
+    if unmerged:
+        raise ConfigError(f"{path} holds LoRA adapters beside their base weights, unmerged ({unmerged[0]}, ...): a "
+                          "resumable checkpoint's layout; python -m memopt.checkpoint merge writes it merged")
     if ckpt.get("architecture"):
         raise ConfigError(f"{path}: the model was changed by +strategy={', '.join(ckpt['architecture'])}, which "
                           "Hugging Face's GPT-2 and Llama classes do not have")

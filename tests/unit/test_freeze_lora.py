@@ -340,6 +340,37 @@ def test_lora_resume_is_exact(tmp_path):
     assert all(k.endswith(("lora_A", "lora_B")) for k in w)
 
 
+@pytest.mark.parametrize("save", ["merged", "adapters"])
+def test_lora_checkpoint_merges_into_what_model_pt_holds(tmp_path, save):
+    """``python -m memopt.checkpoint merge`` of a LoRA run's last checkpoint (base weights and adapters kept
+    apart for an exact resume) writes what the run's model.pt holds: W + alpha/rank B A under the base names, or
+    the adapters alone with their record (it had written the adapters unmerged beside the base weights, which
+    memopt.load_model refused and memopt.export wrote into a model that was not the trained one)."""
+    import memopt
+    from memopt.api import run_job
+    from memopt.checkpoint import main
+
+    run = str(tmp_path / "run")
+    run_job(["model=gpt_tiny", "data=synthetic", "trainer.eval_every=0", "trainer.micro_batch_size=2", "model.seq_len=32",
+             "optim.lr=1e-2", "trainer.max_steps=2", "trainer.checkpoint_every=2", "+strategy=lora",
+             f"strategy.lora.save={save}", "logger=none"], run)
+    out = str(tmp_path / "merged.pt")
+    assert main(["merge", f"{run}/checkpoints/step_2", out]) == 0
+    got, want = (torch.load(f, weights_only=True) for f in (out, f"{run}/model.pt"))
+    assert got["state_dict"].keys() == want["state_dict"].keys()
+    assert all(torch.allclose(got["state_dict"][k], want["state_dict"][k], rtol=0, atol=1e-6) for k in want["state_dict"])
+    if save == "adapters":
+        assert got["lora"]["rank"] == want["lora"]["rank"] and sorted(got["lora"]["modules"]) == sorted(want["lora"]["modules"])
+    else:
+        assert not any("lora" in k for k in got["state_dict"]) and memopt.load_model(out) is not None
+        from memopt.export import export
+
+        unmerged = str(tmp_path / "unmerged.pt")  # the old merge's file: adapters beside the base weights
+        torch.save({**want, "state_dict": {**want["state_dict"], "blocks.0.attn.qkv.lora_A": torch.zeros(8, 64)}}, unmerged)
+        with pytest.raises(ConfigError, match="unmerged"):
+            export(unmerged, str(tmp_path / "hf"))
+
+
 @pytest.mark.slow  # the chunk engine and a frozen memopt run: 8 more short runs
 @pytest.mark.parametrize("extra", [["+strategy=[chunk,lora]"], ["model.freeze=[wte.*,blocks.0.*]", "+strategy=zero2"]])
 def test_frozen_resume_is_exact_chunk_and_zero(tmp_path, extra):
