@@ -49,6 +49,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def run_record(summary: dict | None) -> dict | None:
+    """The record of the run a directory holds: a refused resume's summary keeps the run's under ``previous``
+    (refusals in a row, under each other), so the innermost record that is not a refusal; None if none is."""
+    while summary is not None and summary.get("status") == "refused":
+        summary = summary.get("previous")
+    return summary
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str, resolved_config: dict | None = None, group: str | None = None):
         self.cfg, self.run_dir = cfg, run_dir
@@ -68,7 +76,7 @@ class Trainer:
         cfg = self.cfg
         if self._already_finished():
             return self.summary
-        previous = self._summary_on_disk() if cfg.trainer.resume else None
+        previous = run_record(self._summary_on_disk()) if cfg.trainer.resume else None
         strategies = cfg.strategy.selected()
         tags = sorted(set(strategies) | {cfg.engine.name} | set(cfg.logger.tags))
         run_name = "+".join(strategies or ["plain"]) + f"/{cfg.engine.name}/{cfg.model.name}"
@@ -328,7 +336,10 @@ class Trainer:
             return False
         self.summary = {}
         if self.rank == 0:
-            self.summary = self._summary_on_disk() or {}
+            on_disk = self._summary_on_disk() or {}
+            self.summary = run_record(on_disk) or {}
+            if self.summary and self.summary is not on_disk:  # a refused resume's record over the run's: the run's back
+                outcome.record(self.run_dir, self.summary)
             if not self.summary:
                 self.summary = {"status": "ok", "run_id": new_run_id(), "engine": self.cfg.engine.name,
                                 "strategy": self.cfg.strategy.selected(), "model": self.cfg.model.name,

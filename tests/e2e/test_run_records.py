@@ -228,6 +228,14 @@ def test_resuming_a_finished_run_is_a_no_op_and_a_refused_resume_keeps_the_recor
     assert s["previous"] == json.loads(first) and (d / "metrics.jsonl").read_bytes() == metrics
     err = capfd.readouterr().err  # a refusal inside the ranks: one line, no rank's or launcher's traceback
     assert "Traceback" not in err and "cannot resume this run" in err.strip().splitlines()[-1], err[-2000:]
+    if nproc == 1:  # a second refusal keeps the run's record, not the first refusal's; a no-op resume brings it back
+        assert cli_run(d, [*one, "trainer.resume=auto", "+strategy=ckpt", "trainer.max_steps=2"]) == EXIT_CODES["refused"]
+        assert json.loads((d / "summary.json").read_text())["previous"] == json.loads(first)
+        capfd.readouterr()
+        assert cli_run(d, [*one, "trainer.resume=auto"]) == 0
+        assert json.loads((d / "summary.json").read_text()) == json.loads(first)
+        out = capfd.readouterr().out
+        assert "nothing to run" in out and "refused" not in out, out
 
 
 def test_a_refused_run_leaves_the_directorys_hydra_record_as_it_was(tmp_path, capsys):
