@@ -7,7 +7,8 @@ run directory gets no ``summary.json``. Here the same composition is tried first
 a failure writes a ``refused`` summary into the directory the run would have used and exits 2. A run
 directory that cannot be written is refused here too, in one line on stderr (nothing can be recorded).
 A field set under a node the command leaves null (a strategy it does not select) is named with its fix, in
-a single run and in every job of a sweep (OmegaConf fails on it with a bare assertion and a traceback).
+a single run and in every job of a sweep (OmegaConf fails on it with a bare assertion and a traceback); a sweep
+whose jobs do not compose is refused before any runs, naming the job.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ _HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg
 def refuse_uncomposable(argv: list[str]) -> None:
     flags = {a.split("=")[0] for a in argv if a.split("=")[0] in _HYDRA_FLAGS}
     if flags and flags <= {"-m", "--multirun"}:  # a sweep of memopt's own config (not -cn/-cp/--cfg...)
-        _refuse_null_parent_sweep(argv)
+        _refuse_uncomposable_sweep(argv)
     if flags:  # sweeps, help and config printing: Hydra's own
         return
     job = [a for a in argv if not a.lstrip("+~").startswith("hydra.") and not a.lstrip("+~").startswith("hydra/")]
@@ -67,26 +68,30 @@ def _message(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _refuse_null_parent_sweep(argv: list[str]) -> None:
-    """A sweep's jobs composed before Hydra launches any. Hydra composes every job of a batch first and reports
-    its own errors in a line, but a field set under a null node (``_null_parent``) fails in OmegaConf with a
-    bare assertion and a traceback, and the whole sweep with it; that one is refused here in memopt's words,
-    naming the job (exit 2; nothing ran). Only a command setting a field three keys deep can meet it
-    (``strategy.zero2.bucket_mb``), so other sweeps launch as fast as before."""
+def _refuse_uncomposable_sweep(argv: list[str]) -> None:
+    """A sweep's jobs composed before Hydra launches any, refused in memopt's words when one does not compose,
+    naming the job and the fix (exit 2; nothing ran). Hydra composes a batch's jobs first too, and any failure ends
+    the whole sweep there; it said so in its own words (exit 1, the advice to add the key with '+', which the
+    schema refuses), or, for a field set under a null node (``_null_parent``), with OmegaConf's bare assertion and
+    a traceback. Composed: every value of every argument once (job i takes each argument's value i, cycling), which
+    finds a misspelt key or a value of the wrong type; where a field sits three keys deep
+    (``strategy.zero2.bucket_mb``), whose node another argument's value may leave null, every job (up to 256)."""
     args = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    if not any("=" in a and not a.startswith(("+", "~")) and a.split("=", 1)[0].count(".") >= 2 for a in args):
-        return
     if any(a.lstrip("+~").split("=", 1)[0] == "experiment" for a in args) or any("hydra.sweeper" in a for a in argv):
         return  # sweeper params (an experiment's, or given) add overrides to every job: its jobs are Hydra's to compose
     import itertools
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     try:
         values = [_values(a) for a in args]
     except Exception:  # noqa: BLE001 - a sweep Hydra alone can expand (glob over a group, interval...): its own
         return
-    jobs = list(itertools.islice(itertools.product(*values), 257))
-    if len(jobs) > 256:
-        return
+    deep = any("=" in a and not a.startswith(("+", "~")) and a.split("=", 1)[0].count(".") >= 2 for a in args)
+    jobs = list(itertools.islice(itertools.product(*values), 257)) if deep else []
+    if not deep or len(jobs) > 256:
+        jobs = [tuple(v[i % len(v)] for v in values) for i in range(max(map(len, values), default=1))]
     from memopt.config import compose_config
 
     try:
@@ -97,13 +102,14 @@ def _refuse_null_parent_sweep(argv: list[str]) -> None:
                 null = _null_parent(job)
                 if null is None:
                     raise
-                print(f"memopt: sweep refused, nothing ran: its job {' '.join(job)} does not compose: {null}",
-                      file=sys.stderr)
-                raise SystemExit(EXIT_CODES["refused"]) from None
-    except (SystemExit, AssertionError):
-        raise
-    except Exception:  # noqa: BLE001 - Hydra says the rest in its own words
-        pass
+                why = null
+            except (HydraException, OmegaConfBaseException) as e:
+                hint = _nearest_key(job)
+                why = _message(e) + (f" ({hint})" if hint else "")
+            else:
+                continue
+            print(f"memopt: sweep refused, nothing ran: its job {' '.join(job)} does not compose: {why}", file=sys.stderr)
+            raise SystemExit(EXIT_CODES["refused"]) from None
     finally:
         from hydra.core.global_hydra import GlobalHydra
 

@@ -95,10 +95,30 @@ def test_a_sweep_whose_job_sets_a_field_of_a_strategy_it_does_not_select_is_refu
     assert e.value.code == EXIT_CODES["refused"], err[-2000:]
     assert "Traceback" not in err and "its job +strategy=zero3 strategy.zero2.overlap_comm=false" in err, err
     assert not (tmp_path / "outputs").exists()  # nothing ran
-    from memopt.cli_gate import _refuse_null_parent_sweep
+    from memopt.cli_gate import _refuse_uncomposable_sweep
 
     # an experiment's sweeper params may select the strategy in every job: not this check's to judge
-    _refuse_null_parent_sweep(["-m", "experiment=vs_deepspeed", "strategy.zero2.overlap_comm=false"])
+    _refuse_uncomposable_sweep(["-m", "experiment=vs_deepspeed", "strategy.zero2.overlap_comm=false"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["trainer.max_steps=2", "trainer.micro_batchsize=1,2"], ["trainer.micro_batchsize", "did you mean trainer.micro_batch_size?"]),
+    (["trainer.max_stepz=2", "trainer.micro_batch_size=1,2"], ["trainer.max_stepz", "did you mean trainer.max_steps?"]),
+    (["trainer.max_steps=2,abc"], ["trainer.max_steps=abc", "Integer"]),  # the second value only
+])
+def test_a_sweep_with_a_misspelt_key_or_a_bad_value_is_refused_before_any_job(tmp_path, args, words, capsys, monkeypatch):
+    """Hydra ended such a sweep with its own error (exit 1, the advice to add the key with '+', which the schema
+    refuses) and left a multirun.yaml; refused as a single run's is, naming the job and the nearest key, exit 2."""
+    from memopt.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["memopt.train", "-m", *QUICK, *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_CODES["refused"], err[-2000:]
+    assert "sweep refused, nothing ran" in err and all(w in err for w in words) and "Traceback" not in err, err
+    assert "To append to your config" not in err and not (tmp_path / "outputs").exists()
 
 
 def test_a_sweeps_values_split_where_hydra_splits_them():
