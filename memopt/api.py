@@ -19,7 +19,7 @@ def run_job(overrides: list[str], run_dir: str) -> dict:
     from memopt.trainer import Trainer
 
     cfg = compose_config(overrides)
-    typed = to_dataclass(cfg)
+    typed = to_dataclass(cfg, overrides)
     validate(typed)
     if "auto" in typed.strategy.selected():
         from memopt.gate import choose_composition
@@ -42,7 +42,7 @@ def run_jobs_on_ranks(nproc: int, jobs: list[tuple[list[str], str]]) -> list[dic
     containers = []
     for overrides, run_dir in jobs:
         cfg = compose_config([*overrides, f"trainer.nproc_per_node={nproc}"])  # the world the jobs run in
-        typed = to_dataclass(cfg)
+        typed = to_dataclass(cfg, overrides)
         validate(typed)
         resolve_split(cfg, typed)  # before the ranks start: each builds the same stages
         containers.append((OmegaConf.to_container(cfg, resolve=True), run_dir))

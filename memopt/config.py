@@ -246,14 +246,26 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         return compose(config_name="train", overrides=list(overrides or []))
 
 
-def to_dataclass(cfg: DictConfig) -> TrainConfig:
+def to_dataclass(cfg: DictConfig, overrides: list[str] | None = None) -> TrainConfig:
     """The composed DictConfig as the typed TrainConfig object; a key the schema does not have (added with
-    ``+``, as Hydra's own error message suggests for a typo) is refused, naming the nearest field."""
+    ``+``, as Hydra's own error message suggests for a typo) is refused, naming the nearest field.
+    ``overrides``: the command's (default: Hydra's record of them, inside the CLI), so that a model field the
+    command sets is checked against ``model.init_from``'s config.json even where it equals the preset's value."""
     from memopt.hf_checkpoint import apply_shapes
 
     _refuse_unknown_keys(cfg, "")
-    apply_shapes(cfg.model)  # model.init_from: the directory's config.json decides the shapes
+    apply_shapes(cfg.model, _model_fields_set(overrides))  # model.init_from: its config.json decides the shapes
     return OmegaConf.to_object(cfg)
+
+
+def _model_fields_set(overrides: list[str] | None) -> set[str]:
+    """The ``model.<field>`` names the command sets (``overrides``, or Hydra's task overrides in the CLI)."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    keys = (o.lstrip("+~").split("=", 1)[0] for o in overrides)
+    return {k[len("model."):] for k in keys if k.startswith("model.")}
 
 
 # what users of DeepSpeed, Lightning and Hugging Face type for a setting memopt names otherwise, and keys memopt

@@ -5,8 +5,8 @@ A directory is ``config.json`` and either ``model.safetensors`` or shards listed
 
 1. ``apply_shapes`` (``config.to_dataclass``, on the composed DictConfig): the preset names the family
    (``model=llama_tiny`` for any Llama directory, ``model=gpt_small`` for any GPT-2); its shape fields are
-   replaced by ``config.json``'s. A field set to another value than the preset's (an explicit override)
-   that disagrees with ``config.json`` is refused naming the field.
+   replaced by ``config.json``'s. A field the command sets (even to the preset's value), or that holds another
+   value than the preset's, and disagrees with ``config.json`` is refused naming the field.
 2. ``check`` (``config.validate``, before anything is allocated): the architecture is one memopt reads,
    every shard exists, every parameter of the model is in the directory with its shape and nothing
    else is (refusals name the tensor or the field). Only the safetensors headers are read.
@@ -72,9 +72,10 @@ def _preset(name: str) -> dict:
     return out
 
 
-def apply_shapes(model_node) -> None:
+def apply_shapes(model_node, typed: set[str] = frozenset()) -> None:
     """Replace the preset's shape fields of ``model_node`` (the composed ``model`` DictConfig, changed in
-    place) by the directory's; refuse a field set otherwise that disagrees. Idempotent."""
+    place) by the directory's; refuse a field set otherwise (another value than the preset's, or a field in
+    ``typed``: the command sets it) that disagrees. Idempotent."""
     path = model_node.get("init_from")
     if not path:
         return
@@ -92,7 +93,7 @@ def apply_shapes(model_node) -> None:
         want, have = fields[key], model_node.get(key)
         if _same(have, want):
             continue
-        if preset and key in preset and _same(have, preset[key]):
+        if preset and key in preset and _same(have, preset[key]) and key not in typed:
             model_node[key] = want
             continue
         raise ConfigError(f"model.{key}={have} disagrees with model.init_from={path!r}, whose config.json gives "

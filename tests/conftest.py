@@ -31,7 +31,7 @@ def compose(overrides: list[str] | None = None):
 def typed(overrides: list[str] | None = None):
     from memopt.config import to_dataclass, validate
 
-    cfg = to_dataclass(compose(overrides))
+    cfg = to_dataclass(compose(overrides), list(overrides or []))
     validate(cfg)
     return cfg
 

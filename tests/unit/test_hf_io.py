@@ -188,6 +188,11 @@ def test_disagreeing_override_refused(tmp_path):
         typed(["model=llama_tiny", "model.n_layer=3", f"model.init_from={d}"])
     cfg = typed(["model=llama_tiny", "model.n_layer=2", "model.seq_len=48", f"model.init_from={d}"])  # agrees; seq_len is the run's
     assert (cfg.model.n_layer, cfg.model.seq_len, cfg.model.d_model) == (2, 48, 32)
+    # typed as the preset has it (llama_tiny's d_ff is 176): still the command's, refused (it was taken for the preset's
+    # and the directory's 88 trained without a word); the preset's value not typed gives way to the directory's
+    with pytest.raises(ConfigError, match="model.d_ff=176 disagrees"):
+        typed(["model=llama_tiny", "model.d_ff=176", f"model.init_from={d}"])
+    assert typed(["model=llama_tiny", f"model.init_from={d}"]).model.d_ff == 88
 
 
 def test_other_family_refused(tmp_path):
