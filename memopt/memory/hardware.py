@@ -231,12 +231,17 @@ def run_peak_tflops(hw: HardwareConfig, given: HardwareConfig, dtype_name: str, 
     for the dtype, the matmul probe again after the steps, the higher of it and the start's reading. At the
     start the probe shares the cores with the other ranks' set-up (DeepSpeed compiling its ops): gpt_small
     fp32 on 2 ranks read 0.046 TFLOP/s in one DeepSpeed rank where every other run read 0.087-0.095, and MFU
-    read 104.6%."""
+    read 104.6%.
+
+    A 16-bit run's peak is at least the CPU's fp32 one: where its 16-bit products are emulated, the run's fp32
+    work (its ops outside autocast's list) and kernels the probe's shape does not reach outran the 16-bit probe
+    (fp16 gpt_tiny on 2 ranks of an AVX-512 CPU without AVX-512-FP16: MFU 167.9%)."""
     peak = peak_tflops_for(hw, dtype_name)
     if device.type != "cpu" or dtype_name in (given.peak_tflops or {}) or dtype_name not in CPU_PROBES:
         return peak
     dtype, seconds = CPU_PROBES[dtype_name]
-    return max(peak or 0.0, measure_cpu_tflops(dtype, seconds=seconds, again=True))
+    peak = max(peak or 0.0, measure_cpu_tflops(dtype, seconds=seconds, again=True))
+    return max(peak, peak_tflops_for(hw, "fp32") or 0.0) if dtype_name != "fp32" else peak
 
 
 def resolve_hardware(hw: HardwareConfig, device: torch.device) -> HardwareConfig:

@@ -97,6 +97,17 @@ def test_a_profiles_peak_is_not_read_again(monkeypatch):
         hardware.run_peak_tflops(given, given, "bf16", torch.device("cpu"))
 
 
+def test_a_16_bit_runs_peak_on_a_cpu_is_at_least_its_fp32_peak(monkeypatch):
+    """Where the 16-bit products are emulated (their probe far under fp32's), a 16-bit run's MFU divides by the
+    CPU's fp32 peak at least: that run had read MFU 167.9% against the fp16 probe alone; where 16-bit products
+    are the faster (AVX-512-BF16, AMX), their probe stands."""
+    monkeypatch.setattr(hardware, "measure_cpu_tflops", lambda dtype, **k: {torch.float16: 0.003, torch.bfloat16: 2.0}[dtype])
+    hw = hardware.HardwareConfig(peak_tflops={"fp32": 0.5, "fp16": 0.003, "bf16": 2.0})
+    given = hardware.HardwareConfig()
+    assert hardware.run_peak_tflops(hw, given, "fp16", torch.device("cpu")) == 0.5
+    assert hardware.run_peak_tflops(hw, given, "bf16", torch.device("cpu")) == 2.0
+
+
 def test_the_cached_peak_follows_the_threads_of_the_call(monkeypatch):
     """One process may run jobs at other thread counts: the cache keeps one thread's rate."""
     monkeypatch.setattr(hardware, "_MEASURED", {"torch.float32": 0.05})
