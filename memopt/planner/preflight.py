@@ -16,6 +16,7 @@ hold less than that, nothing is simulated and the refusal says how many paramete
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 
@@ -158,8 +159,23 @@ def suggestion(cfg, hw) -> dict:
             over = getattr(err, "category", None) if plan is None else (plan["overflow"] or {}).get("category")
             if over in MODEL_STATES:
                 break  # a smaller micro-batch holds the same model states
-    return {"overrides": None, "peak_bytes": None, "tried": tried,
-            "text": f"none of {len(tried)} candidate compositions fits (tried {', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"}
+    text = f"none of {len(tried)} candidate compositions fits (tried {', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
+    need = _frugal_device_need(cfg, base, hw, limits, world) if "device" in limits else None
+    if need is not None:
+        text += (f"; a budget that works: {fmt(need[0])} on the device for {need[1]}, so hardware.device_memory_gb="
+                 f"{math.ceil(need[0] / 2**30 * 1000) / 1000:g} or more")
+    return {"overrides": None, "peak_bytes": None, "tried": tried, "text": text}
+
+
+def _frugal_device_need(cfg, base, hw, limits: dict, world: int) -> tuple[int, str] | None:
+    """(device bytes per rank, label) of the most frugal composition (optimizer offload, full checkpointing and,
+    on several ranks, ZeRO-3, at micro-batch 1) planned without the device's limit: the least a device budget
+    must hold, for a refusal to name. None when it cannot be planned (an engine without those strategies)."""
+    cand = carried(cfg).extend(["zero3", "cpu_offload", "ckpt"] if world > 1 else ["cpu_offload", "ckpt"])
+    cand = cand.with_options(("trainer.micro_batch_size", 1))
+    plan = plan_with_fixes(cand, base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
+    need = ((plan or {}).get("fit") or {}).get("device", {}).get("bytes")
+    return (need, cand.label()) if need and plan["fit"].get("host", {}).get("fits", True) else None
 
 
 MAX_FIXES = 4

@@ -121,7 +121,10 @@ class PlanOverflow(RuntimeError):
 
     def __init__(self, device: str, live: dict[str, int], limit: int, reason: str | None = None, fixes=(),
                  at_build: bool = False):
-        self.device, self.live, self.limit = device, {c: b for c, b in live.items() if c[0] != "_"}, limit
+        folded: dict[str, int] = defaultdict(int)  # as the run's tracker names them: a forward's transient bytes
+        for c, b in live.items():  # are the activations it is making
+            folded["activations" if c == "_forward" else c.lstrip("_")] += b
+        self.device, self.live, self.limit = device, dict(folded), limit
         self.fixes = list(fixes)  # the engine's own ways out (ChunkOutOfMemoryError.fixes), as (field, value) pairs
         self.total = sum(live.values())
         self.category = max(self.live, key=self.live.get) if self.live else "other"

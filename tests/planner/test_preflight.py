@@ -27,6 +27,33 @@ def test_refuses_when_params_overflow_and_names_the_category():
     assert "no composition fits" in msg  # 14 B/param of 0.8M params is over 1 MiB
 
 
+def test_a_device_budget_under_every_candidate_names_one_that_works_and_it_holds_in_a_run(tmp_path):
+    """A device budget no candidate meets names the least the most frugal composition needs; a run of that
+    composition under that budget stays under it (the tracker ends a run oom where it crosses). And the category
+    named where a run goes over is the one the run's tracker names: a forward's activations, not the model states
+    that happened to be larger while the forward's own bytes were uncounted (it said optim for an activation
+    overflow)."""
+    import re
+
+    from memopt.api import run_job
+    from memopt.planner.preflight import PreflightRefusal, preflight
+    from memopt.planner.plan import GiB
+
+    base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=16", "logger=none", "data=synthetic",
+            "trainer.eval_every=0", "trainer.save_checkpoint=false"]
+    with pytest.raises(PreflightRefusal, match="while activations holds"):
+        preflight(typed(base), hw(64.0, 20 / 1024))  # 20 MiB: 12.8 of model states, then the forward goes over
+    with pytest.raises(PreflightRefusal) as e:
+        preflight(typed(base), hw(64.0, 1 / 1024))
+    m = re.search(r"on the device for \+strategy=\[(.*?)\] trainer.micro_batch_size=(\d+), so hardware.device_memory_gb=([\d.]+)",
+                  str(e.value))
+    assert m, str(e.value)
+    budget = float(m.group(3))
+    s = run_job([*base, f"+strategy=[{m.group(1)}]", f"trainer.micro_batch_size={m.group(2)}", "trainer.max_steps=2",
+                 f"hardware.device_memory_gb={budget}"], str(tmp_path / "run"))
+    assert s["status"] == "ok" and s["peak_bytes"]["0"]["cpu"]["total"] <= budget * GiB
+
+
 def test_trivially_fitting_run_is_not_simulated():
     from memopt.planner.preflight import preflight
 
