@@ -299,6 +299,7 @@ def merge(path: str, out: str) -> str:
     from memopt.logging import atomic_write_bytes
 
     meta = read_meta(path)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # as torch.save's users expect of a tool
     tmp = f"{out}.dcp-{os.getpid()}"
     try:
         with _quiet():
@@ -345,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {merge(src, args.out)} from {src}")
     except ConfigError as e:  # a bad path or a damaged record: one line, no traceback
         print(f"memopt.checkpoint merge: refused: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the output cannot be written (permission, a file where a folder is wanted, space)
+        print(f"memopt.checkpoint merge: refused: {args.out} cannot be written ({e.strerror or e}): give a writable "
+              "path", file=sys.stderr)
         return 2
     return 0
 

@@ -39,9 +39,13 @@ def failure(e: Exception, run_dir: str) -> dict:
     from memopt.errors import Recorded, RunStopped, WriteError
     from memopt.parallel import RankFailure
 
-    # a refusal's or a failed save's one-line reason is the message, a crashed rank's traceback was printed
-    # by the launch (HYDRA_FULL_ERROR=1 shows this process's traceback too)
-    if not isinstance(e, (RunStopped, ConfigError, WriteError, RankFailure)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    # a refusal's, a failed save's or an out-of-memory's one-line reason is the message (the out-of-memory's
+    # traceback is in summary.json), a crashed rank's traceback was printed by the launch (HYDRA_FULL_ERROR=1 shows
+    # this process's traceback too)
+    import torch
+
+    quiet = (RunStopped, ConfigError, WriteError, RankFailure, torch.OutOfMemoryError)
+    if not isinstance(e, quiet) or os.environ.get("HYDRA_FULL_ERROR") == "1":
         traceback.print_exc()
     status = outcome.recorded_status(run_dir)
     what = str(e) if isinstance(e, Recorded) else f"{type(e).__name__}: {e}"

@@ -180,3 +180,19 @@ def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path,
     err = capsys.readouterr().err
     assert e.value.code == EXIT_CODES["refused"], err[-2000:]
     assert "Traceback" not in err and f"the run directory {d} cannot be written" in err and not d.exists()
+
+
+def test_an_out_of_memory_is_one_line_and_its_traceback_is_in_the_record(tmp_path, capfd):
+    """A run over its device budget (preflight off, so the run itself crosses) exits 3 with one line naming the
+    category that crossed, as a refusal does: no traceback on the terminal (it printed ~40 lines), the traceback
+    kept in summary.json."""
+    from tests.e2e.test_run_records import cli_run
+
+    d = tmp_path / "r"
+    code = cli_run(d, ["hardware.device_memory_gb=0.02", "trainer.preflight=false", "trainer.micro_batch_size=16",
+                       "model.seq_len=64"])
+    err = capfd.readouterr().err
+    s = json.loads((d / "summary.json").read_text())
+    assert code == EXIT_CODES["oom"] == 3 and s["status"] == "oom", err[-2000:]
+    assert "Traceback" not in err and "crossed by" in err.strip().splitlines()[-1], err[-2000:]
+    assert "DeviceBudgetExceeded" in s["traceback"]

@@ -354,7 +354,7 @@ def test_lora_checkpoint_merges_into_what_model_pt_holds(tmp_path, save):
     run_job(["model=gpt_tiny", "data=synthetic", "trainer.eval_every=0", "trainer.micro_batch_size=2", "model.seq_len=32",
              "optim.lr=1e-2", "trainer.max_steps=2", "trainer.checkpoint_every=2", "+strategy=lora",
              f"strategy.lora.save={save}", "logger=none"], run)
-    out = str(tmp_path / "merged.pt")
+    out = str(tmp_path / "new" / "merged.pt")  # a folder that does not exist yet is made
     assert main(["merge", f"{run}/checkpoints/step_2", out]) == 0
     got, want = (torch.load(f, weights_only=True) for f in (out, f"{run}/model.pt"))
     assert got["state_dict"].keys() == want["state_dict"].keys()
