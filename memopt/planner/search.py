@@ -131,7 +131,8 @@ def candidates(cfg, hw) -> list[Candidate]:
                         keep_stage = world > 1 or stage != "ddp"
                         names = (*PRECISION[p], *ck_s, *([stage] if keep_stage else []), *(["cpu_offload"] if off else []))
                         out.append(keep.extend(names, *ck_o, *par, *batch))
-                        if off and stage == "zero3" and world > 1:  # optimizer offload alone, parameters on the device
+                        # optimizer offload alone, parameters on the device (FSDP2's CPUOffloadPolicy moves both: refused)
+                        if off and stage == "zero3" and world > 1 and cfg.engine.name != "fsdp2":
                             out.append(keep.extend(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
@@ -447,7 +448,8 @@ def ranked_table(rows: list[dict], top: int) -> str:
         elif r.get("skipped"):
             lines.append(f"   -  skipped ({'a larger micro-batch of it fits' if r['skipped'] == 'micro-batch' else 'its step is slower'}): {r['label']}")
         else:
-            lines.append(f"   -  does not fit ({r.get('why', 'over a limit')[:90]}): {r['label']}")
+            why = r.get("why", "over a limit")
+            lines.append(f"   -  does not fit ({why if len(why) <= 120 else why[:117] + '...'}): {r['label']}")
     return "\n".join(lines)
 
 
