@@ -195,8 +195,10 @@ def validate(cfg: TrainConfig) -> None:
                           f"of the median tokens/s)")
     _one_of("optim.name", o.name, ("adamw",))
     _one_of("optim.schedule", o.schedule, ("cosine", "constant"))
-    if o.lr <= 0 or o.grad_clip < 0:
-        raise ConfigError(f"optim.lr={o.lr} must be > 0 and optim.grad_clip={o.grad_clip} >= 0")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr} must be > 0 (a run that should not learn: model.freeze, or trainer.mode=plan)")
+    if o.grad_clip < 0:
+        raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two values in [0, 1) (e.g. [0.9,0.95])")
     for name, value, ok, want in (("eps", o.eps, o.eps > 0, "> 0"), ("weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),

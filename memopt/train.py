@@ -62,8 +62,13 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """The CLI: a command Hydra cannot compose (an unknown key, group option or a wrong type) is refused
     like any bad input (summary.json, exit 2) before Hydra's own exit 1 without a record."""
+    import warnings
+
     from memopt.cli_gate import refuse_uncomposable
 
+    # a warning on the terminal is its message and where it was raised, not that line's source as well
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: \
+        f"{filename}:{lineno}: {category.__name__}: {message}\n"
     refuse_uncomposable(sys.argv[1:])
     _hydra_main()
 
