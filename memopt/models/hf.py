@@ -237,7 +237,9 @@ def hf_config(cfg) -> dict:
                 "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
                 "n_inner": cfg.ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.ln_eps,
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-                "scale_attn_weights": True, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
+                "scale_attn_weights": True, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32",
+                # GPT2Config's defaults name GPT-2's <|endoftext|> (50256); a smaller vocabulary has no such token
+                **({} if cfg.vocab_size > 50256 else {"bos_token_id": None, "eos_token_id": None})}
     if cfg.arch == "llama":
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         scaling = None
