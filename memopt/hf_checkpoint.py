@@ -25,7 +25,7 @@ import os
 import torch
 
 from memopt.errors import ConfigError
-from memopt.models.hf import config_from_hf, family_of, match, normalise
+from memopt.models.hf import config_from_hf, family_of, match, normalise, positions_cut
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 # fields the directory decides; the others (seq_len of a Llama, dropout, attention, init) stay the run's
@@ -93,9 +93,15 @@ def apply_shapes(model_node, typed: set[str] = frozenset()) -> None:
         want, have = fields[key], model_node.get(key)
         if _same(have, want):
             continue
+        explicit = key in typed or not (preset and key in preset and _same(have, preset[key]))
+        if key == "seq_len" and explicit and have is not None and have < want:
+            continue  # a GPT-2's shorter training context than its n_positions: the first rows of its position table
         if preset and key in preset and _same(have, preset[key]) and key not in typed:
             model_node[key] = want
             continue
+        if key == "seq_len":
+            raise ConfigError(f"model.seq_len={have} is longer than model.init_from={path!r}'s n_positions ({want}: the "
+                              f"rows of its position table): give model.seq_len={want} or less")
         raise ConfigError(f"model.{key}={have} disagrees with model.init_from={path!r}, whose config.json gives "
                           f"{want}: drop the override (the directory decides the shapes)")
 
@@ -192,6 +198,7 @@ class Weights:
         t = self.open[f].get_tensor(n)
         if transposed:
             t = t.t()
+        t = positions_cut(name, t, shape[0])  # a shorter context than the checkpoint's: the first positions
         if tuple(t.shape) != tuple(shape):
             raise ConfigError(f"tensor {n!r} has shape {tuple(t.shape)}; memopt's {name} is {tuple(shape)}")
         return t.to(torch.float32).contiguous()  # the seeded init's dtype and device (the host)

@@ -74,6 +74,16 @@ def normalise(arch: str, name: str) -> str:
     return name
 
 
+# learned position tables: a run with a shorter context than the checkpoint's takes their first rows (positions
+# 0 .. seq_len - 1 are the same positions)
+POSITION_TABLES = ("wpe.weight",)
+
+
+def positions_cut(name: str, t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` as the model's parameter ``name`` holds it: a position table's first ``rows`` rows."""
+    return t[:rows] if name in POSITION_TABLES and t.shape[0] > rows else t
+
+
 def match(cfg, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[str, tuple[int, ...]]],
           where: str) -> dict[str, tuple[str, bool]]:
     """memopt parameter -> (the checkpoint's tensor name, transposed), after every check, whatever holds the
@@ -87,7 +97,7 @@ def match(cfg, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[str,
             raise ConfigError(f"{where} has no tensor {want!r} (memopt's {name})")
         n, have = found[want]
         hf_shape = tuple(reversed(shape)) if transposed else tuple(shape)
-        if tuple(have) != hf_shape:
+        if tuple(have) != hf_shape and not (name in POSITION_TABLES and have[1:] == hf_shape[1:] and have[0] >= hf_shape[0]):
             raise ConfigError(f"{where}: tensor {n!r} has shape {tuple(have)}; the model ({cfg.name}) expects {hf_shape}")
         out[name] = (n, transposed)
     used = {v[0] for v in out.values()}
@@ -108,7 +118,7 @@ def load_state(model, hf_state: dict[str, torch.Tensor]) -> None:
     plan = match(model.cfg, {n: tuple(p.shape) for n, p in params.items()}, found, "the checkpoint")
     for name, (n, transposed) in plan.items():
         t = hf_state[n]
-        params[name].copy_(t.t() if transposed else t)
+        params[name].copy_(positions_cut(name, t.t() if transposed else t, params[name].shape[0]))
 
 
 def llama_config_from_hf(hf: dict) -> dict:

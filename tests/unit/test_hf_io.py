@@ -91,6 +91,22 @@ def test_init_from_logits_equal_transformers(tmp_path, family, shards):
         torch.testing.assert_close(model(idx)[0], ref(input_ids=idx).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_gpt2_trains_a_shorter_context_than_its_positions(tmp_path):
+    """A GPT-2 directory with n_positions=32 fine-tuned at model.seq_len=16 (GPT-2 fine-tuning at 512 of 1024 is
+    common; it was refused): its position table's first 16 rows, so logits over 16 tokens equal transformers'; the
+    directory's 32 when the command names none, and a longer context refused naming the most it allows."""
+    ref = gpt2()
+    d = save(ref, tmp_path / "hf")
+    model, cfg = memopt_model(["model=gpt_tiny", f"model.init_from={d}", "model.seq_len=16"])
+    assert cfg.model.seq_len == 16 and tuple(model.wpe.weight.shape) == (16, 32)
+    idx = tokens(16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], ref(input_ids=idx).logits, rtol=1e-5, atol=1e-5)
+    assert typed(["model=gpt_tiny", f"model.init_from={d}"]).model.seq_len == 32
+    with pytest.raises(ConfigError, match=r"model.seq_len=64 is longer than .* n_positions \(32.*model.seq_len=32 or less"):
+        typed(["model=gpt_tiny", f"model.init_from={d}", "model.seq_len=64"])
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("shards", [False, True], ids=["one_file", "sharded"])
 def test_run_export_round_trip(tmp_path, family, shards):
