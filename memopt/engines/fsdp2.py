@@ -76,6 +76,7 @@ from memopt.strategies.precision import Precision
 
 NAME, LABEL = "fsdp2", "FSDP2"
 SUPPORTS = ("zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "act_offload", "flash_attn", "tp", "lora", "compile")
+OFFLOADS_PARAMS_ALWAYS = True  # CPUOffloadPolicy moves the shards with the optimizer: no optimizer-only offload
 PARALLEL = ("dp_replicate", "dp_shard", "tp")  # dp_replicate > 1 is HSDP: a 2-D (replicate, shard) mesh
 
 

@@ -109,6 +109,7 @@ def candidates(cfg, hw) -> list[Candidate]:
                                               if global_mb % m == 0}, reverse=True)
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
     supports = _engine_supports(cfg.engine.name)
+    params_always_offloaded = getattr(_engine_module(cfg.engine.name), "OFFLOADS_PARAMS_ALWAYS", False)
     if world > 1:  # (stage, offload) in the search's order
         pairs = [(stage, off) for stage in stages for off in a.offload]
     else:  # one rank: a stage only to offload (it partitions nothing), or where the engine has no plain one (FSDP2)
@@ -131,8 +132,8 @@ def candidates(cfg, hw) -> list[Candidate]:
                         keep_stage = world > 1 or stage != "ddp"
                         names = (*PRECISION[p], *ck_s, *([stage] if keep_stage else []), *(["cpu_offload"] if off else []))
                         out.append(keep.extend(names, *ck_o, *par, *batch))
-                        # optimizer offload alone, parameters on the device (FSDP2's CPUOffloadPolicy moves both: refused)
-                        if off and stage == "zero3" and world > 1 and cfg.engine.name != "fsdp2":
+                        # optimizer offload alone, parameters on the device, where the engine has it (not FSDP2's)
+                        if off and stage == "zero3" and world > 1 and not params_always_offloaded:
                             out.append(keep.extend(names, *ck_o, ("strategy.cpu_offload.offload_param", False), *par, *batch))
                     preset = CHUNK_PRESET.get(p, "chunk")  # fp32: the chunk engine alone (Adam on the host), no fp16 preset
                     for budget in a.chunk_budget_gb:
@@ -196,13 +197,17 @@ def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], g
     return out
 
 
-def _engine_supports(name: str) -> set[str] | None:
-    """The strategies engine ``name`` implements (None: the memopt engine, which implements them all)."""
+def _engine_module(name: str):
     import importlib
 
     from memopt.engines import ENGINES
 
-    supports = getattr(importlib.import_module(ENGINES[name]), "SUPPORTS", None)
+    return importlib.import_module(ENGINES[name])
+
+
+def _engine_supports(name: str) -> set[str] | None:
+    """The strategies engine ``name`` implements (None: the memopt engine, which implements them all)."""
+    supports = getattr(_engine_module(name), "SUPPORTS", None)
     return None if supports is None else set(supports)
 
 

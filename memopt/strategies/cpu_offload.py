@@ -30,9 +30,12 @@ class CpuOffload(Strategy):
     name, Config, phase = "cpu_offload", CpuOffloadConfig, "offload"
 
     def validate(self, opts, cfg) -> None:
-        if not opts.offload_param and cfg.engine.name == "fsdp2":  # CPUOffloadPolicy always moves the shards
-            raise ConfigError(f"strategy.cpu_offload.offload_param=false is not translated for engine={cfg.engine.name}; "
-                              "(its CPUOffloadPolicy always offloads the shards); use engine=memopt or engine=deepspeed")
+        from memopt.engines import engine_module
+
+        if not opts.offload_param and getattr(engine_module(cfg), "OFFLOADS_PARAMS_ALWAYS", False):
+            raise ConfigError(f"strategy.cpu_offload.offload_param=false is not translated for engine={cfg.engine.name}: "
+                              "it always offloads the parameter shards with the optimizer (FSDP2's CPUOffloadPolicy); "
+                              "use engine=memopt or engine=deepspeed")
 
 
 def offloads_params(cfg) -> bool:
