@@ -94,9 +94,13 @@ def recorded_status(run_dir: str) -> str:
 
 
 def end(summary: dict, multirun: bool) -> dict:
-    """The job's result: its record in a multirun (the sweep goes on), else the exit code of its status."""
+    """The job's result: its record in a multirun (the sweep goes on), else the exit code of its status. An
+    interrupted job ends a multirun too (exit 130, no later job started): a stop request (a scheduler's SIGTERM,
+    Ctrl-C) is for the whole command, which had run every remaining job to the end and exited 0."""
     code = EXIT_CODES.get(summary.get("status"), EXIT_CODES["failed"])
-    if code and not multirun:
+    if code and (not multirun or summary.get("status") == "interrupted"):
+        if multirun:
+            print("memopt: sweep stopped: a job was interrupted; the jobs after it were not started", file=sys.stderr)
         raise SystemExit(code)
     return summary
 

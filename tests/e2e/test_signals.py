@@ -163,3 +163,23 @@ def test_sigterm_to_the_process_group_stops_two_ranks_with_a_checkpoint(tmp_path
     assert "twice" not in s["error"], s["error"]
     assert s["last_checkpoint"] and len([f for f in os.listdir(s["last_checkpoint"]) if f.endswith(".distcp")]) == 2
     assert not [k for k in kids if alive(k)]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_sweep_not_only_its_job(tmp_path):
+    """A scheduler's SIGTERM to a sweep: the running job stops at a step boundary (interrupted) and the jobs after
+    it are not started; the sweep exits 130 (it ran every later job to the end and exited 0)."""
+    sweep = tmp_path / "sweep"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    p = subprocess.Popen([sys.executable, "-m", "memopt.train", "-m", f"hydra.sweep.dir={sweep}", *QUICK,
+                          "+strategy=ddp,zero1,zero2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = sweep / "0" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (first.exists() and first.stat().st_size):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-3000:]
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "interrupted"
+    assert not (sweep / "1").exists() and not (sweep / "2").exists()
