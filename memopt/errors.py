@@ -46,6 +46,12 @@ class Interrupted(RunStopped):
     status = "interrupted"
 
 
+class StopRequest(BaseException):
+    """SIGTERM or SIGINT while the command plans, before any rank starts (``outcome.stops_raise``): a
+    BaseException, as KeyboardInterrupt is, so that no ``except Exception`` of the planner (a probe that could
+    not run, a candidate that could not be planned) takes it for that step's failure and goes on."""
+
+
 class Stalled(RunStopped):
     """The watchdog found a rank without progress for ``trainer.watchdog_s`` and stopped the job; the
     message names the rank and its phase (the ranks' own exit, a SIGKILL, is not the cause)."""

@@ -8,6 +8,7 @@ exception to a status): a multirun's job returns its record instead, so the swee
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -91,6 +92,31 @@ def recorded_status(run_dir: str) -> str:
     """The status a failed run wrote into its summary.json (``failed`` when it wrote none)."""
     status = (read(run_dir) or {}).get("status")
     return status if status in EXIT_CODES and status != "ok" else "failed"
+
+
+@contextlib.contextmanager
+def stops_raise():
+    """SIGTERM and SIGINT raise ``StopRequest`` in this process while the block runs (the gate: planning before any
+    rank starts), so the command records how it ended: SIGTERM's default action had killed it (exit 143, no
+    summary.json, the search's worker processes left behind), SIGINT's a traceback. The previous handlers come back."""
+    import signal
+    import threading
+
+    from memopt.errors import StopRequest
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise StopRequest(f"{signal.Signals(signum).name} received while planning, before any rank started")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def end(summary: dict, multirun: bool) -> dict:

@@ -8,6 +8,7 @@ In a multirun a job's failure is recorded and the sweep goes on.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import hydra
@@ -24,8 +25,12 @@ register_configs()
 def run(cfg: DictConfig) -> dict:
     """One job in this process: the gate, then the ranks; returns its summary (exits with its code)."""
     from memopt import ranks
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from memopt.errors import Interrupted, StopRequest
     from memopt.gate import gate
     from memopt.parallel import under_launcher
+    from memopt.sweep import job_identity
 
     hydra_on = HydraConfig.initialized()
     run_dir = HydraConfig.get().runtime.output_dir if hydra_on else os.getcwd()
@@ -33,7 +38,16 @@ def run(cfg: DictConfig) -> dict:
     group = cfg.logger.group or cfg.experiment
     if group is None and multirun:
         group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
-    verdict = gate(cfg, run_dir, under_launcher())
+    try:
+        with outcome.stops_raise():  # planning (auto's search and trials, the preflight) takes seconds to minutes
+            verdict = gate(cfg, run_dir, under_launcher())
+    except (StopRequest, Interrupted, SignalException) as e:  # Interrupted: a trial's; SignalException: torch's
+        if isinstance(e, SignalException):  # launch (a trial's) leaves its own handler behind
+            e = Interrupted(f"{signal.Signals(e.sigval).name} received while planning, before any rank started")
+        stopped = {"status": "interrupted", "error": str(e), **job_identity(cfg)}
+        outcome.record(run_dir, stopped)
+        print(f"memopt: run interrupted ({e}); summary in {run_dir}/summary.json", file=sys.stderr)
+        return outcome.end(stopped, multirun)
     if verdict.summary is not None:  # refused, or planned (trainer.mode=plan): no rank starts
         return outcome.end(verdict.summary, multirun)
     failed = None

@@ -46,6 +46,11 @@ def run_trials(rows: list[dict], base, k: int, steps: int, run_dir: str, preflig
                     for dev, cats in v.items() if dev != "host"), default=None)  # the device's, over the ranks
         r["trial"] = {"status": summary.get("status", "failed"), "step_s": summary.get("step_time_s"),
                       "peak_bytes": peak, "dir": where}
+        if r["trial"]["status"] == "interrupted":  # a stop request for the whole command, not this trial's verdict
+            from memopt.errors import Interrupted
+
+            raise Interrupted(f"stopped during +strategy=auto's trial {i + 1} ({summary.get('error', '')}); its record "
+                              f"in {where}")
         if r["trial"]["status"] != "ok":
             print(f"memopt auto: trial {i + 1} ended {r['trial']['status']}: {summary.get('error', '')}", file=sys.stderr)
     ran = by_plan_and_trial([r for r in tried if r["trial"]["status"] == "ok" and r["trial"]["step_s"]], weight)

@@ -183,3 +183,27 @@ def test_sigterm_stops_a_sweep_not_only_its_job(tmp_path):
     assert p.returncode == 130, err[-3000:]
     assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "interrupted"
     assert not (sweep / "1").exists() and not (sweep / "2").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_while_auto_plans_records_interrupted(tmp_path):
+    """SIGTERM while +strategy=auto measures the CPU and plans (before any rank): status interrupted, exit 130,
+    summary.json written and no process left; SIGTERM's default action had killed the command (exit 143, no record)
+    or a probe's broad except had taken it for its own failure and the search went on."""
+    run, log = tmp_path / "run", tmp_path / "err.log"
+    env = dict(os.environ, PYTHONPATH=REPO, WANDB_MODE="offline")
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run}", *QUICK, "+strategy=auto",
+                              "trainer.nproc_per_node=2", "hardware.device_memory_gb=0.01"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=err, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and "measuring this CPU" not in log.read_text():
+            assert p.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        kids = children(p.pid)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=300)
+    time.sleep(0.5)
+    s = json.loads((run / "summary.json").read_text())
+    assert p.returncode == 130 and s["status"] == "interrupted" and "while planning" in s["error"], log.read_text()[-3000:]
+    assert not [k for k in kids if alive(k)] and not [k for k in children(p.pid) if alive(k)]
