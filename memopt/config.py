@@ -181,8 +181,10 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("checkpoint_every", "divergence_steps"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")
-    if t.watchdog_s < 0:
-        raise ConfigError(f"trainer.watchdog_s={t.watchdog_s} must be >= 0 (0 disables the watchdog)")
+    if t.watchdog_s < 0 or 0 < t.watchdog_s < 1:
+        raise ConfigError(f"trainer.watchdog_s={t.watchdog_s} must be 0 (no watchdog) or at least 1 second (a busy process's "
+                          "heartbeats run late by more than a shorter limit); choose it above the longest step and "
+                          "checkpoint save")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     if t.eval_every < 0:

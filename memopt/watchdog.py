@@ -21,6 +21,7 @@ import threading
 import time
 
 DIR = ".watchdog"
+FINISHED = "finished"  # a rank's last beat: its run is over (whatever its outcome), nothing more to judge
 IN_STEP = ("forward/backward", "optimizer step")  # the phases of a step before its optimizer step has finished
 WATCHED_BY_LAUNCHER = "MEMOPT_WATCHED_BY_LAUNCHER"  # set by train.py while it watches its local ranks
 
@@ -61,7 +62,16 @@ class Heartbeat:
                 pass
 
     def close(self) -> None:
+        """Stop beating, with a last beat saying this rank is done: its process still tears down (the process
+        group, the logger) before it exits, and a watchdog reading the silence as a hang failed runs that had
+        finished."""
         self._stop.set()
+        self._thread.join()
+        self.phase, self.since = FINISHED, time.time()
+        try:
+            self._write()
+        except OSError:
+            pass
 
 
 def read_beats(run_dir: str) -> dict[int, dict]:
@@ -81,6 +91,7 @@ def read_beats(run_dir: str) -> dict[int, dict]:
 def find_stall(beats: dict[int, dict], timeout: float, now: float | None = None) -> tuple[int, str] | None:
     """(rank, message) of the rank to blame, or None while every rank progresses."""
     now = time.time() if now is None else now
+    beats = {r: b for r, b in beats.items() if b.get("phase") != FINISHED}
     where = lambda b: f"in phase '{b['phase']}'" + (f" of step {b['step']}" if b.get("step") is not None else "")  # noqa: E731
     silent = [b for b in beats.values() if now - b["beat"] > timeout]
     if silent:

@@ -36,6 +36,11 @@ def test_verdicts_name_the_stopped_or_the_oldest_waiting_rank():
     assert rank == 1 and "made no progress for 8 s" in msg and "'evaluation'" in msg
     building = {0: beat(0, "forward/backward", 0, now - 60, now), 1: beat(1, "build", None, now - 70, now)}
     assert find_stall(building, 5, now) is None  # no waiting verdict while a rank still builds
+    # a rank whose run is over tears down for a while: not a hang (it failed runs that had finished)
+    finished = {0: beat(0, "finished", 3, now - 9, now - 9), 1: beat(1, "finished", 3, now - 8, now - 8)}
+    assert find_stall(finished, 5, now) is None
+    rank, _ = find_stall({**finished, 1: beat(1, "evaluation", 3, now - 9, now - 9)}, 5, now)
+    assert rank == 1  # a rank still in its run is judged beside a finished one
 
 
 def test_steps_done_when_it_fired_counts_what_every_rank_finished():
