@@ -133,7 +133,9 @@ def _mesh(dims, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
 
     rep = dims.sizes["dp_replicate"]
-    if rep > 1:
+    if rep > 1 and dims.mesh is not None and dims.mesh.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep"):
+        return dims.mesh  # the run's own mesh and groups, not a second mesh's (which a planner's fake group cannot make)
+    if rep > 1:  # dp_shard = 1 (replicas of an unsharded model): the run's mesh has no shard dimension
         return init_device_mesh(device.type, (rep, dims.dp_shard.size), mesh_dim_names=("dp_replicate", "dp_shard"))
     return dims.dp_shard.mesh if dims.dp_shard.mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
 

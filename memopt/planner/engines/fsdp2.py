@@ -31,7 +31,17 @@ OFFLOAD_ON_CPU = (
 
 
 def step_patch(cfg, backend: str):
-    """The offload copies around the fake step (None without cpu_offload); a CPU profile has no run to plan."""
+    """The offload copies around the fake step (None without cpu_offload); a CPU profile has no run to plan.
+    Replicas of an unsharded model (HSDP with dp_shard=1) are not planned: their 2-D mesh needs process groups
+    the planner's fake one cannot make."""
+    from memopt.parallel.dims import expected_world, resolve_sizes
+
+    sizes = resolve_sizes(cfg.parallel, expected_world(cfg))
+    if sizes["dp_replicate"] > 1 and sizes["dp_shard_mod_ep"] < 2:
+        from memopt.planner.simulate import PlanUnsupported
+
+        raise PlanUnsupported(f"engine=fsdp2 with parallel.dp_replicate={sizes['dp_replicate']} and dp_shard=1 (replicas of "
+                              "an unsharded model) is not planned; HSDP with dp_shard >= 2 is")
     if cfg.strategy.cpu_offload is None:
         return None
     if backend == "gloo":
