@@ -519,6 +519,10 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                     e.at_build = True  # its states alone, before any micro-batch (``prune.plan_chain``)
                     raise
                 engine.model.train()
+                # the held-out batches the trainer builds before its steps and keeps through the run (device bytes
+                # on a CPU run): a plan without them was 32 KB under a run it let through at a budget (llama_tiny)
+                evals = t.eval_every and len(data.val) > cfg.model.seq_len
+                eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if evals else []
                 data_bytes = 0
                 micros, stands_for = sampled_micro_batches(t.grad_accum, w.micro_batches_repeat and not t.plan_exact)
                 for step in range(steps):
@@ -556,8 +560,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                         tracker.traffic["step_offload_bytes"] += tracker.traffic["offload_bytes"] - offloaded
                     tracker.counting = False
                 metrics = engine.step_metrics() if hasattr(engine, "step_metrics") else {}
-                if t.eval_every and len(data.val) > cfg.model.seq_len:
-                    x, y = data.eval_batches(1, t.micro_batch_size)[0]
+                if eval_set:
+                    x, y = eval_set[0]
                     with tracker.category("temp"):
                         engine.eval_loss(x.to(device), y.to(device))
                 if t.save_checkpoint:  # fp32 CPU copies: host memory of a GPU run (the device itself on a CPU run)

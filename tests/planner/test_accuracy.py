@@ -100,6 +100,13 @@ def test_plan_matches_measured_one_process(tmp_path):
     check(["+strategy=[ckpt,cpu_offload]", "model.n_layer=2"], 1, tmp_path)
 
 
+def test_plan_counts_the_held_out_batches_the_run_keeps(tmp_path):
+    """With evaluation on, the trainer builds trainer.eval_batches held-out batches before its steps and keeps them
+    (device bytes on a CPU run): the plan had counted one, at evaluation, and let a run through a budget it then
+    crossed at step 0 by their bytes."""
+    check(["model.n_layer=2", "trainer.eval_every=2", "trainer.eval_batches=256"], 1, tmp_path)  # 512 KB of them
+
+
 @pytest.mark.slow
 def test_plan_matches_measured_two_ranks(tmp_path):
     check(["+strategy=zero3"], 2, tmp_path)
