@@ -167,15 +167,23 @@ def suggestion(cfg, hw) -> dict:
     return {"overrides": None, "peak_bytes": None, "tried": tried, "text": text}
 
 
+# the most frugal compositions first; the first the engine runs is planned (FSDP2 offloads on a CUDA device only,
+# DeepSpeed offloads on one rank under a ZeRO stage)
+FRUGAL = {True: (["zero3", "cpu_offload", "ckpt"], ["cpu_offload", "ckpt"], ["zero3", "ckpt"]),  # several ranks
+          False: (["cpu_offload", "ckpt"], ["zero3", "cpu_offload", "ckpt"], ["zero3", "ckpt"], ["ckpt"])}
+
+
 def _frugal_device_need(cfg, base, hw, limits: dict, world: int) -> tuple[int, str] | None:
-    """(device bytes per rank, label) of the most frugal composition (optimizer offload, full checkpointing and,
-    on several ranks, ZeRO-3, at micro-batch 1) planned without the device's limit: the least a device budget
-    must hold, for a refusal to name. None when it cannot be planned (an engine without those strategies)."""
-    cand = carried(cfg).extend(["zero3", "cpu_offload", "ckpt"] if world > 1 else ["cpu_offload", "ckpt"])
-    cand = cand.with_options(("trainer.micro_batch_size", 1))
-    plan = plan_with_fixes(cand, base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
-    need = ((plan or {}).get("fit") or {}).get("device", {}).get("bytes")
-    return (need, cand.label()) if need and plan["fit"].get("host", {}).get("fits", True) else None
+    """(device bytes per rank, label) of the most frugal composition the engine runs (``FRUGAL``, at micro-batch 1)
+    planned without the device's limit: the least a device budget must hold, for a refusal to name. None when
+    none of them can be planned."""
+    for names in FRUGAL[world > 1]:
+        cand = carried(cfg).extend(names).with_options(("trainer.micro_batch_size", 1))
+        plan = plan_with_fixes(cand, base, hw, {k: v for k, v in limits.items() if k != "device"})[0]
+        need = ((plan or {}).get("fit") or {}).get("device", {}).get("bytes")
+        if need and plan["fit"].get("host", {}).get("fits", True):
+            return need, cand.label()
+    return None
 
 
 MAX_FIXES = 4
