@@ -13,6 +13,7 @@ grad_accum=4 with micro-batch b sees exactly one batch of 4b.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -115,9 +116,12 @@ class TokenBatches:
         self.seed = seed
         for split, t in (("train", self.train), ("validation", self.val)):
             if len(t) < seq_len + 1 and (split == "train" or n_val > 0):
+                need = (f"a larger data.val_fraction (at least {math.ceil((seq_len + 1) / len(tokens) * 1000) / 1000:g} of the corpus), or "
+                        "data.val_fraction=0 for no validation split" if split == "validation" else
+                        "a smaller data.val_fraction")
                 raise DataError(
                     f"the {split} split has {len(t)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
-                    "use a larger corpus, a smaller model.seq_len or data.val_fraction"
+                    f"use a larger corpus, a smaller model.seq_len, or {need}"
                 )
 
     def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,9 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        _drop_torn_tail(path)
+        self._metrics = open(path, "a", buffering=1)
         lg = cfg.logger
         tags = sorted(set(tags) | set(run_tags(cfg)))
         if lg.name == "wandb":
@@ -167,6 +169,22 @@ def run_tags(cfg) -> list[str]:
     except ImportError:
         pass
     return [str(cfg.model.name), f"world_size={world}"]
+
+
+def _drop_torn_tail(path: str) -> None:
+    """Cut a last line without its newline (a run killed while writing it): a resumed run's first record had been
+    appended to it, and neither line read as JSON."""
+    try:
+        with open(path, "rb+") as f:
+            end = f.seek(0, os.SEEK_END)
+            start = max(0, end - (1 << 20))  # a record is far shorter than 1 MiB
+            f.seek(start)
+            tail = f.read()
+            cut = tail.rfind(b"\n")
+            if end and not tail.endswith(b"\n") and (cut >= 0 or start == 0):
+                f.truncate(start + cut + 1)  # (cut = -1 at start 0: the only line is torn)
+    except FileNotFoundError:
+        pass
 
 
 def flat_metrics(record: dict) -> dict:

@@ -220,3 +220,20 @@ def test_sigkill_inside_a_save_leaves_the_previous_checkpoint(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "ok" and s["run_id"] == second and s["start_step"] == 2
     assert EXIT_CODES["ok"] == 0
+
+
+def test_a_torn_last_record_is_cut_before_a_resume_appends(tmp_path):
+    """A run killed while writing a metrics record leaves a line without its newline; the resumed run's first
+    record had been glued to it (neither line read as JSON). The torn line is cut; every line reads, and the
+    resumed steps follow the checkpointed ones."""
+    from memopt.api import run_job
+
+    run = str(tmp_path / "run")
+    base = [*TINY, *DENSE, "trainer.checkpoint_every=2", f"hydra.run.dir={run}"]
+    run_job([*base, "trainer.max_steps=2"], run)
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"run_id": "x", "step": 2, "loss": 4.9')  # a record cut by a kill
+    run_job([*base, "trainer.max_steps=4", "trainer.resume=auto"], run)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [0, 1, 2, 3]

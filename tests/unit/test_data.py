@@ -35,3 +35,19 @@ def test_train_and_validation_are_disjoint_and_fixed():
     assert len(data.train) + len(data.val) == len(load_tokens(DataConfig()))
     a, b = data.eval_batches(2, 4), data.eval_batches(2, 4)
     assert all(torch.equal(p[0], q[0]) for p, q in zip(a, b))
+
+
+def test_a_validation_split_too_short_names_the_fraction_that_works():
+    """The refusal said 'a smaller data.val_fraction' for a split too short, which only shortens it; it names the
+    fraction that gives the split seq_len + 1 tokens, and that fraction works."""
+    import re
+
+    import pytest
+
+    from memopt.data import DataError, TokenBatches
+
+    tokens = torch.arange(200) % 256
+    with pytest.raises(DataError, match="validation split has 20 tokens") as e:
+        TokenBatches(tokens, 64, 0.1, 0)
+    frac = float(re.search(r"data.val_fraction \(at least ([\d.]+)", str(e.value)).group(1))
+    assert len(TokenBatches(tokens, 64, frac, 0).val) >= 65 and "val_fraction=0" in str(e.value)
