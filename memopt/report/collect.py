@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 import yaml
@@ -122,7 +123,13 @@ def _strategies_from_overrides(overrides: dict[str, str]) -> list[str]:
 
 
 def read_run(path: str, job: str) -> Run:
-    s = _load_json(os.path.join(path, "summary.json"))
+    file = os.path.join(path, "summary.json")
+    try:
+        s = _load_json(file)
+    except (ValueError, UnicodeDecodeError) as e:  # a torn or damaged record: that row says so, the report goes on
+        print(f"memopt.report: {file} is not readable JSON ({e}); its run is listed as 'unreadable summary'",
+              file=sys.stderr)
+        s = {"status": "unreadable summary", "error": f"{file}: {e}"}
     cfg = _load_yaml(os.path.join(path, ".hydra", "config.yaml")) or {}
     overrides = _load_yaml(os.path.join(path, ".hydra", "overrides.yaml")) or []
     ov = parse_overrides(overrides)

@@ -41,6 +41,17 @@ def test_failed_two_rank_job_takes_engine_and_strategies_from_its_config(tmp_pat
     assert (b.status, b.engine, b.strategy) == ("no summary", "deepspeed", ["zero2"])  # crashed before any record
 
 
+def test_a_damaged_summary_is_a_row_not_the_reports_end(tmp_path, capsys):
+    """One torn summary.json had ended the whole report with a bare JSON error naming no file."""
+    _job(str(tmp_path), "0", ["+strategy=zero2"], {"status": "ok", "engine": "memopt", "strategy": ["zero2"]})
+    d = _job(str(tmp_path), "1", ["+strategy=zero3"], None, {"engine": {"name": "memopt"}, "strategy": {"zero3": {}}})
+    with open(os.path.join(d, "summary.json"), "w") as f:
+        f.write('{"status": "ok"\n "engine"')
+    a, b = collect_runs([str(tmp_path)])
+    assert a.status == "ok" and (b.status, b.strategy) == ("unreadable summary", ["zero3"])
+    assert os.path.join(d, "summary.json") in capsys.readouterr().err
+
+
 def test_labels_are_the_differing_overrides_and_baselines_pair_by_the_rest(tmp_path):
     root = str(tmp_path)
     toks = {}
