@@ -85,6 +85,11 @@ def _cuda_device(cfg) -> bool:
     return d == "cuda" or (d == "auto" and torch.cuda.is_available())
 
 
+def offload_runs_here(cfg) -> bool:
+    """Whether cpu_offload can run for ``cfg`` (validate's rule): on a CUDA device, or planned for another profile's."""
+    return _cuda_device(cfg) or (cfg.trainer.mode == "plan" and cfg.hardware.name != "auto")
+
+
 def validate(cfg) -> None:
     """Refuse what FSDP2 cannot run as memopt defines the strategy (engine=fsdp2 only)."""
     if cfg.engine.name != "fsdp2":
@@ -111,7 +116,7 @@ def validate(cfg) -> None:
     # plan mode allocates nothing and plans for the hardware profile's device (the planner gives its own answer),
     # unless that profile is this CPU's (hardware=auto here, with or without a device budget): the run it plans
     # is the one refused below (auto chose it in plan mode, and the run was refused)
-    if s.cpu_offload is not None and not _cuda_device(cfg) and (cfg.trainer.mode != "plan" or cfg.hardware.name == "auto"):
+    if s.cpu_offload is not None and not offload_runs_here(cfg):
         raise ConfigError(
             f"strategy cpu_offload with engine=fsdp2 needs a CUDA device (trainer.device={cfg.trainer.device} runs on "
             "the CPU here): FSDP2's CPUOffloadPolicy keeps shards in pinned host memory and copies them to the "

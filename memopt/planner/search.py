@@ -110,12 +110,14 @@ def candidates(cfg, hw) -> list[Candidate]:
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
     supports = _engine_supports(cfg.engine.name)
     params_always_offloaded = getattr(_engine_module(cfg.engine.name), "OFFLOADS_PARAMS_ALWAYS", False)
+    runs_here = getattr(_engine_module(cfg.engine.name), "offload_runs_here", None)
+    offloads = [o for o in a.offload if not o or runs_here is None or runs_here(cfg)]  # FSDP2's on a CPU: none
     if world > 1:  # (stage, offload) in the search's order
-        pairs = [(stage, off) for stage in stages for off in a.offload]
+        pairs = [(stage, off) for stage in stages for off in offloads]
     else:  # one rank: a stage only to offload (it partitions nothing), or where the engine has no plain one (FSDP2)
         plain = ["ddp"] if supports is None or "ddp" in supports else \
             [st for st in a.stage if st in ("zero2", "zero3") and st in supports]  # zero3 frees the whole weights
-        pairs = [(st, off) for off in a.offload
+        pairs = [(st, off) for off in offloads
                  for st in (one_rank_offload_stages(a.stage, supports) if off else plain)]
 
     out = []

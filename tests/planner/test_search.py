@@ -238,7 +238,13 @@ def test_auto_under_another_engine_searches_that_engines_space(engine):
     sels = [r[0] for r in rows]
     names = [set(s.split("=", 1)[1].strip("[]").split(",")) - {""} for s in sels]
     assert rows and all(n <= supports for n in names), [n - supports for n in names if not n <= supports]
-    assert any({"zero3", "cpu_offload"} <= n for n in names)
+    # FSDP2 offloads on a CUDA device only: on this CPU its search lists no offload candidate (each was refused),
+    # planned for a GPU profile it does
+    assert any({"zero3", "cpu_offload"} <= n for n in names) == (engine == "deepspeed")
+    if engine == "fsdp2":
+        gpu = typed(["model=gpt_tiny", "engine=fsdp2", "+strategy=auto", "trainer.nproc_per_node=2", "hardware=a100_80g",
+                     "trainer.mode=plan"])
+        assert any("cpu_offload" in c.strategies for c in candidates(gpu, small_hw(64)))
     off_only = [r for r in rows if "strategy.cpu_offload.offload_param=false" in r]
     # DeepSpeed offloads the optimizer alone or the parameters too; FSDP2's CPUOffloadPolicy moves both (refused)
     assert (bool(off_only) and all("zero3" in r[0] for r in off_only)) == (engine == "deepspeed"), off_only
@@ -545,7 +551,8 @@ def test_one_rank_offloads_with_the_stages_that_do_something_there(engine, offlo
     refused)."""
     from memopt.planner.search import candidates
 
-    cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "strategy.auto.chunk_budget_gb=[]"])
+    gpu = ["hardware=a100_80g", "trainer.mode=plan"] if engine == "fsdp2" else []  # FSDP2 offloads on a CUDA device
+    cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "strategy.auto.chunk_budget_gb=[]", *gpu])
     stages = {"ddp", "zero1", "zero2", "zero3"}
     rows = [set(c.strategies) for c in candidates(cfg, small_hw(64))]
     offload = [r & stages for r in rows if "cpu_offload" in r]
@@ -571,14 +578,14 @@ def test_auto_micro_batches_divide_the_global_batch():
 def test_fsdp2_offload_is_refused_when_the_plan_is_for_this_cpu():
     """FSDP2's CPU offload cannot run on a CPU (the run is refused). Plan mode still plans it for a GPU profile, but
     not for this CPU's own profile (hardware=auto, a device budget or not): there auto's search in plan mode had
-    ranked it first at a budget, and the run it named was refused. Its candidates are refused rows now."""
+    ranked it first at a budget, and the run it named was refused. They were refused rows after that; now the search
+    lists none for this CPU (every one was refused), and lists them for a GPU profile's plan."""
     import torch
 
     from memopt.config import validate
     from memopt.errors import ConfigError
     from memopt.memory.hardware import resolve_hardware
-    from memopt.planner.plan import limits_of
-    from memopt.planner.search import base_of, candidates, plan_row
+    from memopt.planner.search import base_of, candidates
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device: FSDP2's offload runs here")
@@ -588,10 +595,12 @@ def test_fsdp2_offload_is_refused_when_the_plan_is_for_this_cpu():
     validate(typed([*cmd, "+strategy=[zero2,cpu_offload]", "hardware=a100_80g"]))  # a GPU's plan, made here
     cfg = typed([*cmd, "+strategy=auto", "hardware.device_memory_gb=0.05", "strategy.auto.micro_batch_size=[16]"])
     hw = resolve_hardware(cfg.hardware, torch.device("cpu"))
-    offload = [c for c in candidates(cfg, hw) if "cpu_offload" in c.strategies]
+    assert not [c for c in candidates(cfg, hw) if "cpu_offload" in c.strategies]
+    gpu = typed([*cmd, "+strategy=auto", "hardware=a100_80g", "strategy.auto.micro_batch_size=[16]"])
+    offload = [c for c in candidates(gpu, hw) if "cpu_offload" in c.strategies]
     assert offload
-    row = plan_row(offload[0], base_of(cfg), hw, limits_of(hw, 2, cfg))
-    assert not row["fits"] and "needs a CUDA device" in row["why"], row
+    with pytest.raises(ConfigError, match="needs a CUDA device"):  # such a candidate with this CPU's profile
+        validate(offload[0].config(base_of(cfg)))
 
 
 def test_auto_refuses_an_engine_that_cannot_run_what_the_command_keeps():
