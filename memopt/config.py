@@ -189,6 +189,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
+    if t.eval_every and t.eval_batches < 1:  # it had turned evaluation off without a word
+        raise ConfigError(f"trainer.eval_batches={t.eval_batches} must be >= 1 with trainer.eval_every={t.eval_every}; "
+                          "trainer.eval_every=0 disables evaluation")
     if t.num_threads < 0:
         raise ConfigError(f"trainer.num_threads={t.num_threads} must be >= 0 (0 keeps PyTorch's default, one share of the "
                           f"cores per rank)")

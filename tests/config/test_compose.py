@@ -99,6 +99,10 @@ def test_several_strategies_append():
         (["model.dropout=1.5"], ["model.dropout=1.5", "[0, 1)"]),  # had failed in nn.Dropout, after the launch
         (["trainer.num_threads=-2"], ["trainer.num_threads=-2", ">= 0"]),  # had been ignored silently
         (["trainer.throughput_warmup_steps=-1"], ["trainer.throughput_warmup_steps=-1", ">= 0"]),
+        (["trainer.eval_batches=-1"], ["trainer.eval_batches=-1", "trainer.eval_every=0"]),  # had turned evaluation off
+        (["trainer.watchdog_s=0.01"], ["trainer.watchdog_s=0.01", "at least 1 second"]),  # its heartbeats ran late
+        (["optim.lr=0"], ["optim.lr=0.0 must be > 0"]),
+        (["optim.grad_clip=-1"], ["optim.grad_clip=-1.0", "0 disables"]),
     ],
 )
 def test_bad_combinations_are_refused(overrides, needles):
