@@ -14,6 +14,8 @@ same model; each engine's ``build`` is the rest, on one screen.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from memopt.memory.tracker import NullTracker
@@ -66,6 +68,8 @@ def saved_model(cfg, items):
     """model.pt's record and the (name, tensor) pairs it holds, from the engine's ``iter_full_state``
     pairs: the strategies' ``saved`` in order (lora merges its adapters or keeps them alone)."""
     record = model_record(cfg)
+    if cfg.data.tokenizer:  # what the token ids mean (memopt.export writes it beside the weights)
+        record["tokenizer"] = os.path.abspath(os.path.expanduser(cfg.data.tokenizer))
     for strategy, opts in selected(cfg, "model"):
         record, items = strategy.saved(record, items, opts, cfg)
     return record, items

@@ -51,7 +51,27 @@ def export(run_dir: str, out: str, max_shard_gb: float = 5.0) -> str:
     _write(out, shards, {hf: (ckpt["state_dict"][name], transposed) for name, hf, transposed in names})
     with open(os.path.join(out, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
+    _copy_tokenizer(ckpt.get("tokenizer"), out)
     return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_tokenizer(src: str | None, out: str) -> None:
+    """The tokenizer the run trained with (``data.tokenizer``, in model.pt's record) beside the weights, so that
+    ``AutoTokenizer.from_pretrained(out)`` loads what the model's token ids mean (a byte-level run has none). A
+    directory gone since is said, not fatal: the weights are written."""
+    import shutil
+
+    if not src:
+        return
+    if not os.path.isdir(src):
+        print(f"memopt.export: the run's tokenizer {src} is gone; {out} holds the weights without it", file=sys.stderr)
+        return
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(out, name))
 
 
 def _shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:

@@ -42,8 +42,14 @@ def test_a_run_trains_on_the_tokenized_corpus(corpus, tmp_path):
     root, tok = corpus
     data = ["data=text_file", f"data.path={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokdir'}"]
     base = ["model=gpt_tiny", "model.seq_len=32", "trainer.max_steps=3", "trainer.eval_every=0", *data]
-    s = train([*base, "model.vocab_size=512"], str(tmp_path / "run"))
+    s = train([*base, "model.vocab_size=512", "trainer.save_checkpoint=true"], str(tmp_path / "run"))
     assert s["status"] == "ok"
+    # exported with the tokenizer it trained with: transformers reads what the token ids mean (it had written none)
+    from memopt.export import export
+
+    transformers = pytest.importorskip("transformers")
+    out = export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert transformers.AutoTokenizer.from_pretrained(out).encode(TEXT[:200]) == tok.encode(TEXT[:200]).ids
     n = tok.get_vocab_size()
     with pytest.raises(ConfigError, match=rf"model.vocab_size=300 is smaller than data.tokenizer=.* \({n} token ids\); "
                                           rf"use model.vocab_size>={n}"):
