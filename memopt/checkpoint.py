@@ -308,7 +308,8 @@ def merge(path: str, out: str) -> str:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    record = {"model_config": meta["model_config"], "architecture": meta.get("architecture", {})}
+    record = {"model_config": meta["model_config"], "architecture": meta.get("architecture", {}),
+              **({"tokenizer": meta["tokenizer"]} if meta.get("tokenizer") else {})}
     items = ((k, v.float()) for k, v in full["model"].items())
     lora = (meta.get("strategy_options") or {}).get("lora")
     if lora is not None:  # resumable checkpoints keep the adapters apart: write what the run's model.pt holds

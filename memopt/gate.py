@@ -214,7 +214,7 @@ def choose_composition(typed, cfg: DictConfig, run_dir: str):
 
         need = smallest_device_budget(rows, hw, typed)
         why = f"; a budget that works: {fmt(need[0])} on the device for the most frugal candidates ({need[1]}), " \
-              f"so hardware.device_memory_gb={math.ceil(need[0] / 2**30 * 1000) / 1000:g} or more" if need else ""
+              f"so hardware.device_memory_gb={math.ceil(need[0] / 2**30 * 1000) / 1000:.3f} or more" if need else ""
         refused = outcome.refusal(run_dir, cfg, f"+strategy=auto: none of {len(rows)} candidates fits{why}")
         print(f"memopt: {refused['error']}", file=sys.stderr)
         return refused

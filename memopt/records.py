@@ -77,7 +77,8 @@ def _trained_nothing(run_dir: str) -> bool:
     from memopt.outcome import read
 
     summary = read(run_dir) or {}
-    return (summary.get("status") == "refused" and "previous" not in summary) or summary.get("mode") == "plan"
+    nothing = summary.get("status") == "refused" or summary.get("before_ranks")  # refused, or stopped while planning
+    return (nothing and "previous" not in summary) or summary.get("mode") == "plan"
 
 
 def _keep_hydra_record(run_dir: str) -> None:

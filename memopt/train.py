@@ -31,6 +31,7 @@ def run(cfg: DictConfig) -> dict:
     from memopt.gate import gate
     from memopt.parallel import under_launcher
     from memopt.sweep import job_identity
+    from memopt.trainer import run_record
 
     hydra_on = HydraConfig.initialized()
     run_dir = HydraConfig.get().runtime.output_dir if hydra_on else os.getcwd()
@@ -44,7 +45,11 @@ def run(cfg: DictConfig) -> dict:
     except (StopRequest, Interrupted, SignalException) as e:  # Interrupted: a trial's; SignalException: torch's
         if isinstance(e, SignalException):  # launch (a trial's) leaves its own handler behind
             e = Interrupted(f"{signal.Signals(e.sigval).name} received while planning, before any rank started")
-        stopped = {"status": "interrupted", "error": str(e), **job_identity(cfg)}
+        # trained nothing: marked so, as a refusal is, with the run the directory holds (if any) kept under previous
+        stopped = {"status": "interrupted", "error": str(e), "before_ranks": True, **job_identity(cfg)}
+        held = run_record(outcome.read(run_dir))
+        if held is not None:
+            stopped["previous"] = held
         outcome.record(run_dir, stopped)
         print(f"memopt: run interrupted ({e}); summary in {run_dir}/summary.json", file=sys.stderr)
         return outcome.end(stopped, multirun)

@@ -50,9 +50,9 @@ def peak_rss_bytes() -> int:
 
 
 def run_record(summary: dict | None) -> dict | None:
-    """The record of the run a directory holds: a refused resume's summary keeps the run's under ``previous``
-    (refusals in a row, under each other), so the innermost record that is not a refusal; None if none is."""
-    while summary is not None and summary.get("status") == "refused":
+    """The record of the run a directory holds: a refused command's summary, or one stopped before its ranks
+    started (``before_ranks``), keeps the run's under ``previous``, so the innermost record of neither; None if none."""
+    while summary is not None and (summary.get("status") == "refused" or summary.get("before_ranks")):
         summary = summary.get("previous")
     return summary
 
@@ -363,6 +363,8 @@ class Trainer:
 
     def _save_resumable(self, engine, done: int, guard: DivergenceGuard) -> None:
         meta = {**self._identity(), "run_id": self.run_id, **compose.model_record(self.cfg), "divergence_bad": guard.bad}
+        if self.cfg.data.tokenizer:  # what the ids mean, for merge's model.pt and export (not part of the identity)
+            meta["tokenizer"] = os.path.abspath(os.path.expanduser(self.cfg.data.tokenizer))
         path = checkpoint.save(self.run_dir, done, engine, self.rank, self.device, meta, self.cfg.trainer.keep_checkpoints)
         if path is not None:  # None: the weights were not finite, the previous checkpoint stays the last one
             self.summary["last_checkpoint"] = path

@@ -66,7 +66,7 @@ class Heartbeat:
         group, the logger) before it exits, and a watchdog reading the silence as a hang failed runs that had
         finished."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=self.interval + 1)  # a write stuck on a hung file system must not hold the teardown
         self.phase, self.since = FINISHED, time.time()
         try:
             self._write()

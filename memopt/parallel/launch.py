@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from datetime import timedelta
 
@@ -82,6 +83,9 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
     levels = [log.level for log in agent_logs]
     for log in agent_logs:
         log.setLevel(logging.CRITICAL)
+    # torch's agent installs its own handlers (raising SignalException) and leaves them behind: the caller's come back
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         return elastic_launch(config, entrypoint)(*args)
     except SignalException as e:  # SIGTERM/SIGINT to this process: the agent has stopped the workers
@@ -109,6 +113,8 @@ def launch(nproc: int, entrypoint, *args, preloaded: bool = False) -> dict[int, 
     finally:
         for log, level in zip(agent_logs, levels):
             log.setLevel(level)
+        for s, h in handlers.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
         shutil.rmtree(crash_dir, ignore_errors=True)
 
 

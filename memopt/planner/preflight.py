@@ -163,7 +163,7 @@ def suggestion(cfg, hw) -> dict:
     need = _frugal_device_need(cfg, base, hw, limits, world) if "device" in limits else None
     if need is not None:
         text += (f"; a budget that works: {fmt(need[0])} on the device for {need[1]}, so hardware.device_memory_gb="
-                 f"{math.ceil(need[0] / 2**30 * 1000) / 1000:g} or more")
+                 f"{math.ceil(need[0] / 2**30 * 1000) / 1000:.3f} or more")
     return {"overrides": None, "peak_bytes": None, "tried": tried, "text": text}
 
 

@@ -475,7 +475,7 @@ def largest_model(base: list[str], hw, lo: int = 1, hi: int = 512, field: str = 
     from memopt.errors import ConfigError
     from memopt.planner.candidate import set_field
 
-    command = to_dataclass(compose_config(["trainer.mode=plan", *base]))  # planned, not run here; typed once
+    command = to_dataclass(compose_config(["trainer.mode=plan", *base]), ["trainer.mode=plan", *base])  # planned, not run here; typed once
     tried, best, best_plan = [], lo - 1, None
 
     def probe(n: int):

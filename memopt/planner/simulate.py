@@ -522,7 +522,8 @@ def simulate_rank(cfg, rank: int, world: int, limits: dict[str, int] | None = No
                 # the held-out batches the trainer builds before its steps and keeps through the run (device bytes
                 # on a CPU run): a plan without them was 32 KB under a run it let through at a budget (llama_tiny)
                 evals = t.eval_every and len(data.val) > cfg.model.seq_len
-                eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if evals else []
+                with tracker.host_scope() if backend != "gloo" else contextlib.nullcontext():  # a GPU run's: host memory
+                    eval_set = data.eval_batches(t.eval_batches, t.micro_batch_size) if evals else []
                 data_bytes = 0
                 micros, stands_for = sampled_micro_batches(t.grad_accum, w.micro_batches_repeat and not t.plan_exact)
                 for step in range(steps):

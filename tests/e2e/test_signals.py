@@ -207,3 +207,7 @@ def test_sigterm_while_auto_plans_records_interrupted(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert p.returncode == 130 and s["status"] == "interrupted" and "while planning" in s["error"], log.read_text()[-3000:]
     assert not [k for k in kids if alive(k)] and not [k for k in children(p.pid) if alive(k)]
+    # it trained nothing: the command again into that directory (a scheduler's requeue) runs, not "holds a run"
+    again = subprocess.run([sys.executable, "-m", "memopt.train", f"hydra.run.dir={run}", *QUICK, "trainer.max_steps=2"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]

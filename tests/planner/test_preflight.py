@@ -40,7 +40,7 @@ def test_a_device_budget_under_every_candidate_names_one_that_works_and_it_holds
     from memopt.planner.plan import GiB
 
     base = ["model=gpt_tiny", "model.seq_len=64", "trainer.micro_batch_size=16", "logger=none", "data=synthetic",
-            "trainer.eval_every=0", "trainer.save_checkpoint=false"]
+            "trainer.eval_every=0", "trainer.save_checkpoint=false", "trainer.device=cpu"]
     with pytest.raises(PreflightRefusal, match="while activations holds"):
         preflight(typed(base), hw(64.0, 20 / 1024))  # 20 MiB: 12.8 of model states, then the forward goes over
     with pytest.raises(PreflightRefusal) as e:

@@ -233,7 +233,7 @@ def test_auto_under_another_engine_searches_that_engines_space(engine):
     supports = {"deepspeed": {"ddp", "zero1", "zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt"},
                 "fsdp2": {"zero2", "zero3", "cpu_offload", "fp16", "bf16", "ckpt", "tp"}}[engine]
     cfg = typed(["model=gpt_tiny", f"engine={engine}", "+strategy=auto", "trainer.nproc_per_node=2",
-                 "hardware.device_memory_gb=0.05"])
+                 "hardware.device_memory_gb=0.05", "trainer.device=cpu"])
     rows = [c.overrides() for c in candidates(cfg, small_hw(64))]
     sels = [r[0] for r in rows]
     names = [set(s.split("=", 1)[1].strip("[]").split(",")) - {""} for s in sels]

@@ -42,14 +42,19 @@ def test_a_run_trains_on_the_tokenized_corpus(corpus, tmp_path):
     root, tok = corpus
     data = ["data=text_file", f"data.path={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokdir'}"]
     base = ["model=gpt_tiny", "model.seq_len=32", "trainer.max_steps=3", "trainer.eval_every=0", *data]
-    s = train([*base, "model.vocab_size=512", "trainer.save_checkpoint=true"], str(tmp_path / "run"))
+    s = train([*base, "model.vocab_size=512", "trainer.save_checkpoint=true", "trainer.checkpoint_every=3"],
+              str(tmp_path / "run"))
     assert s["status"] == "ok"
-    # exported with the tokenizer it trained with: transformers reads what the token ids mean (it had written none)
+    # exported with the tokenizer it trained with, from model.pt or a merged checkpoint: transformers reads what the
+    # token ids mean (it had written none)
+    from memopt.checkpoint import merge
     from memopt.export import export
 
     transformers = pytest.importorskip("transformers")
-    out = export(str(tmp_path / "run"), str(tmp_path / "hf"))
-    assert transformers.AutoTokenizer.from_pretrained(out).encode(TEXT[:200]) == tok.encode(TEXT[:200]).ids
+    merged = merge(str(tmp_path / "run" / "checkpoints" / "step_3"), str(tmp_path / "merged.pt"))
+    for i, src in enumerate((str(tmp_path / "run"), merged)):
+        out = export(src, str(tmp_path / f"hf{i}"))
+        assert transformers.AutoTokenizer.from_pretrained(out).encode(TEXT[:200]) == tok.encode(TEXT[:200]).ids
     n = tok.get_vocab_size()
     with pytest.raises(ConfigError, match=rf"model.vocab_size=300 is smaller than data.tokenizer=.* \({n} token ids\); "
                                           rf"use model.vocab_size>={n}"):
