@@ -70,7 +70,7 @@ def test_largest_model_scans_above_the_bisection_where_fitting_is_not_monotone(m
     fits = {1, 2, 3, 4, 5, 8}
     monkeypatch.setattr(search, "plan_placed", lambda cfg, hw, limits=None: {"fits": cfg.model.n_layer in fits})
     monkeypatch.setattr(memopt.config, "compose_config", lambda ov: ov)  # the command, typed once; each depth set on a copy
-    monkeypatch.setattr(memopt.config, "to_dataclass", lambda ov: NS(model=NS(n_layer=0), trainer=NS(nproc_per_node=1)))
+    monkeypatch.setattr(memopt.config, "to_dataclass", lambda ov, overrides=None: NS(model=NS(n_layer=0), trainer=NS(nproc_per_node=1)))
     monkeypatch.setattr(memopt.config, "validate", lambda cfg: None)
     base = ["model=gpt_tiny"]
     assert search.largest_model(base, small_hw(30), lo=1, hi=12)[0] == 5
