@@ -324,12 +324,12 @@ def _lora_saved(record: dict, items, lora: dict, names: list[str]):
     """A LoRA run's checkpoint as its ``model.pt`` (``strategy.lora.save``): the adapters merged into their
     base weights (W + alpha/rank B A), or the adapters alone with their record. The adapted layers are the ones
     whose adapters the checkpoint holds."""
-    from memopt.strategies.lora import ADAPTER_LEAVES, merged
+    from memopt.strategies.lora import is_adapter, merged
 
-    modules = sorted({n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES})
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if is_adapter(n)})
     if lora.get("save") == "adapters":
         record = {**record, "lora": {"rank": lora["rank"], "alpha": lora["alpha"], "modules": modules}}
-        return record, ((n, v) for n, v in items if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES)
+        return record, ((n, v) for n, v in items if is_adapter(n))
     return record, merged(items, lora["alpha"] / lora["rank"], modules)
 
 

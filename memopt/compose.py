@@ -64,12 +64,16 @@ def model_record(cfg) -> dict:
                              for s, o in selected(cfg, "model") if s.architecture}}
 
 
+def tokenizer_record(cfg) -> dict:
+    """What the token ids mean (``data.tokenizer``, absolute) for model.pt and a checkpoint's meta.json, which
+    ``memopt.export`` writes beside the weights; {} for a byte-level run. Not part of a checkpoint's identity."""
+    return {"tokenizer": os.path.abspath(os.path.expanduser(cfg.data.tokenizer))} if cfg.data.tokenizer else {}
+
+
 def saved_model(cfg, items):
     """model.pt's record and the (name, tensor) pairs it holds, from the engine's ``iter_full_state``
     pairs: the strategies' ``saved`` in order (lora merges its adapters or keeps them alone)."""
-    record = model_record(cfg)
-    if cfg.data.tokenizer:  # what the token ids mean (memopt.export writes it beside the weights)
-        record["tokenizer"] = os.path.abspath(os.path.expanduser(cfg.data.tokenizer))
+    record = {**model_record(cfg), **tokenizer_record(cfg)}
     for strategy, opts in selected(cfg, "model"):
         record, items = strategy.saved(record, items, opts, cfg)
     return record, items

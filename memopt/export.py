@@ -25,6 +25,7 @@ def export(run_dir: str, out: str, max_shard_gb: float = 5.0) -> str:
     Shards hold at most ``max_shard_gb`` GB each (Hugging Face's default 5 GB; a larger tensor alone)."""
     from memopt.models.base import ModelConfig
     from memopt.models.hf import hf_config, hf_name
+    from memopt.strategies.lora import is_adapter
 
     if max_shard_gb <= 0:
         raise ConfigError(f"--max-shard-gb={max_shard_gb} must be > 0 (Hugging Face's default: 5)")
@@ -35,7 +36,7 @@ def export(run_dir: str, out: str, max_shard_gb: float = 5.0) -> str:
     if ckpt.get("lora"):
         raise ConfigError(f"{path} holds LoRA adapters alone (strategy.lora.save=adapters): export needs the whole "
                           "model; train with strategy.lora.save=merged (the adapters merged into the base weights)")
-    unmerged = [n for n in ckpt["state_dict"] if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")]
+    unmerged = [n for n in ckpt["state_dict"] if is_adapter(n)]
     if unmerged:
         raise ConfigError(f"{path} holds LoRA adapters beside their base weights, unmerged ({unmerged[0]}, ...): a "
                           "resumable checkpoint's layout; python -m memopt.checkpoint merge writes it merged")

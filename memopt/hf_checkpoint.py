@@ -93,12 +93,11 @@ def apply_shapes(model_node, typed: set[str] = frozenset()) -> None:
         want, have = fields[key], model_node.get(key)
         if _same(have, want):
             continue
-        explicit = key in typed or not (preset and key in preset and _same(have, preset[key]))
-        if key == "seq_len" and explicit and have is not None and have < want:
-            continue  # a GPT-2's shorter training context than its n_positions: the first rows of its position table
-        if preset and key in preset and _same(have, preset[key]) and key not in typed:
+        if key not in typed and preset and key in preset and _same(have, preset[key]):  # the preset's: replaced
             model_node[key] = want
             continue
+        if key == "seq_len" and have is not None and have < want:
+            continue  # a GPT-2's shorter training context than its n_positions: the first rows of its position table
         if key == "seq_len":
             raise ConfigError(f"model.seq_len={have} is longer than model.init_from={path!r}'s n_positions ({want}: the "
                               f"rows of its position table): give model.seq_len={want} or less")

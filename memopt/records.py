@@ -77,8 +77,20 @@ def _trained_nothing(run_dir: str) -> bool:
     from memopt.outcome import read
 
     summary = read(run_dir) or {}
-    nothing = summary.get("status") == "refused" or summary.get("before_ranks")  # refused, or stopped while planning
-    return (nothing and "previous" not in summary) or summary.get("mode") == "plan"
+    return (_no_run(summary) and "previous" not in summary) or summary.get("mode") == "plan"
+
+
+def _no_run(summary: dict) -> bool:
+    """A command's record that trained nothing: refused, or stopped while planning before its ranks started."""
+    return summary.get("status") == "refused" or bool(summary.get("before_ranks"))
+
+
+def run_record(summary: dict | None) -> dict | None:
+    """The record of the run a directory holds: a command's that trained nothing (``_no_run``) keeps the run's under
+    ``previous``, so the innermost record that is a run's; None if none is."""
+    while summary is not None and _no_run(summary):
+        summary = summary.get("previous")
+    return summary
 
 
 def _keep_hydra_record(run_dir: str) -> None:

@@ -8,7 +8,6 @@ In a multirun a job's failure is recorded and the sweep goes on.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import hydra
@@ -25,13 +24,11 @@ register_configs()
 def run(cfg: DictConfig) -> dict:
     """One job in this process: the gate, then the ranks; returns its summary (exits with its code)."""
     from memopt import ranks
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from memopt.errors import Interrupted, StopRequest
     from memopt.gate import gate
     from memopt.parallel import under_launcher
     from memopt.sweep import job_identity
-    from memopt.trainer import run_record
+    from memopt.records import run_record
 
     hydra_on = HydraConfig.initialized()
     run_dir = HydraConfig.get().runtime.output_dir if hydra_on else os.getcwd()
@@ -42,9 +39,7 @@ def run(cfg: DictConfig) -> dict:
     try:
         with outcome.stops_raise():  # planning (auto's search and trials, the preflight) takes seconds to minutes
             verdict = gate(cfg, run_dir, under_launcher())
-    except (StopRequest, Interrupted, SignalException) as e:  # Interrupted: a trial's; SignalException: torch's
-        if isinstance(e, SignalException):  # launch (a trial's) leaves its own handler behind
-            e = Interrupted(f"{signal.Signals(e.sigval).name} received while planning, before any rank started")
+    except (StopRequest, Interrupted) as e:  # Interrupted: a trial's (launch gives the caller's handlers back)
         # trained nothing: marked so, as a refusal is, with the run the directory holds (if any) kept under previous
         stopped = {"status": "interrupted", "error": str(e), "before_ranks": True, **job_identity(cfg)}
         held = run_record(outcome.read(run_dir))

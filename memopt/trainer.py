@@ -33,7 +33,7 @@ from memopt.optim.schedule import lr_at
 from memopt.parallel import setup
 from memopt.parallel.comm import CommCounter
 from memopt.profiling import PHASES, StepProfiler
-from memopt.records import new_run_id
+from memopt.records import new_run_id, run_record
 from memopt.watchdog import WATCHED_BY_LAUNCHER
 
 
@@ -47,14 +47,6 @@ def resolve_device(name: str) -> torch.device:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def run_record(summary: dict | None) -> dict | None:
-    """The record of the run a directory holds: a refused command's summary, or one stopped before its ranks
-    started (``before_ranks``), keeps the run's under ``previous``, so the innermost record of neither; None if none."""
-    while summary is not None and (summary.get("status") == "refused" or summary.get("before_ranks")):
-        summary = summary.get("previous")
-    return summary
 
 
 class Trainer:
@@ -362,9 +354,8 @@ class Trainer:
         return start
 
     def _save_resumable(self, engine, done: int, guard: DivergenceGuard) -> None:
-        meta = {**self._identity(), "run_id": self.run_id, **compose.model_record(self.cfg), "divergence_bad": guard.bad}
-        if self.cfg.data.tokenizer:  # what the ids mean, for merge's model.pt and export (not part of the identity)
-            meta["tokenizer"] = os.path.abspath(os.path.expanduser(self.cfg.data.tokenizer))
+        meta = {**self._identity(), "run_id": self.run_id, **compose.model_record(self.cfg), "divergence_bad": guard.bad,
+                **compose.tokenizer_record(self.cfg)}
         path = checkpoint.save(self.run_dir, done, engine, self.rank, self.device, meta, self.cfg.trainer.keep_checkpoints)
         if path is not None:  # None: the weights were not finite, the previous checkpoint stays the last one
             self.summary["last_checkpoint"] = path

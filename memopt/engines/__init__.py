@@ -44,7 +44,12 @@ def resolve(cfg) -> str:
 
 
 def engine_module(cfg):
-    return importlib.import_module(ENGINES[resolve(cfg)])
+    return module_named(resolve(cfg))
+
+
+def module_named(name: str):
+    """Engine ``name``'s module (its ``SUPPORTS``, ``PARALLEL`` and traits)."""
+    return importlib.import_module(ENGINES[name])
 
 
 def validate(cfg) -> None:

@@ -108,9 +108,12 @@ def candidates(cfg, hw) -> list[Candidate]:
     mbs = list(a.micro_batch_size) or sorted({m for m in (max(1, t.micro_batch_size // d) for d in (1, 2, 4))
                                               if global_mb % m == 0}, reverse=True)
     stages = [s for s in a.stage if world > 1 or s == "ddp"] or ["ddp"]
+    from memopt.engines import module_named
+
+    engine = module_named(cfg.engine.name)
     supports = _engine_supports(cfg.engine.name)
-    params_always_offloaded = getattr(_engine_module(cfg.engine.name), "OFFLOADS_PARAMS_ALWAYS", False)
-    runs_here = getattr(_engine_module(cfg.engine.name), "offload_runs_here", None)
+    params_always_offloaded = getattr(engine, "OFFLOADS_PARAMS_ALWAYS", False)
+    runs_here = getattr(engine, "offload_runs_here", None)
     offloads = [o for o in a.offload if not o or runs_here is None or runs_here(cfg)]  # FSDP2's on a CPU: none
     if world > 1:  # (stage, offload) in the search's order
         pairs = [(stage, off) for stage in stages for off in offloads]
@@ -199,17 +202,11 @@ def _tp_candidates(cfg, tps: list[int], precisions: list[str], mbs: list[int], g
     return out
 
 
-def _engine_module(name: str):
-    import importlib
-
-    from memopt.engines import ENGINES
-
-    return importlib.import_module(ENGINES[name])
-
-
 def _engine_supports(name: str) -> set[str] | None:
     """The strategies engine ``name`` implements (None: the memopt engine, which implements them all)."""
-    supports = getattr(_engine_module(name), "SUPPORTS", None)
+    from memopt.engines import module_named
+
+    supports = getattr(module_named(name), "SUPPORTS", None)
     return None if supports is None else set(supports)
 
 

@@ -96,10 +96,6 @@ def _trial(row: dict, base, steps: int, where: str, preflight) -> dict:
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - recorded as this trial's outcome; the other trials still run
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        if isinstance(e, SignalException):  # a stop request for the whole command (torch's handler's form of it)
-            raise
         ranks.failure(e, where)  # says how it ended (a crash's traceback)
         from memopt import outcome
 

@@ -128,7 +128,10 @@ def tp_sizes(m, world: int) -> list[int]:
     or with dropout."""
     if m.arch not in ARCH or m.dropout > 0:
         return []
-    dims = split_fields(m)
+    return _dividing(split_fields(m), world)
+
+
+def _dividing(dims: list[tuple[str, int]], world: int) -> list[int]:
     return [d for d in range(2, world + 1) if world % d == 0 and all(n % d == 0 for _, n in dims)]
 
 
@@ -261,8 +264,8 @@ class TPStrategy(Strategy):
     excludes = ("moe", "flash_attn", "chunked_loss", "cpu_offload")
     excludes_why = ("tensor parallelism splits the dense MLP, the sdpa/naive attention core and the output layer "
                     "through its module; tp with MoE experts, the Triton FlashAttention core, the chunked loss (its "
-                    "cross-entropy does not reduce over vocabulary columns split between ranks) or cpu_offload (the host optimizer step has no tensor-parallel "
-                    "norm and overflow vote) is not built; strategy.tp.loss_parallel=true also avoids the full logits")
+                    "cross-entropy does not reduce over vocabulary columns split between ranks) or cpu_offload (the "
+                    "host optimizer step has no tensor-parallel norm and overflow vote) is not built; strategy.tp.loss_parallel=true also avoids the full logits")
 
     def validate(self, c: TPConfig, cfg) -> None:
         p, m = "strategy.tp", cfg.model
@@ -282,7 +285,7 @@ class TPStrategy(Strategy):
         for field, n in dims:
             if n % tp:
                 world = expected_world(cfg)
-                able = [d for d in range(2, world + 1) if world % d == 0 and all(v % d == 0 for _, v in dims)]
+                able = _dividing(dims, world)
                 fix = (f"use parallel.tp in {able}" if able else f"no tp > 1 divides it and the world size {world}: make "
                        f"model.{field} a multiple of {tp}, or drop +strategy=tp")
                 raise ConfigError(f"model.{field}={n} is not divisible by parallel.tp={tp}: each tensor-parallel rank "

@@ -106,6 +106,26 @@ def test_preloaded_workers_take_the_callers_environment_and_directory(tmp_path, 
         {(None, str(tmp_path), "0"), (None, str(tmp_path), "1")}
 
 
+def test_a_launch_gives_the_callers_signal_handlers_back():
+    """torch's agent installs handlers that raise its SignalException and leaves them: a SIGTERM after one of
+    +strategy=auto's trials, while the search went on planning, was taken for the next trial's failure. The
+    caller's handlers are in place after a launch."""
+    import signal
+
+    from memopt.parallel import launch
+
+    def mine(signum, frame):
+        pass
+
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch(2, _rank_state, "MEMOPT_LAUNCH_PROBE", preloaded=True)
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _segfault_on_rank1() -> None:
     import signal
 
